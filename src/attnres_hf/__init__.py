@@ -1,0 +1,40 @@
+"""attnres-hf: Attention Residuals (Kimi Team, arXiv:2603.15031) for Hugging Face `transformers`.
+
+Importing the package registers `AttnResConfig` (`model_type="attnres"`), `AttnResModel` and `AttnResForCausalLM`
+with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, and marks them for `auto_map` so that a saved folder
+also loads with `trust_remote_code=True` where this package is not installed. Registration is idempotent.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .modeling import (
+    AttnResConfig,
+    AttnResForCausalLM,
+    AttnResModel,
+    AttnResPreTrainedModel,
+    default_attnres_block_size,
+    naive_attnres,
+)
+
+try:
+    __version__ = version("attnres-hf")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0"
+
+AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
+AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
+AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+AttnResConfig.register_for_auto_class("AutoConfig")
+AttnResModel.register_for_auto_class("AutoModel")
+AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "AttnResConfig",
+    "AttnResForCausalLM",
+    "AttnResModel",
+    "AttnResPreTrainedModel",
+    "default_attnres_block_size",
+    "naive_attnres",
+]

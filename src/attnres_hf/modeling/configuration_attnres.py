@@ -1,0 +1,179 @@
+"""AttnRes configuration: a Llama/Qwen decoder whose residual stream is replaced by depth routing.
+
+Field names follow `LlamaConfig` / `Qwen2Config` / `Qwen3Config` so that a checkpoint of those families maps onto
+this config field by field. New fields are prefixed (`depth_mixing`, `attnres_*`).
+
+Travels with checkpoints as remote code (`auto_map`): imports only `transformers`.
+"""
+
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+
+DEPTH_MIXING_METHODS = ("residual", "attnres")
+"""Values accepted by `AttnResConfig.depth_mixing`; the family grows by adding a state and a router class."""
+
+
+def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> int:
+    """Sub-layers per block that give about `num_blocks` blocks (paper §3.2: ~8 blocks recover most of the gain).
+
+    A model with `num_hidden_layers = L` has `2 L` sub-layers (attention and MLP each count). The result is even,
+    so blocks start at an attention sub-layer, and at least 2.
+    """
+    return max(2, 2 * round(num_hidden_layers / num_blocks))
+
+
+class AttnResConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`AttnResModel`] and [`AttnResForCausalLM`]: a pre-norm Llama/Qwen decoder with Attention
+    Residuals (Kimi Team, "Attention Residuals", arXiv:2603.15031, 2026).
+
+    Backbone fields are Llama's (`vocab_size`, `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+    `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_act`, `max_position_embeddings`,
+    `rope_parameters` (incl. Llama-3 `rope_type="llama3"` scaling), `rms_norm_eps`, `attention_bias`, `mlp_bias`,
+    `tie_word_embeddings`, `attention_dropout`, `initializer_range`), plus:
+
+    Args:
+        attention_bias (`bool`, defaults to `False`):
+            Bias on the q/k/v projections (Qwen2 sets it).
+        attention_out_bias (`bool`, *optional*):
+            Bias on `o_proj`. `None` follows `attention_bias` (Llama/Qwen3 semantics); Qwen2 checkpoints use
+            `attention_bias=True, attention_out_bias=False`.
+        use_qk_norm (`bool`, defaults to `False`):
+            Qwen3-style RMSNorm over `head_dim` on queries and keys (`self_attn.q_norm`, `self_attn.k_norm`).
+        sliding_window (`int`, *optional*), layer_types (`list[str]`, *optional*):
+            Sliding-window attention (Mistral, Qwen2/3). `layer_types[i]` is `"full_attention"` or
+            `"sliding_attention"`; by default every layer slides when `sliding_window` is set.
+        depth_mixing (`str`, defaults to `"attnres"`):
+            How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
+            to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 2-4 and 6).
+        attnres_block_size (`int`, *optional*):
+            Sub-layers per block (paper §3.2, `S`). `1` is Full AttnRes (every sub-layer output is a source);
+            otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
+            (see `default_attnres_block_size`). The last block may be partial.
+        attnres_rescale_output (`bool`, defaults to `False`):
+            Multiply each router's output by its number of sources. Every reader of the routed state is an
+            RMSNorm, which is scale-invariant up to `rms_norm_eps`, so this changes only the `eps` effect; with
+            zero pseudo-queries it makes the router output equal the residual *sum*, so a model retrofitted from
+            Llama/Qwen reproduces its logits to float noise. `False` is the paper's formulation (the mean).
+
+    Raises:
+        ValueError: on an unknown `depth_mixing`, a block size that is neither 1 nor a positive even number,
+            more key/value heads than attention heads or heads that do not divide, a `head_dim`-less config
+            whose `hidden_size` is not a multiple of the head count, or `layer_types` of the wrong length.
+
+    Example:
+
+    ```python
+    >>> from attnres_hf import AttnResConfig, AttnResForCausalLM
+    >>> config = AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    ...                        num_attention_heads=4, num_key_value_heads=2, attnres_block_size=2)
+    >>> model = AttnResForCausalLM(config)
+    ```
+    """
+
+    model_type = "attnres"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool | None = None
+    attention_dropout: float | int = 0.0
+    mlp_bias: bool = False
+    use_qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    depth_mixing: str = "attnres"
+    attnres_block_size: int | None = None
+    attnres_rescale_output: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_out_bias is None:
+            self.attention_out_bias = self.attention_bias
+        if self.attnres_block_size is None:
+            self.attnres_block_size = default_attnres_block_size(self.num_hidden_layers)
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        self.validate_architecture()
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Check the rules of the architecture; raises `ValueError` naming the rule that is broken."""
+        if self.depth_mixing not in DEPTH_MIXING_METHODS:
+            raise ValueError(f"depth_mixing must be one of {DEPTH_MIXING_METHODS}, got {self.depth_mixing!r}")
+        size = self.attnres_block_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or (size != 1 and size % 2):
+            raise ValueError(
+                "attnres_block_size must be 1 (Full AttnRes) or a positive even number of sub-layers "
+                f"(so every block starts at an attention sub-layer), got {size!r}"
+            )
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_key_value_heads > self.num_attention_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must not exceed num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim is None:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads}) unless head_dim is given"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types must have one entry per layer ({self.num_hidden_layers}), got {len(self.layer_types)}"
+            )
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"layer_types entries must be 'full_attention' or 'sliding_attention', got {bad}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
+
+    @property
+    def num_sublayers(self) -> int:
+        """Attention and MLP each count as one sub-layer (paper §3): `2 * num_hidden_layers`."""
+        return 2 * self.num_hidden_layers
+
+    @property
+    def num_attnres_blocks(self) -> int:
+        """Number of blocks `N` of Block AttnRes (the last one may be partial); `2 L` for Full AttnRes."""
+        return -(-self.num_sublayers // self.attnres_block_size)
+
+
+__all__ = ["AttnResConfig", "default_attnres_block_size", "DEPTH_MIXING_METHODS"]

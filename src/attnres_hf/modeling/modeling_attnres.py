@@ -1,0 +1,598 @@
+"""AttnRes: a Llama/Qwen decoder whose residual stream is replaced by Attention Residuals.
+
+Kimi Team, "Attention Residuals", arXiv:2603.15031 (2026). A pre-norm transformer computes
+`h_{l+1} = h_l + f_l(Norm(h_l))`. AttnRes instead feeds sub-layer `l` a softmax mix over depth of earlier
+*sources* (Eq. 2-4): `h_l = sum_i alpha_{i->l} v_i`, `alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i))`, where `w_l`
+is a learned pseudo-query. Block AttnRes (Eq. 6) uses as sources the embedding, the sums of completed blocks of
+`S` sub-layers and the running sum of the current block.
+
+The classes follow `transformers`' `modeling_llama.py` in data-flow order; departures from Llama carry an
+`# AttnRes:` comment. This file travels with checkpoints as remote code: it imports only torch, transformers and
+its sibling `configuration_attnres`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_attnres import AttnResConfig
+
+
+class AttnResRMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in fp32 (Llama's `LlamaRMSNorm`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AttnRes: depth routing. A *state* carries what later sub-layers may read; a *router* turns it into the input of
+# one sub-layer. Each `depth_mixing` method is one (state, router) pair in `DEPTH_MIXING`.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`1 / RMS(x)` over the last axis in fp32: `(..., d) -> (...)`."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
+def naive_attnres(
+    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference AttnRes router (paper Eq. 2-4), written for clarity; the spec the fast path is tested against.
+
+    `alpha_i = softmax_i(query . RMSNorm(v_i))` (no `1/sqrt(d)`), `h = sum_i alpha_i v_i`, all in fp32.
+
+    Args:
+        sources: `n` tensors `v_i` of shape `(batch, seq_len, hidden_size)`, in depth order.
+        query: pseudo-query `w_l`, shape `(hidden_size,)`.
+        key_norm_weight: weight of the router's key RMSNorm, shape `(hidden_size,)`.
+        eps: RMSNorm epsilon.
+
+    Returns:
+        `h` of shape `(batch, seq_len, hidden_size)` (fp32) and the depth weights `alpha` of shape
+        `(batch, seq_len, n)` (fp32, rows sum to 1).
+    """
+    values = torch.stack([v.float() for v in sources], dim=-2)  # (B, T, n, D)
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.float()
+    weights = torch.softmax(keys @ query.float(), dim=-1)  # (B, T, n)
+    return (weights.unsqueeze(-1) * values).sum(-2), weights
+
+
+class ResidualState(NamedTuple):
+    """Depth state of a standard residual stream (`depth_mixing="residual"`): the running sum."""
+
+    hidden: torch.Tensor  # (B, T, D)
+
+    @classmethod
+    def start(cls, embeddings: torch.Tensor, eps: float) -> "ResidualState":
+        return cls(embeddings)
+
+    def begin_sublayer(self, index: int, block_size: int) -> "ResidualState":
+        return self
+
+    def add(self, output: torch.Tensor) -> "ResidualState":
+        return ResidualState(self.hidden + output)
+
+
+class ResidualRouter(nn.Module):
+    """The residual baseline reads the running sum itself; it has no parameters."""
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__()
+
+    def forward(self, state: ResidualState) -> tuple[torch.Tensor, None]:
+        return state.hidden, None
+
+
+class AttnResState(NamedTuple):
+    """Depth state of Block AttnRes (paper Eq. 6; Full AttnRes is block size 1).
+
+    Immutable, so a gradient-checkpointed layer can be replayed on the same input.
+    """
+
+    sources: torch.Tensor  # (B, T, n, D): completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums)
+    inv_rms: torch.Tensor  # (B, T, n) fp32: 1/RMS of each completed source, the key norm statistics
+    partial: torch.Tensor | None  # (B, T, D): b_n^{i-1}, the sum of the current block so far; None at its start
+    eps: float
+
+    @classmethod
+    def start(cls, embeddings: torch.Tensor, eps: float) -> "AttnResState":
+        return cls(embeddings.unsqueeze(-2), _inv_rms(embeddings, eps).unsqueeze(-1), None, eps)
+
+    def begin_sublayer(self, index: int, block_size: int) -> "AttnResState":
+        """Close the current block when sub-layer `index` starts a new one (Eq. 6: `b_n^0` is no source)."""
+        if index % block_size or self.partial is None:
+            return self
+        # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
+        sources = torch.cat([self.sources, self.partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
+        inv_rms = torch.cat([self.inv_rms, _inv_rms(self.partial, self.eps).unsqueeze(-1)], dim=-1)
+        return AttnResState(sources, inv_rms, None, self.eps)
+
+    def add(self, output: torch.Tensor) -> "AttnResState":
+        partial = output if self.partial is None else self.partial + output
+        return self._replace(partial=partial)
+
+
+class AttnResRouter(nn.Module):
+    """Softmax attention over depth sources with a learned pseudo-query (paper Eq. 2-4 and 6).
+
+    Parameters: `query` (`(hidden_size,)`, zero-initialised so that training starts from uniform weights, §3.1)
+    and `key_norm` (an RMSNorm with its own weight). No `nn.Linear`, so PEFT's `all-linear` leaves routers alone.
+    """
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        self.key_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rescale_output = config.attnres_rescale_output
+
+    def forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route `state` into one sub-layer input.
+
+        Returns `h` of shape `(batch, seq_len, hidden_size)` in the sources' dtype and the depth weights of shape
+        `(batch, seq_len, n_sources)` in fp32 (completed sources in depth order, then the partial block sum).
+        """
+        # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
+        # statistics (`inv_rms`) are shared by every router of a block. Logits and softmax in fp32.
+        query = self.query.float() * self.key_norm.weight.float()  # (D,)
+        logits = (state.sources.float() @ query) * state.inv_rms  # (B, T, n)
+        if state.partial is not None:
+            partial_logit = (state.partial.float() @ query) * _inv_rms(state.partial, state.eps)  # (B, T)
+            logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)  # (B, T, n+1)
+        weights = torch.softmax(logits, dim=-1)
+        mix = weights * weights.shape[-1] if self.rescale_output else weights
+        mix = mix.to(state.sources.dtype)
+        n = state.sources.shape[-2]
+        hidden = (mix[..., None, :n] @ state.sources).squeeze(-2)  # (B, T, 1, n) @ (B, T, n, D) -> (B, T, D)
+        if state.partial is not None:
+            hidden = hidden + mix[..., n:] * state.partial
+        return hidden, weights
+
+
+DEPTH_MIXING = {
+    "residual": (ResidualState, ResidualRouter),
+    "attnres": (AttnResState, AttnResRouter),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backbone: Llama blocks (with Qwen2 q/k/v bias, Qwen3 q/k norm and Mistral/Qwen sliding windows).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class AttnResRotaryEmbedding(nn.Module):
+    """Rotary position embedding (Llama's, incl. scaled variants such as `rope_type="llama3"`)."""
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.config = config
+        self.rope_type = self.config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(self.config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: AttnResConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @dynamic_rope_update
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+class AttnResMLP(nn.Module):
+    def __init__(self, config: AttnResConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, num_key_value_heads, seq_len, head_dim) -> (batch, num_attention_heads, seq_len, head_dim)"""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+class AttnResAttention(nn.Module):
+    """Multi-head attention with grouped-query heads (Llama), optional q/k/v bias (Qwen2), q/k norm (Qwen3) and
+    sliding window (Mistral, Qwen2/3), dispatched through transformers' attention interface."""
+
+    def __init__(self, config: AttnResConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        if config.use_qk_norm:
+            self.q_norm = AttnResRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = AttnResRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if is_sliding else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, nh, hd)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, nkv, hd)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.config.use_qk_norm:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class AttnResDecoderLayer(GradientCheckpointingLayer):
+    """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`), each reading its input through a
+    depth router (`attn_res`, `mlp_res`) instead of the residual sum."""
+
+    def __init__(self, config: AttnResConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.block_size = config.attnres_block_size
+        router_class = DEPTH_MIXING[config.depth_mixing][1]
+        self.self_attn = AttnResAttention(config=config, layer_idx=layer_idx)
+        self.mlp = AttnResMLP(config)
+        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_res = router_class(config)
+        self.mlp_res = router_class(config)
+
+    def forward(
+        self,
+        state: AttnResState | ResidualState,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[AttnResState | ResidualState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the new depth state, this layer's routed input `(batch, seq_len, hidden_size)` (its entry in
+        `hidden_states`) and the depth weights of its two routers (`None` for the residual baseline)."""
+        # AttnRes: the attention input is routed from the depth sources (Eq. 2-4, 6), not the residual sum.
+        state = state.begin_sublayer(2 * self.layer_idx, self.block_size)
+        layer_input, attn_depth_weights = self.attn_res(state)
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(layer_input),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        state = state.add(hidden_states)
+
+        state = state.begin_sublayer(2 * self.layer_idx + 1, self.block_size)
+        hidden_states, mlp_depth_weights = self.mlp_res(state)
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        state = state.add(hidden_states)
+        return state, layer_input, attn_depth_weights, mlp_depth_weights
+
+
+class AttnResPreTrainedModel(PreTrainedModel):
+    config: AttnResConfig
+    config_class = AttnResConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AttnResDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"attentions": AttnResAttention}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if self._auto_class is not None:
+            # AttnRes: name both heads in `auto_map`, so `AutoModel` and `AutoModelForCausalLM` both load the folder
+            # with `trust_remote_code=True` (transformers only writes the saved class's own entry).
+            self.config.auto_map = {
+                **(getattr(self.config, "auto_map", None) or {}),
+                "AutoModel": "modeling_attnres.AttnResModel",
+                "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+            }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # AttnRes: zero pseudo-queries give uniform depth weights at step 0 (paper §3.1: required for stability).
+        if isinstance(module, AttnResRouter):
+            init.zeros_(module.query)
+
+
+@dataclass
+class AttnResModelOutputWithPast(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus `depth_weights`: one `(batch, seq_len, n_sources)` fp32 tensor per router, in
+    depth order (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`), when `output_depth_weights=True`."""
+
+    depth_weights: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class AttnResCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus `depth_weights` (see `AttnResModelOutputWithPast`)."""
+
+    depth_weights: tuple[torch.Tensor, ...] | None = None
+
+
+class AttnResModel(AttnResPreTrainedModel):
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        # AttnRes: a final router aggregates all sources before the last norm (paper §3; the README pseudocode
+        # omits it).
+        self.final_res = DEPTH_MIXING[config.depth_mixing][1](config)
+        self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = AttnResRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_depth_weights: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> AttnResModelOutputWithPast:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch, seq_len)`), inputs_embeds (`(batch, seq_len,
+            hidden_size)`): exactly one of the two.
+            cache (`Cache`): the KV cache (`past_key_values` is accepted as its former name). AttnRes needs no
+                cache of its own: depth routing is per token.
+            output_hidden_states (`bool`): return the embeddings, each layer's routed input and the final normed
+                state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is Llama's tuple).
+            output_depth_weights (`bool`): return `depth_weights`, one `(batch, seq_len, n_sources)` fp32 tensor
+                per router (rows sum to 1).
+
+        Raises:
+            ValueError: if both or neither of `input_ids` and `inputs_embeds` are given.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        if not isinstance(mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "cache": cache,
+                "position_ids": position_ids,
+            }
+            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if "sliding_attention" in self.config.layer_types:
+                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        state = DEPTH_MIXING[self.config.depth_mixing][0].start(inputs_embeds, self.config.rms_norm_eps)
+        hidden_states, depth_weights = [], []
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            state, layer_input, attn_depth_weights, mlp_depth_weights = decoder_layer(
+                state,
+                attention_mask=mask_mapping[self.config.layer_types[decoder_layer.layer_idx]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            hidden_states.append(layer_input)
+            depth_weights += [attn_depth_weights, mlp_depth_weights]
+
+        last_hidden_state, final_depth_weights = self.final_res(state)
+        last_hidden_state = self.norm(last_hidden_state)
+        depth_weights.append(final_depth_weights)
+        return AttnResModelOutputWithPast(
+            last_hidden_state=last_hidden_state,
+            cache=cache,
+            hidden_states=(*hidden_states, last_hidden_state) if output_hidden_states else None,
+            depth_weights=tuple(depth_weights) if output_depth_weights and final_depth_weights is not None else None,
+        )
+
+
+class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.model = AttnResModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> AttnResCausalLMOutputWithPast:
+        r"""
+        Causal LM forward: arguments as `AttnResModel.forward`, plus `labels` (`(batch, seq_len)`, -100 ignored;
+        shifted inside the loss) and `logits_to_keep` (keep the logits of the last N positions, or of the given
+        indices). Returns `logits` of shape `(batch, seq_len, vocab_size)` in the model dtype.
+        """
+        outputs: AttnResModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return AttnResCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            depth_weights=outputs.depth_weights,
+        )
+
+
+__all__ = [
+    "AttnResForCausalLM",
+    "AttnResModel",
+    "AttnResPreTrainedModel",
+    "AttnResRouter",
+    "AttnResState",
+    "naive_attnres",
+]

@@ -1,0 +1,50 @@
+import pytest
+
+from attnres_hf import AttnResConfig, default_attnres_block_size
+from conftest import tiny_config
+
+
+@pytest.mark.parametrize(
+    "overrides, rule",
+    [
+        pytest.param(dict(attnres_block_size=3), "attnres_block_size must be 1 (Full AttnRes) or a positive even", id="block-size-3"),
+        pytest.param(dict(attnres_block_size=0), "attnres_block_size must be 1", id="block-size-0"),
+        pytest.param(dict(attnres_block_size=-2), "attnres_block_size must be 1", id="block-size-negative"),
+        pytest.param(dict(num_key_value_heads=8), "num_key_value_heads (8) must not exceed num_attention_heads (4)", id="more-kv-heads"),
+        pytest.param(dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads", id="kv-heads-not-dividing"),
+        pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres'), got 'hyper'", id="unknown-depth-mixing"),
+        pytest.param(dict(hidden_size=30), "must be a multiple of num_attention_heads", id="hidden-not-divisible"),
+        pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),
+        pytest.param(dict(layer_types=["sliding_attention"] * 3), "sliding_window must be set", id="sliding-without-window"),
+    ],
+)
+def test_bad_config_raises_value_error_naming_the_rule(overrides, rule):
+    with pytest.raises(ValueError) as error:
+        tiny_config(**overrides)
+    assert rule in str(error.value)
+
+
+@pytest.mark.parametrize("layers, size, blocks", [(30, 8, 8), (32, 8, 8), (2, 2, 2), (12, 4, 6), (64, 16, 8)])
+def test_default_block_size_gives_about_eight_blocks(layers, size, blocks):
+    config = AttnResConfig(num_hidden_layers=layers)
+    assert config.attnres_block_size == default_attnres_block_size(layers) == size
+    assert config.num_attnres_blocks == blocks
+
+
+def test_config_round_trip_and_derived_fields(tmp_path):
+    config = tiny_config(attnres_block_size=4, attention_bias=True, use_qk_norm=True, sliding_window=5)
+    assert config.head_dim == 8 and config.attention_out_bias is True
+    assert config.layer_types == ["sliding_attention"] * 3
+    config.save_pretrained(tmp_path)
+    loaded = AttnResConfig.from_pretrained(tmp_path)
+    for key in ("attnres_block_size", "depth_mixing", "use_qk_norm", "sliding_window", "layer_types", "head_dim"):
+        assert getattr(loaded, key) == getattr(config, key)
+    assert loaded.model_type == "attnres"
+
+
+def test_full_attnres_and_rope_scaling_are_accepted():
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = tiny_config(attnres_block_size=1, rope_parameters=rope)
+    assert config.num_attnres_blocks == 6
+    assert config.rope_parameters["rope_type"] == "llama3"
