@@ -1,11 +1,12 @@
-# Set-up and checks. `make test` builds .venv on a fresh machine (torch's CPU wheel first, then the package
-# with its test extras under the pinned constraints) and runs the test suite.
+# Set-up and checks. `make demo` and `make test` build .venv on a fresh machine (torch's CPU wheel first, then the
+# package with its extras under the pinned constraints); `make demo` runs the main job on the real SmolLM2
+# checkpoint, `make test` the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.attnres-installed
 
-.PHONY: test install bench clean
+.PHONY: demo test install bench clean
 
 install: $(STAMP)
 
@@ -14,8 +15,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: a plain `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,convert]"
 	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/attnres demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

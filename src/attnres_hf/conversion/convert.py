@@ -1,0 +1,208 @@
+"""`attnres convert`: retrofit a checkpoint and write a complete, Hub-ready AttnRes folder, verified first.
+
+The folder holds `model.safetensors` (sharded past `max_shard_size`), `config.json` with `auto_map`, the modeling
+files, the tokenizer with its chat template, `generation_config.json`, a model card (`README.md`) and
+`conversion_report.json`. It is written to a temporary sibling folder and renamed into place, so an interrupted
+run never leaves a half-written `output_dir`.
+"""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from huggingface_hub import ModelCard, ModelCardData
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
+
+from .. import __version__
+from .._io import staged_folder
+from .retrofit import load_source, load_source_config, retrofit
+from .verify import PROBE_TEXT, verify_conversion
+
+CITATION = """@article{kimi2026attnres,
+  title   = {Attention Residuals},
+  author  = {Kimi Team},
+  journal = {arXiv preprint arXiv:2603.15031},
+  year    = {2026}
+}"""
+
+
+def _split_gguf(source: str | os.PathLike, gguf_file: str | None) -> tuple[Path, str | None]:
+    path = Path(source)
+    if gguf_file is None and path.suffix == ".gguf":
+        return path.parent, path.name
+    return path, gguf_file
+
+
+def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None):
+    """The source's tokenizer (from the folder, or converted from the GGUF file), or `None` if it has none."""
+    folder, gguf_file = _split_gguf(source, gguf_file)
+    if gguf_file is not None:
+        from gguf import GGUFReader
+
+        if "tokenizer.ggml.model" not in GGUFReader(folder / gguf_file).fields:
+            return None
+    elif not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+
+
+def model_card(report: dict) -> ModelCard:
+    """A model card (huggingface_hub `ModelCard`) describing the conversion and its verification."""
+    source = report["source"]
+    config = report["config"]
+    verification = report["verification"]
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        base_model=source["name"] if source["name"] and not Path(source["name"]).exists() else None,
+        tags=["attnres", "attention-residuals", "depth-mixing", "retrofit"],
+    )
+    if config["depth_mixing"] == "residual":
+        method = "standard residual (`depth_mixing=\"residual\"`, the baseline)"
+    elif config["attnres_block_size"] == 1:
+        method = "Full Attention Residuals (every sub-layer output is a depth source)"
+    else:
+        method = (
+            f"Block Attention Residuals, {config['attnres_block_size']} sub-layers per block "
+            f"({config['num_attnres_blocks']} blocks over {config['num_sublayers']} sub-layers)"
+        )
+    body = f"""
+# {Path(report["output_dir"]).name}
+
+An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retrofitted from
+`{source["name"]}` ({source["model_type"]}) with [attnres-hf](https://pypi.org/project/attnres-hf/) {__version__}.
+
+- Method: {method}.
+- Every backbone weight is copied unchanged; the depth routers' pseudo-queries are zero, so at conversion time the
+  model computes the source's function (routers output the mean of their sources{", rescaled by their number"
+  if config["attnres_rescale_output"] else ""}; RMSNorm makes that the residual stream). Training the routers
+  makes it depart from the source.
+- dtype: `{report["dtype"]}`.
+
+## Verification (fp32, at conversion time)
+
+| check | value |
+|---|---|
+| probe tokens | {verification["num_probe_tokens"]} |
+| max abs logit delta vs source | {verification["max_abs_logit_delta"]:.3g} |
+| mean abs logit delta | {verification["mean_abs_logit_delta"]:.3g} |
+| top-1 agreement | {verification["argmax_agreement"]:.4f} |
+| {verification["greedy_new_tokens"]}-token greedy continuation identical | {verification["greedy_match"]} |
+
+## Use
+
+```python
+import attnres_hf  # registers the model; or pass trust_remote_code=True without the package
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("PATH")
+tokenizer = AutoTokenizer.from_pretrained("PATH")
+```
+
+## Citation
+
+```bibtex
+{CITATION}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def _write_folder(folder: Path, model, tokenizer, generation_config, report: dict, max_shard_size: str) -> None:
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    model_card(report).save(folder / "README.md")
+    (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def convert(
+    source: str | os.PathLike | PreTrainedModel,
+    output_dir: str | os.PathLike,
+    gguf_file: str | None = None,
+    attnres_block_size: int | None = None,
+    depth_mixing: str = "attnres",
+    dtype: str = "float32",
+    force: bool = False,
+    probe_text: str = PROBE_TEXT,
+    tokenizer=None,
+    source_name: str | None = None,
+    max_shard_size: str = "5GB",
+    **config_overrides,
+) -> dict:
+    """Retrofit `source` into AttnRes, verify it against the source, and write a complete folder to `output_dir`.
+
+    Args:
+        source: an HF folder, a `.gguf` file (or folder + `gguf_file`), or an in-memory `PreTrainedModel`.
+        attnres_block_size: sub-layers per block (1 = Full AttnRes; default about 8 blocks).
+        depth_mixing: `"attnres"` or `"residual"`.
+        dtype: dtype of the written weights (`float32`, `bfloat16`, `float16`); verification always runs in fp32.
+        force: replace an existing `output_dir`.
+        tokenizer: for an in-memory source; loaded from the source otherwise.
+        source_name: how the report and model card name the source (e.g. its Hub id); default: its path.
+        **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
+
+    Returns:
+        The conversion report (also written as `conversion_report.json`).
+
+    Raises:
+        FileExistsError: `output_dir` exists and `force` is false (checked before any work).
+        FileNotFoundError, ValueError, KeyError: see `retrofit`; raised before anything is written.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not force:
+        raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
+    target_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(target_dtype, torch.dtype) or not target_dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point torch dtype such as float32 or bfloat16, got {dtype!r}")
+
+    if isinstance(source, PreTrainedModel):
+        # verification runs in fp32; never change the caller's model in place
+        source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
+        source_model, name = source_model.eval(), str(source.config._name_or_path or "in-memory model")
+    else:
+        load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
+        tokenizer = tokenizer or load_tokenizer(source, gguf_file)
+        source_model, name = load_source(source, gguf_file, dtype=torch.float32), str(source)
+    name = source_name or name
+    overrides = dict(config_overrides, depth_mixing=depth_mixing)
+    if attnres_block_size is not None:
+        overrides["attnres_block_size"] = attnres_block_size
+    model = retrofit(source_model, progress=True, **overrides)
+
+    if tokenizer is not None:
+        input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
+    else:  # no tokenizer: a fixed pseudo-random probe of token ids
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(model.config.vocab_size, (1, 64), generator=generator)
+    print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
+    verification = verify_conversion(source_model, model, input_ids)
+    if tokenizer is not None:
+        verification["source_continuation"] = tokenizer.decode(verification["source_continuation_ids"])
+        verification["converted_continuation"] = tokenizer.decode(verification["converted_continuation_ids"])
+    model = model.to(target_dtype)
+    config = model.config
+    report = {
+        "attnres_hf_version": __version__,
+        "source": {"name": name, "gguf_file": gguf_file, "model_type": source_model.config.model_type},
+        "output_dir": str(output_dir),
+        "dtype": str(target_dtype).removeprefix("torch."),
+        "config": {
+            "depth_mixing": config.depth_mixing,
+            "attnres_block_size": config.attnres_block_size,
+            "num_attnres_blocks": config.num_attnres_blocks,
+            "num_sublayers": config.num_sublayers,
+            "attnres_rescale_output": config.attnres_rescale_output,
+        },
+        "verification": verification,
+    }
+    generation_config = getattr(source_model, "generation_config", None)
+    generation_config = GenerationConfig.from_dict(generation_config.to_dict()) if generation_config else None
+
+    with staged_folder(output_dir, replace=force) as staging:
+        _write_folder(staging, model, tokenizer, generation_config, report, max_shard_size)
+    return report

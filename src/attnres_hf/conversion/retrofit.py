@@ -1,0 +1,167 @@
+"""Retrofit a pretrained Llama / Mistral / Qwen2 / Qwen3 model into AttnRes, exactly at conversion time.
+
+Why it is exact (DESIGN.md §2): every reader of the residual stream of a pre-norm model is an RMSNorm, which is
+scale-invariant up to `eps`. With zero pseudo-queries an AttnRes router returns the *mean* of its sources, and the
+sources (Full: embedding and every sub-layer output; Block: embedding and block sums, paper Eq. 6) partition the
+residual sum. So copying every weight unchanged and zeroing the routers gives the same normalised inputs, the same
+sub-layer outputs and the same logits: exactly when `eps = 0`, up to an `eps` effect otherwise. Retrofitted models
+default to `attnres_rescale_output=True` (router output times its number of sources), which removes that `eps`
+effect (max |delta logits| ~1e-4 instead of ~4e-2 on SmolLM2-135M); pass `attnres_rescale_output=False` for the
+paper's plain mean.
+"""
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ..modeling import AttnResConfig, AttnResForCausalLM
+from ..modeling.modeling_attnres import AttnResRotaryEmbedding
+from .families import attnres_config_fields, check_supported, map_keys
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Check that `path` is a readable, complete GGUF file; return it as a `Path`.
+
+    Raises:
+        FileNotFoundError: if it does not exist.
+        ValueError: if it is not GGUF (wrong magic bytes), or is truncated or corrupt (its tensors overrun the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with path.open("rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (its first bytes are not 'GGUF')")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+    except Exception as error:  # GGUFReader raises struct/index/value errors on cut-off headers
+        raise ValueError(f"{path} is a truncated or corrupt GGUF file ({type(error).__name__}: {error})") from None
+    if end > path.stat().st_size:
+        raise ValueError(f"{path} is a truncated GGUF file: tensors need {end} bytes, the file has {path.stat().st_size}")
+    return path
+
+
+def _check_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise FileNotFoundError(f"{folder} has no model weights (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
+    """Read the source's config and check its family is supported, without loading weights.
+
+    `source` is an HF folder, or a `.gguf` file (or a folder plus `gguf_file`). Raises `FileNotFoundError`,
+    `ValueError` (not GGUF / truncated), or `UnsupportedSourceError` (a `ValueError`) before anything heavy runs.
+    """
+    path = Path(source)
+    if gguf_file is None and path.suffix == ".gguf":
+        path, gguf_file = path.parent, path.name
+    if gguf_file is not None:
+        check_gguf_file(path / gguf_file)
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    else:
+        _check_folder(path)
+        config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    return config
+
+
+def load_source(
+    source: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """Load a Llama/Mistral/Qwen2/Qwen3 causal LM from an HF folder or a GGUF file (dequantised by transformers'
+    GGUF loader) in `dtype`. The family is checked first (see `load_source_config`)."""
+    load_source_config(source, gguf_file)
+    path = Path(source)
+    if gguf_file is None and path.suffix == ".gguf":
+        path, gguf_file = path.parent, path.name
+    return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype).eval()
+
+
+def serializable_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain copy of a GGUF-loaded model that `save_pretrained` accepts.
+
+    transformers marks a model loaded from GGUF with a quantizer and refuses to save it ("The model is quantized
+    with gguf and is not serializable"), although its weights are dequantised. The copy is the same class, built
+    from the config without `quantization_config`, holding the same weights.
+    """
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(model)(config).to(model.dtype)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
+def retrofit(
+    source: PreTrainedModel | str | os.PathLike,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    progress: bool = False,
+    **config_overrides,
+) -> AttnResForCausalLM:
+    """Turn a pretrained residual model into an `AttnResForCausalLM` that computes the same logits.
+
+    Args:
+        source: a `PreTrainedModel` (Llama, Mistral, Qwen2, Qwen3; a GGUF-loaded one too), an HF folder, or a
+            `.gguf` file (or a folder with `gguf_file`).
+        dtype: dtype of the result (`torch.float32` when loading from disk; the source's dtype otherwise).
+        progress: show a progress bar while the weights are copied.
+        **config_overrides: `AttnResConfig` fields, e.g. `depth_mixing="residual"`, `attnres_block_size=1` (Full
+            AttnRes; default about 8 blocks), `attnres_rescale_output=False` (the paper's plain mean).
+
+    Returns:
+        The AttnRes model in eval mode, with every backbone weight copied unchanged and zero pseudo-queries.
+
+    Raises:
+        UnsupportedSourceError (a `ValueError`): unsupported `model_type` or a feature such as MoE layers.
+        KeyError: a source weight the family's key table does not map.
+        ValueError: invalid config overrides, or a malformed / truncated GGUF file.
+        FileNotFoundError: a folder without config or weights.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if not isinstance(source, PreTrainedModel):
+        source = load_source(source, gguf_file, dtype=dtype or torch.float32)
+    fields = attnres_config_fields(source.config)
+    fields |= {"attnres_rescale_output": True, "architectures": ["AttnResForCausalLM"]}
+    config = AttnResConfig(**(fields | config_overrides), attn_implementation=source.config._attn_implementation)
+
+    state = source.state_dict()
+    mapped = map_keys(source.config.model_type, list(state))
+    dtype = dtype or next(source.parameters()).dtype
+    with torch.device("meta"):  # no random init: every weight is copied or set below
+        model = AttnResForCausalLM(config)
+    model.to_empty(device="cpu").to(dtype)
+    model.model.rotary_emb = AttnResRotaryEmbedding(config)  # non-persistent rope buffers, recomputed in fp32
+    model.tie_weights()
+    targets = model.state_dict()
+    copied = set()
+    with torch.no_grad():
+        for key in tqdm(list(mapped), desc="Copying weights", unit="tensor", disable=not progress):
+            target = targets[mapped[key]]
+            if target.shape != state[key].shape:
+                raise ValueError(f"{key}: source shape {tuple(state[key].shape)} != AttnRes {tuple(target.shape)}")
+            target.copy_(state[key])
+            copied.add(mapped[key])
+        for name, param in model.named_parameters():  # tied lm_head is not listed: it is the embedding
+            if name in copied:
+                continue
+            if name.endswith("_res.query"):
+                param.zero_()  # AttnRes: uniform depth weights, the mean of the sources (§2)
+            elif name.endswith("_res.key_norm.weight"):
+                param.fill_(1.0)
+            else:
+                raise KeyError(f"{source.config.model_type} checkpoint has no weight for {name}")
+    return model.eval()

@@ -1,0 +1,77 @@
+"""Retrofit: a converted model computes the source's logits (DESIGN.md §2)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig
+from transformers import MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from attnres_hf import AttnResForCausalLM
+from attnres_hf.conversion import UnsupportedSourceError, retrofit
+from conftest import TINY
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+SOURCES = {
+    "llama-gqa-llama3-rope": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
+    "mistral-sliding": (MistralConfig, MistralForCausalLM, dict(sliding_window=6)),
+    "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3-qk-norm": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)),
+}
+
+
+def make_source(name, tie, seed=0, **extra):
+    config_class, model_class, overrides = SOURCES[name]
+    torch.manual_seed(seed)
+    source = model_class(config_class(**TINY, **overrides, tie_word_embeddings=tie, **extra)).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so that a dropped one shows
+        for key, param in source.named_parameters():
+            if key.endswith("bias") or "norm" in key:
+                param.normal_(1.0 if "norm" in key else 0.0, 0.2)
+    return source
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_retrofit_reproduces_the_source_logits(name, block_size, tie):
+    source = make_source(name, tie)
+    model = retrofit(source, attnres_block_size=block_size)
+    assert isinstance(model, AttnResForCausalLM) and model.config.tie_word_embeddings == tie
+    assert all(torch.count_nonzero(p) == 0 for n, p in model.named_parameters() if n.endswith(".query"))
+    input_ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        delta = (model(input_ids).logits - source(input_ids).logits).abs().max().item()
+    assert delta <= 1e-5, delta
+
+
+def test_plain_mean_is_the_papers_formulation_and_differs_only_by_eps():
+    source = make_source("llama-gqa-llama3-rope", tie=False, rms_norm_eps=1e-6)
+    mean = retrofit(source, attnres_block_size=2, attnres_rescale_output=False)
+    assert mean.config.attnres_rescale_output is False
+    input_ids = torch.randint(3, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        delta = (mean(input_ids).logits - source(input_ids).logits).abs().max().item()
+    assert 0 < delta < 1e-2  # an eps effect, not a different function
+
+
+def test_residual_retrofit_and_config_carry_over():
+    source = make_source("qwen2-qkv-bias", tie=False)
+    model = retrofit(source, depth_mixing="residual", dtype=torch.float64)
+    config = model.config
+    assert config.depth_mixing == "residual" and model.dtype == torch.float64
+    assert config.attention_bias and not config.attention_out_bias
+    assert config.rms_norm_eps == source.config.rms_norm_eps and config.num_key_value_heads == 2
+    assert torch.equal(model.model.layers[1].self_attn.q_proj.bias, source.model.layers[1].self_attn.q_proj.bias.double())
+
+
+def test_unsupported_family_is_refused_naming_it():
+    mixtral = MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=2))
+    with pytest.raises(UnsupportedSourceError, match="unsupported model_type 'mixtral'"):
+        retrofit(mixtral)
+
+
+def test_unmapped_source_key_is_an_error_naming_it():
+    source = make_source("llama-gqa-llama3-rope", tie=False)
+    source.model.layers[0].register_parameter("extra_scale", torch.nn.Parameter(torch.ones(3)))
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.extra_scale"):
+        retrofit(source)
