@@ -44,3 +44,33 @@ def tiny_model(seed: int = 0, routers: bool = True, **overrides) -> AttnResForCa
 @pytest.fixture
 def input_ids():
     return torch.randint(3, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def word_tokenizer():
+    """A word-level tokenizer over `w3 .. w98` (+ pad/bos/eos), built offline for the tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def counting_text(lines: int = 400, seed: int = 0, length: int = 24) -> str:
+    """A learnable synthetic language: each line counts upwards (mod 96) from a random word."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for start in torch.randint(0, 96, (lines,), generator=generator).tolist():
+        out.append(" ".join(f"w{3 + (start + k) % 96}" for k in range(length)))
+    return "\n".join(out)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A saved tiny AttnRes model with its tokenizer, and a counting corpus beside it."""
+    model = tiny_model(routers=False, attnres_block_size=2)
+    model.save_pretrained(tmp_path / "model")
+    word_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "train.txt").write_text(counting_text())
+    return tmp_path

@@ -1,6 +1,7 @@
 """The `attnres` command.
 
 - `attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file).
+- `attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D`: fine-tune with `Trainer`.
 - `attnres demo`: the main job on the real SmolLM2-135M-Instruct (`make demo`).
 - `attnres info PATH`: depth mixing, block layout (which sub-layers form each block, paper Eq. 6), router counts.
 
@@ -63,6 +64,33 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_DEFAULTS = {"eval_strategy": "steps", "eval_steps": "50", "save_steps": "50", "logging_steps": "10"}
+
+
+def _train_parser():
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from .training import AttnResArguments
+
+    return HfArgumentParser((AttnResArguments, TrainingArguments), prog="attnres train MODEL")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .training import DEFAULT_LEARNING_RATES, train
+
+    parser = _train_parser()
+    argv = ["--learning_rate" if arg == "--lr" else arg for arg in args.rest]
+    given = {arg.lstrip("-").split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    for name, value in TRAIN_DEFAULTS.items():
+        if name not in given:
+            argv += [f"--{name}", value]
+    ours, training_args = parser.parse_args_into_dataclasses(["--model", args.model, *argv])
+    if "learning_rate" not in given:
+        training_args.learning_rate = DEFAULT_LEARNING_RATES[ours.method]
+    train(ours, training_args)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -94,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
     convert.set_defaults(func=_convert)
 
+    train = commands.add_parser(
+        "train", add_help=False, help="fine-tune: --method routers|lora|full (attnres train --help for all options)",
+        description="attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D [--max-steps N] "
+        "[--seq-len T] [--lr LR] [--resume], plus any transformers TrainingArguments flag.",
+    )
+    train.add_argument("model", help="model folder; --help lists every option")
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    train.set_defaults(func=_train)
+
     demo = commands.add_parser("demo", help="convert the real SmolLM2-135M-Instruct and check it (make demo)")
     demo.add_argument("--output-dir", default="outputs/demo", help="an earlier demo output there is replaced")
     demo.add_argument("--block-size", type=int, default=None)
@@ -103,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
+        _train_parser().print_help()  # the Trainer options live in TrainingArguments, not in this parser
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,81 @@
+"""What trains: the depth routers only, LoRA adapters plus the routers, or everything."""
+
+import os
+
+import torch
+from transformers import PreTrainedModel
+
+ROUTER_MODULES = ("attn_res", "mlp_res", "final_res")
+"""Module names of the depth routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`, `model.final_res`)."""
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""LoRA targets for `model_type="attnres"` (PEFT ships none for it): every attention and MLP projection."""
+
+METHODS = ("routers", "lora", "full")
+DEFAULT_LEARNING_RATES = {"routers": 1e-2, "lora": 2e-4, "full": 5e-5}
+"""Starting points: the routers are few, zero-initialised vectors and move only with a large rate."""
+
+
+def is_router_parameter(name: str) -> bool:
+    """True for router queries and key norms, e.g. `model.layers.3.mlp_res.query`."""
+    return any(f"{module}." in name for module in ROUTER_MODULES)
+
+
+def prepare_model(
+    model: PreTrainedModel,
+    method: str,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    lora_target_modules: list[str] | None = None,
+):
+    """Set which parameters train, for `method` in `METHODS`.
+
+    - `routers`: only router pseudo-queries and key norms; every other parameter is frozen.
+    - `lora`: PEFT LoRA on `lora_target_modules` (default `DEFAULT_LORA_TARGETS`), with the routers trained in full
+      and saved with the adapter (`modules_to_save`). Returns the `PeftModel`.
+    - `full`: everything.
+
+    Raises:
+        ValueError: an unknown method, or `routers` on a model without routers.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "full":
+        model.requires_grad_(True)
+        return model
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            task_type="CAUSAL_LM",
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS),
+            modules_to_save=list(ROUTER_MODULES) if _has_router_parameters(model) else None,
+        )
+        return get_peft_model(model, config)
+    if not _has_router_parameters(model):
+        raise ValueError("method 'routers' needs depth routers: this model has depth_mixing='residual'")
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_router_parameter(name))
+    return model
+
+
+def _has_router_parameters(model: torch.nn.Module) -> bool:
+    return any(is_router_parameter(name) for name, _ in model.named_parameters())
+
+
+def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str | os.PathLike, output_dir=None):
+    """Merge a LoRA adapter (with its trained routers) into its base model; return the plain AttnRes model, and
+    save it to `output_dir` when given."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(base_model, PreTrainedModel):
+        base_model = AutoModelForCausalLM.from_pretrained(base_model)
+    merged = PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()
+    if output_dir is not None:
+        merged.save_pretrained(output_dir)
+    return merged

@@ -1,0 +1,177 @@
+"""`attnres train`: router-only, LoRA and full fine-tuning on `transformers.Trainer`."""
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+from transformers.trainer_utils import get_last_checkpoint
+
+from .data import packed_lm_dataset
+from .recipes import METHODS, is_router_parameter, prepare_model
+
+
+@dataclass
+class AttnResArguments:
+    """What to train on and how; the optimisation itself is `transformers.TrainingArguments`."""
+
+    model: str = field(metadata={"help": "AttnRes model folder (or any causal LM folder for lora/full)"})
+    data: list[str] = field(metadata={"help": ".txt / .jsonl files or datasets folders (save_to_disk)"})
+    method: str = field(default="routers", metadata={"help": f"what trains: one of {', '.join(METHODS)}"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per packed training block"})
+    eval_fraction: float = field(default=0.05, metadata={"help": "held-out tail of the blocks, for eval"})
+    text_field: str = field(default="text", metadata={"help": "text column of .jsonl files and datasets"})
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "default: all projections"})
+    entropy_batches: int = field(default=4, metadata={"help": "eval batches used for the depth-weight entropy"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
+    trust_remote_code: bool = False
+
+
+def depth_entropy(model, batches) -> dict:
+    """Mean entropy (nats) of the depth weights over routers and tokens, and the same as a fraction of the uniform
+    distribution's entropy `log(n_sources)` (1.0 = uniform, as at a retrofit; 0 = one source). Routers with a single
+    source are skipped."""
+    if getattr(model.config, "depth_mixing", None) != "attnres":  # a baseline or a non-AttnRes model
+        return {}
+    entropies, ratios = [], []
+    with torch.no_grad():
+        for batch in batches:
+            out = model(input_ids=batch["input_ids"], output_depth_weights=True)
+            for weights in out.depth_weights:
+                if weights.shape[-1] < 2:
+                    continue
+                entropy = -(weights * weights.clamp_min(1e-12).log()).sum(-1).mean().item()
+                entropies.append(entropy)
+                ratios.append(entropy / math.log(weights.shape[-1]))
+    if not entropies:
+        return {}
+    return {"depth_entropy": sum(entropies) / len(entropies), "depth_entropy_ratio": sum(ratios) / len(ratios)}
+
+
+class AttnResTrainer(Trainer):
+    """`Trainer` that keeps router pseudo-queries out of weight decay (like norms and biases) and logs, at each
+    evaluation, perplexity and the entropy of the depth weights (how far routing has moved from uniform)."""
+
+    def __init__(self, *args, entropy_batches: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entropy_batches = entropy_batches
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return [name for name in super().get_decay_parameter_names(model) if not name.endswith(".query")]
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        extra = {}
+        if f"{metric_key_prefix}_loss" in metrics:
+            extra[f"{metric_key_prefix}_perplexity"] = math.exp(min(metrics[f"{metric_key_prefix}_loss"], 50.0))
+        if self.entropy_batches:
+            loader = self.get_eval_dataloader(eval_dataset)
+            batches = [b for _, b in zip(range(self.entropy_batches), loader)]
+            model = self.accelerator.unwrap_model(self.model)
+            was_training = model.training
+            model.eval()
+            extra |= {f"{metric_key_prefix}_{k}": v for k, v in depth_entropy(model, batches).items()}
+            model.train(was_training)
+        if extra:
+            self.log(extra)
+            metrics |= extra
+        return metrics
+
+
+def _first_eval(log_history: list[dict]) -> dict:
+    """Merge the log entries of the first evaluation (loss, perplexity and entropy are logged separately)."""
+    entries = [e for e in log_history if any(k.startswith("eval_") for k in e)]
+    if not entries:
+        return {}
+    first_step = entries[0].get("step")
+    return {k: v for e in entries if e.get("step") == first_step for k, v in e.items()}
+
+
+def _count(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: list | None = None) -> dict:
+    """Fine-tune `args.model` on `args.data` with `args.method`; returns the summary (also `train_summary.json`).
+
+    `callbacks` are extra `TrainerCallback`s. The final model (or LoRA adapter with its routers) and the tokenizer are saved to `training_args.output_dir`;
+    checkpoints every `save_steps`. With `args.resume`, training continues from the last checkpoint there with its
+    optimizer, scheduler, RNG and data order, so the loss trajectory is that of an uninterrupted run.
+
+    Raises:
+        FileNotFoundError: missing data, or `resume` without a checkpoint. ValueError: bad method or data.
+    """
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    data = packed_lm_dataset(args.data, tokenizer, args.seq_len, args.eval_fraction, args.text_field)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32)
+    model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    checkpoint = None
+    if args.resume:
+        checkpoint = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+        if checkpoint is None:
+            raise FileNotFoundError(f"--resume: no checkpoint-* folder in {training_args.output_dir}")
+
+    trainer = AttnResTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data["train"],
+        eval_dataset=data["eval"],
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        entropy_batches=args.entropy_batches,
+        callbacks=callbacks,
+    )
+    # The held-out loss before training comes from the Trainer's own first evaluation (`eval_on_start`): calling
+    # `evaluate()` before `train()` under DDP desynchronises the replicas' first optimizer step.
+    training_args.eval_on_start = checkpoint is None
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    before = _first_eval(trainer.state.log_history)
+    after = trainer.evaluate()
+    trainer.save_model()
+    trainable, total = _count(model)
+    summary = {
+        "method": args.method,
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "router_parameters": sum(p.numel() for n, p in model.named_parameters() if is_router_parameter(n)),
+        "steps": trainer.state.global_step,
+        "tokens_seen": trainer.state.global_step * training_args.train_batch_size
+        * training_args.gradient_accumulation_steps * args.seq_len * training_args.world_size,
+        "train_loss": result.training_loss,
+        "eval_loss_before": before.get("eval_loss"),
+        "eval_perplexity_before": before.get("eval_perplexity"),
+        "eval_loss_after": after.get("eval_loss"),
+        "eval_perplexity_after": after.get("eval_perplexity"),
+        "depth_entropy_ratio_after": after.get("eval_depth_entropy_ratio"),
+        "wall_time_s": round(time.perf_counter() - started, 1),
+    }
+    if trainer.is_world_process_zero():
+        Path(training_args.output_dir, "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(format_summary(summary))
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    def number(value, fmt):
+        return "n/a" if value is None else format(value, fmt)
+
+    lines = [
+        f"method                {summary['method']}",
+        f"trainable parameters  {summary['trainable_parameters']:,} of {summary['total_parameters']:,} "
+        f"(routers: {summary['router_parameters']:,})",
+        f"steps / tokens seen   {summary['steps']} / {summary['tokens_seen']:,}",
+        f"held-out loss         {number(summary['eval_loss_before'], '.4f')} -> {number(summary['eval_loss_after'], '.4f')}",
+        f"held-out perplexity   {number(summary['eval_perplexity_before'], '.3f')} -> "
+        f"{number(summary['eval_perplexity_after'], '.3f')}",
+        f"depth entropy / max   {number(summary['depth_entropy_ratio_after'], '.4f')} (1 = uniform routing)",
+        f"wall time             {summary['wall_time_s']:.0f} s",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Training recipes: router-only, LoRA (+ routers) with gradient checkpointing, resume, DDP and FSDP."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
+
+from attnres_hf.cli import main
+from attnres_hf.training import AttnResArguments, AttnResTrainer, packed_lm_dataset, prepare_model, train
+from attnres_hf.training.recipes import is_router_parameter, merge_lora
+from conftest import TINY, tiny_model, word_tokenizer
+
+COMMON = ["--seq-len", "64", "--per_device_train_batch_size", "8", "--disable_tqdm", "true", "--seed", "0",
+          "--train_sampling_strategy", "sequential", "--logging_steps", "1"]
+
+
+def run_train(folder, out, *extra):
+    return main(["train", str(folder / "model"), "--data", str(folder / "train.txt"), "--output-dir", str(out),
+                 *COMMON, *map(str, extra)])
+
+
+def test_router_only_training_changes_only_routers_and_lowers_held_out_loss(tiny_model_dir):
+    before = load_file(tiny_model_dir / "model" / "model.safetensors")
+    assert run_train(tiny_model_dir, tiny_model_dir / "out", "--method", "routers", "--max-steps", "60",
+                     "--eval_steps", "60", "--save_steps", "60") == 0
+    after = load_file(tiny_model_dir / "out" / "model.safetensors")
+    assert set(before) == set(after)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(is_router_parameter(k) for k in changed)
+    assert {k for k in before if k.endswith(".query") and ".0.attn_res" not in k} <= changed
+    summary = json.loads((tiny_model_dir / "out" / "train_summary.json").read_text())
+    assert summary["trainable_parameters"] == summary["router_parameters"] == 7 * 2 * TINY["hidden_size"]
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    assert summary["depth_entropy_ratio_after"] < 1.0  # the routing moved away from uniform
+
+
+def test_lora_with_gradient_checkpointing_trains_adapters_and_routers_and_merges(tiny_model_dir):
+    out = tiny_model_dir / "lora"
+    assert run_train(tiny_model_dir, out, "--method", "lora", "--max-steps", "2", "--gradient_checkpointing", "true",
+                     "--eval_steps", "2", "--save_steps", "2", "--lora_r", "4") == 0
+    adapter = load_file(out / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert len(lora_b) == 3 * 7 and all(torch.count_nonzero(b) > 0 for b in lora_b)
+    assert any(k.endswith("mlp_res.query") for k in adapter)  # routers travel with the adapter
+
+    from peft import PeftModel
+
+    ids = torch.randint(3, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir / "model")
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, out).eval()
+        adapted_logits = adapted(ids).logits
+        assert not torch.allclose(adapted_logits, base_logits)
+        merged = merge_lora(tiny_model_dir / "model", out, tiny_model_dir / "merged")
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, atol=1e-5, rtol=1e-5)
+        reloaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir / "merged").eval()
+        torch.testing.assert_close(reloaded(ids).logits, adapted_logits, atol=1e-5, rtol=1e-5)
+    assert not any("lora" in k for k in load_file(tiny_model_dir / "merged" / "model.safetensors"))
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_continues_the_uninterrupted_loss_trajectory(tiny_model_dir):
+    def arguments(out, resume=False):
+        ours = AttnResArguments(model=str(tiny_model_dir / "model"), data=[str(tiny_model_dir / "train.txt")],
+                                method="full", seq_len=64, resume=resume, entropy_batches=0)
+        args = TrainingArguments(output_dir=str(out), max_steps=8, per_device_train_batch_size=4, learning_rate=1e-3,
+                                 logging_steps=1, save_steps=4, eval_strategy="no", seed=0, disable_tqdm=True,
+                                 report_to="none")
+        return ours, args
+
+    def losses(out):
+        state = json.loads(sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+                           .joinpath("trainer_state.json").read_text())
+        return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+
+    train(*arguments(tiny_model_dir / "full"))
+    train(*arguments(tiny_model_dir / "cut"), callbacks=[StopAt(4)])
+    checkpoint = tiny_model_dir / "cut" / "checkpoint-4"
+    assert (checkpoint / "modeling_attnres.py").is_file()  # checkpoints load with remote code too
+    assert "auto_map" in json.loads((checkpoint / "config.json").read_text())
+    train(*arguments(tiny_model_dir / "cut", resume=True))
+    uninterrupted, resumed = losses(tiny_model_dir / "full"), losses(tiny_model_dir / "cut")
+    assert sorted(resumed) == list(range(1, 9))
+    for step in (5, 8):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=1e-7)
+
+
+def test_resume_without_a_checkpoint_is_an_error(tiny_model_dir, capsys):
+    assert run_train(tiny_model_dir, tiny_model_dir / "none", "--method", "routers", "--resume") == 2
+    assert "no checkpoint-* folder" in capsys.readouterr().err
+
+
+LAUNCH = {
+    "ddp": ["--multi_gpu"],
+    "fsdp": ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_transformer_layer_cls_to_wrap", "AttnResDecoderLayer", "--fsdp_state_dict_type", "FULL_STATE_DICT"],
+}
+
+
+@pytest.mark.parametrize("strategy", list(LAUNCH))
+def test_two_process_training_matches_one_process_on_the_same_global_batch(strategy, tiny_model_dir):
+    steps = ["--method", "full", "--max-steps", "3", "--eval_steps", "3", "--save_steps", "3", "--lr", "1e-3"]
+    assert run_train(tiny_model_dir, tiny_model_dir / "single", *steps) == 0
+    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[strategy], "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "attnres_hf.cli",
+               "train", str(tiny_model_dir / "model"), "--data", str(tiny_model_dir / "train.txt"),
+               "--output-dir", str(tiny_model_dir / strategy), *COMMON, *steps, "--use_cpu", "true"]
+    command[command.index("8")] = "4"  # per-device batch 4 on 2 processes = the single run's global batch of 8
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    single = json.loads((tiny_model_dir / "single" / "train_summary.json").read_text())
+    multi = json.loads((tiny_model_dir / strategy / "train_summary.json").read_text())
+    assert multi["tokens_seen"] == single["tokens_seen"]
+    assert multi["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+    a, b = load_file(tiny_model_dir / "single" / "model.safetensors"), load_file(tiny_model_dir / strategy / "model.safetensors")
+    assert set(a) == set(b)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_router_queries_norms_and_biases_get_no_weight_decay(tmp_path):
+    model = prepare_model(tiny_model(attention_bias=True), "full")
+    trainer = AttnResTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+    decayed = set(trainer.get_decay_parameter_names(model))
+    assert "model.layers.1.self_attn.q_proj.weight" in decayed
+    assert not [n for n in decayed if n.endswith((".query", ".bias")) or "norm" in n]
+
+
+def test_data_files_jsonl_and_dataset_folders(tmp_path):
+    from datasets import Dataset
+
+    tokenizer = word_tokenizer()
+    lines = [{"text": " ".join(f"w{3 + (i + k) % 90}" for k in range(40))} for i in range(20)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    Dataset.from_list(lines).save_to_disk(str(tmp_path / "folder"))
+    data = packed_lm_dataset([tmp_path / "a.jsonl", tmp_path / "folder"], tokenizer, seq_len=32, eval_fraction=0.1)
+    total = 2 * 20 * 41 // 32  # words + EOS per document, packed
+    assert len(data["train"]) + len(data["eval"]) == total and len(data["eval"]) == round(total * 0.1)
+    assert data["train"][0]["input_ids"] == data["train"][0]["labels"] and len(data["eval"][0]["input_ids"]) == 32
+    with pytest.raises(FileNotFoundError):
+        packed_lm_dataset([tmp_path / "missing.txt"], tokenizer)
+    with pytest.raises(ValueError, match="unsupported data file"):
+        (tmp_path / "x.csv").write_text("a,b")
+        packed_lm_dataset([tmp_path / "x.csv"], tokenizer)
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        packed_lm_dataset([tmp_path / "a.jsonl"], tokenizer, seq_len=4096)
