@@ -25,7 +25,7 @@ def run_train(folder, out, *extra):
 
 def test_router_only_training_changes_only_routers_and_lowers_held_out_loss(tiny_model_dir):
     before = load_file(tiny_model_dir / "model" / "model.safetensors")
-    assert run_train(tiny_model_dir, tiny_model_dir / "out", "--method", "routers", "--max-steps", "60",
+    assert run_train(tiny_model_dir, tiny_model_dir / "out", "--method", "routers", "--max-steps", "60", "--lr", "1e-2",
                      "--eval_steps", "60", "--save_steps", "60") == 0
     after = load_file(tiny_model_dir / "out" / "model.safetensors")
     assert set(before) == set(after)

@@ -12,8 +12,9 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 """LoRA targets for `model_type="attnres"` (PEFT ships none for it): every attention and MLP projection."""
 
 METHODS = ("routers", "lora", "full")
-DEFAULT_LEARNING_RATES = {"routers": 1e-2, "lora": 2e-4, "full": 5e-5}
-"""Starting points: the routers are few, zero-initialised vectors and move only with a large rate."""
+DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "full": 5e-5}
+"""Starting points. Routers: one Adam step moves every logit `w . RMSNorm(v)` by up to `lr * hidden_size`, so a
+larger rate turns the uniform routing of a retrofit into a sharp one at once and breaks the pretrained model."""
 
 
 def is_router_parameter(name: str) -> bool:

@@ -61,9 +61,15 @@ class AttnResTrainer(Trainer):
     def __init__(self, *args, entropy_batches: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
         self.entropy_batches = entropy_batches
+        if self.args.device.type == "cpu":
+            self.args.dataloader_pin_memory = False  # nothing to pin to; torch warns on every dataloader
 
     def get_decay_parameter_names(self, model) -> list[str]:
         return [name for name in super().get_decay_parameter_names(model) if not name.endswith(".query")]
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Without `compute_metrics` the logits are never used: keeping them (vocab x tokens per batch) is slow.
+        return super().prediction_step(model, inputs, prediction_loss_only or self.compute_metrics is None, ignore_keys)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
