@@ -107,11 +107,14 @@ def gutenberg_dir() -> Path:
     return target
 
 
-def gutenberg_split(split: str, held_out_fraction: float = 0.1, books: tuple[str, ...] | None = None) -> str:
+def gutenberg_split(
+    split: str, held_out_fraction: float = 0.1, books: tuple[str, ...] | None = None, max_chars_per_book: int | None = None
+) -> str:
     """Text of the corpus split `"train"` or `"held_out"`.
 
     `held_out` is the last `held_out_fraction` (by characters) of each of `HELD_OUT_BOOKS` (or `books`); `train` is
-    everything else, every other book in full. The two never overlap.
+    everything else, every other book in full. The two never overlap. `max_chars_per_book` keeps only the start of
+    each book's part (a smaller, still varied sample).
     """
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
@@ -120,7 +123,7 @@ def gutenberg_split(split: str, held_out_fraction: float = 0.1, books: tuple[str
     for path in sorted(gutenberg_dir().glob("*.txt")):
         text = path.read_text(encoding="utf-8", errors="replace")
         cut = int(len(text) * (1 - held_out_fraction)) if path.stem in books else len(text)
-        part = text[cut:] if split == "held_out" else text[:cut]
+        part = (text[cut:] if split == "held_out" else text[:cut])[:max_chars_per_book]
         if part.strip():
             parts.append(part.strip())
     return "\n\n".join(parts)

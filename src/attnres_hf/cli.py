@@ -2,6 +2,7 @@
 
 - `attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file).
 - `attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D`: fine-tune with `Trainer`.
+- `attnres routing MODEL --text ...` (and `routing compare`, `routing dynamics`): read the depth routing.
 - `attnres demo`: the main job on the real SmolLM2-135M-Instruct (`make demo`).
 - `attnres info PATH`: depth mixing, block layout (which sub-layers form each block, paper Eq. 6), router counts.
 
@@ -91,6 +92,145 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routing_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnres routing",
+        description="Depth-routing maps of an AttnRes model. Also: `attnres routing compare MODEL --pairs FILE` and "
+        "`attnres routing dynamics --data FILE`.",
+    )
+    parser.add_argument("model", help="AttnRes model folder")
+    text = parser.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="the input text")
+    text.add_argument("--data", help="a text file (its first --max-tokens tokens are used)")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--token", type=int, default=None, help="token index for the per-token map (default: last)")
+    parser.add_argument("--span", default=None, help="token span START:END for the per-token map (mean over it)")
+    parser.add_argument("--output-dir", default="outputs/routing")
+    return parser
+
+
+def _load_model_and_tokenizer(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _routing(argv: list[str]) -> int:
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from .analysis import record_routing, summarize
+    from .analysis.plots import plot_average_routing, plot_token_routing
+
+    args = _routing_parser().parse_args(argv)
+    model, tokenizer = _load_model_and_tokenizer(args.model)
+    text = args.text if args.text is not None else Path(args.data).read_text(encoding="utf-8", errors="replace")
+    input_ids = tokenizer(text, return_tensors="pt").input_ids[0, : args.max_tokens]
+    record = record_routing(model, input_ids, tokenizer)
+    if args.span:
+        start, end = (int(x) for x in args.span.split(":"))
+    else:
+        start = len(record.tokens) - 1 if args.token is None else args.token
+        end = start + 1
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = Path(args.model).name
+    plot_average_routing(record, out / "routing_average.png", title=f"{name}: depth routing")
+    plot_token_routing(record, out / "routing_tokens.png", start, end, title=f"{name}: depth routing, per token")
+    np.savez_compressed(out / "routing.npz", weights=record.weights, value_norms=record.value_norms,
+                        routers=np.array(record.routers), sources=np.array(record.sources),
+                        tokens=np.array(record.tokens))
+    summary = summarize(record)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{'router':<20}{'sources':>8}{'entropy/max':>12}{'embedding':>11}{'recent':>8}{'long jumps':>11}  sinks")
+    for row in summary["routers"]:
+        print(f"{row['router']:<20}{row['n_sources']:>8}{row['entropy_ratio']:>12.3f}{row['embedding_mass']:>11.3f}"
+              f"{row['recent_mass']:>8.3f}{row['long_jump_mass']:>11.3f}  {', '.join(row['sinks'])}")
+    print(f"wrote {out}/routing_average.png, routing_tokens.png, routing.npz, summary.json")
+    return 0
+
+
+def _routing_compare(argv: list[str]) -> int:
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from .analysis import compare_pairs, load_pairs
+    from .analysis.plots import plot_shift
+
+    parser = argparse.ArgumentParser(prog="attnres routing compare",
+                                     description="Depth-weight shift after the difference in paired inputs.")
+    parser.add_argument("model")
+    parser.add_argument("--pairs", required=True,
+                        help='.jsonl of {"a": text, "b": text}; "example" uses the shipped contradiction pairs')
+    parser.add_argument("--bootstrap", type=int, default=2000)
+    parser.add_argument("--output-dir", default="outputs/routing-compare")
+    args = parser.parse_args(argv)
+    from .analysis.compare import EXAMPLE_PAIRS
+
+    pairs = load_pairs(EXAMPLE_PAIRS if args.pairs == "example" else args.pairs)
+    model, tokenizer = _load_model_and_tokenizer(args.model)
+    result = compare_pairs(model, tokenizer, pairs, bootstrap=args.bootstrap)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_shift(result["routers"], result["sources"], result["shift"], out / "shift.png",
+               title=f"depth-weight shift (b - a) after the difference, {result['pairs_used']} pairs")
+    print(f"{'router':<20}{'largest shift':>14}  source           95% interval")
+    rows = []
+    for r, router in enumerate(result["routers"]):
+        shift = result["shift"][r]
+        c = int(np.nanargmax(np.abs(shift)))
+        low, high = result["low"][r, c], result["high"][r, c]
+        rows.append({"router": router, "source": result["sources"][c], "shift": float(shift[c]),
+                     "low": float(low), "high": float(high)})
+        print(f"{router:<20}{shift[c]:>+14.4f}  {result['sources'][c]:<16} [{low:+.4f}, {high:+.4f}]")
+    (out / "compare.json").write_text(json.dumps({"largest_shift_per_router": rows, "aligned_tokens":
+                                                  result["aligned_tokens"], "max_abs_shift": result["max_abs_shift"]},
+                                                 indent=2) + "\n")
+    print(f"wrote {out}/shift.png and compare.json")
+    return 0
+
+
+def _routing_dynamics(argv: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from .analysis import run_dynamics
+
+    parser = argparse.ArgumentParser(
+        prog="attnres routing dynamics",
+        description="Train a baseline and a Block AttnRes model of the same small shape from scratch on the same "
+        "text and plot output and gradient magnitude across depth (paper Figure 5 b/c).",
+    )
+    parser.add_argument("--data", nargs="+", required=True, help=".txt / .jsonl files or datasets folders")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the cached SmolLM2 one)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--output-dir", default="outputs/dynamics")
+    args = parser.parse_args(argv)
+    if args.tokenizer is None:
+        from .demo import smollm2_hf_folder
+
+        args.tokenizer = smollm2_hf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    histories = run_dynamics(args.data, tokenizer, args.output_dir, steps=args.steps, num_hidden_layers=args.layers,
+                             hidden_size=args.hidden_size, seq_len=args.seq_len, every=args.every)
+    for name, history in histories.items():
+        print(f"{name}: final train loss {history['final_train_loss']:.3f}")
+        for key in ("hidden_rms", "output_rms", "grad_norm"):
+            print(f"  {key:<11}" + " ".join(f"{v:8.3g}" for v in history[key][-1]))
+    print(f"wrote {args.output_dir}/dynamics.png and dynamics.json")
+    return 0
+
+
+ROUTING_COMMANDS = {"compare": _routing_compare, "dynamics": _routing_dynamics}
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -131,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("rest", nargs=argparse.REMAINDER)
     train.set_defaults(func=_train)
 
+    commands.add_parser("routing", add_help=False, help="depth-routing maps; also `routing compare`, `routing dynamics`")
+
     demo = commands.add_parser("demo", help="convert the real SmolLM2-135M-Instruct and check it (make demo)")
     demo.add_argument("--output-dir", default="outputs/demo", help="an earlier demo output there is replaced")
     demo.add_argument("--block-size", type=int, default=None)
@@ -141,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["routing"]:  # `routing MODEL ...`, `routing compare ...`, `routing dynamics ...`
+        command = ROUTING_COMMANDS.get(argv[1] if len(argv) > 1 else "", _routing)
+        rest = argv[2:] if command is not _routing else argv[1:]
+        try:
+            return command(rest)
+        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            print(f"attnres routing: error: {error}", file=sys.stderr)
+            return 2
     if argv[:1] == ["train"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         _train_parser().print_help()  # the Trainer options live in TrainingArguments, not in this parser
         return 0

@@ -1,0 +1,23 @@
+"""Reading the depth routing: routing maps, contribution maps, paired comparisons and training dynamics.
+
+Never imported by `modeling/`: plots and hooks live here, outside what travels with a checkpoint.
+"""
+
+from .compare import aligned_suffix, compare_pairs, load_pairs
+from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
+from .routing import RoutingRecord, record_routing, router_names, source_columns, source_names, summarize
+
+__all__ = [
+    "DepthDynamicsCallback",
+    "RoutingRecord",
+    "aligned_suffix",
+    "compare_pairs",
+    "layer_magnitudes",
+    "load_pairs",
+    "record_routing",
+    "router_names",
+    "run_dynamics",
+    "source_columns",
+    "source_names",
+    "summarize",
+]

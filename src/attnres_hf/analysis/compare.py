@@ -1,0 +1,95 @@
+"""Paired inputs that differ in one place: how does the depth routing shift after the difference?
+
+Each pair `(a, b)` is tokenised; the positions after the first differing token are aligned from the end (the
+shared suffix), so position `k` of the suffix is the same text in both. Per router and source, the shift is the mean
+over pairs of (mean alpha over the aligned suffix in `b`) minus (the same in `a`), with a percentile bootstrap
+interval over pairs.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+EXAMPLE_PAIRS = Path(__file__).parent / "data" / "routing_pairs.jsonl"
+"""Shipped example: 12 short texts, each with one word changed so that the rest of the text reads as consistent
+(`a`) or contradicted (`b`) by what came before."""
+
+from .routing import record_routing
+
+
+def load_pairs(path: str | Path) -> list[dict]:
+    """Read a `.jsonl` file of `{"a": text, "b": text}` lines (an optional `"name"` is kept).
+
+    Raises:
+        ValueError: a line that is not JSON or lacks `a`/`b`, or an empty file.
+    """
+    pairs = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            pair = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+        if not isinstance(pair, dict) or not isinstance(pair.get("a"), str) or not isinstance(pair.get("b"), str):
+            raise ValueError(f'{path}:{number}: expected {{"a": "...", "b": "..."}}')
+        pairs.append(pair)
+    if not pairs:
+        raise ValueError(f"{path} has no pairs")
+    return pairs
+
+
+def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
+    """Length of the shared token suffix after the first difference (0 if the texts never re-align)."""
+    prefix = 0
+    while prefix < min(len(ids_a), len(ids_b)) and ids_a[prefix] == ids_b[prefix]:
+        prefix += 1
+    if prefix == len(ids_a) == len(ids_b):  # identical: every position after the start is "after the difference"
+        return len(ids_a) - 1
+    suffix = 0
+    limit = min(len(ids_a), len(ids_b)) - prefix - 1  # at least the differing token stays out
+    while suffix < limit and ids_a[-1 - suffix] == ids_b[-1 - suffix]:
+        suffix += 1
+    return suffix
+
+
+def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0) -> dict:
+    """Shift of the depth weights (b minus a) after the difference, per router and source.
+
+    Returns `routers`, `sources`, `shift` (`(n_routers, n_sources)`, NaN where a router cannot read a source),
+    `low`/`high` (95% bootstrap interval over pairs), `aligned_tokens` per pair, and `max_abs_shift`.
+
+    Raises:
+        ValueError: if no pair has aligned tokens after its difference.
+    """
+    per_pair, aligned, record = [], [], None
+    for pair in pairs:
+        ids_a = tokenizer(pair["a"], return_tensors="pt").input_ids[0]
+        ids_b = tokenizer(pair["b"], return_tensors="pt").input_ids[0]
+        suffix = aligned_suffix(ids_a.tolist(), ids_b.tolist())
+        aligned.append(suffix)
+        if suffix == 0:
+            continue
+        record_a = record_routing(model, ids_a, tokenizer)
+        record = record_routing(model, ids_b, tokenizer)
+        mean_a = record_a.weights[:, -suffix:].mean(axis=1)
+        mean_b = record.weights[:, -suffix:].mean(axis=1)
+        per_pair.append(mean_b - mean_a)
+    if not per_pair:
+        raise ValueError("no pair has tokens after its difference that align in both texts")
+    diffs = np.stack(per_pair)  # (pairs, routers, sources)
+    rng = np.random.default_rng(seed)
+    samples = rng.integers(0, len(diffs), size=(bootstrap, len(diffs)))
+    boot = diffs[samples].mean(axis=1)  # (bootstrap, routers, sources)
+    shift = diffs.mean(axis=0)
+    return {
+        "routers": record.routers,
+        "sources": record.sources,
+        "shift": shift,
+        "low": np.percentile(boot, 2.5, axis=0),
+        "high": np.percentile(boot, 97.5, axis=0),
+        "aligned_tokens": aligned,
+        "pairs_used": len(per_pair),
+        "max_abs_shift": float(np.nanmax(np.abs(shift))),
+    }

@@ -1,0 +1,128 @@
+"""Training dynamics across depth (the paper's Figure 5 b/c): output and gradient magnitude per layer.
+
+`DepthDynamicsCallback` records, every `every` steps, on a fixed probe batch:
+
+- `hidden_rms[l]`: RMS of what follows layer `l` in `hidden_states` (baseline: the residual stream after the layer;
+  AttnRes: the routed input of the next layer, or the final normed state after the last);
+- `output_rms[l]`: RMS of layer `l`'s own output, attention plus MLP (what it adds to the stream or the sources);
+- `grad_norm[l]`: L2 norm of the gradients of layer `l`'s parameters at that step, after the Trainer's global
+  gradient clipping (a uniform scale, so the depth profile is unchanged).
+
+`run_dynamics` trains a baseline (`depth_mixing="residual"`) and an AttnRes model of the same shape from scratch on
+the same data and plots both.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from ..modeling import AttnResConfig, AttnResForCausalLM
+
+
+class DepthDynamicsCallback(TrainerCallback):
+    """Record per-layer magnitudes during `Trainer` training; `history` is JSON-ready."""
+
+    def __init__(self, probe_input_ids: torch.Tensor, every: int = 10):
+        self.probe = probe_input_ids
+        self.every = every
+        self.history = {"steps": [], "hidden_rms": [], "output_rms": [], "grad_norm": []}
+        self._grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if (state.global_step + 1) % self.every == 0 or state.global_step == 0:
+            self._grads = [
+                float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in layer.parameters() if p.grad is not None)))
+                for layer in _layers(model)
+            ]
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self._grads is None:
+            return
+        hidden_rms, output_rms = layer_magnitudes(model, self.probe)
+        self.history["steps"].append(state.global_step)
+        self.history["hidden_rms"].append(hidden_rms)
+        self.history["output_rms"].append(output_rms)
+        self.history["grad_norm"].append(self._grads)
+        self._grads = None
+
+
+def _layers(model):
+    inner = model.module if hasattr(model, "module") else model
+    return inner.model.layers
+
+
+def _rms(x: torch.Tensor) -> float:
+    return float(x.float().pow(2).mean().sqrt())
+
+
+@torch.no_grad()
+def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[float]]:
+    """`(hidden_rms, output_rms)` per layer on `input_ids` (see the module docstring)."""
+    outputs: dict[int, float] = {}
+    hooks = []
+    for index, layer in enumerate(_layers(model)):
+        def capture(module, args, out, index=index):
+            value = out[0] if isinstance(out, tuple) else out
+            outputs[index] = outputs.get(index, 0.0) + _rms(value) ** 2  # attn and mlp: add their mean squares
+        hooks += [layer.self_attn.register_forward_hook(capture), layer.mlp.register_forward_hook(capture)]
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(input_ids.to(next(model.parameters()).device), output_hidden_states=True, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    hidden_rms = [_rms(h) for h in out.hidden_states[1:]]
+    return hidden_rms, [outputs[i] ** 0.5 for i in range(len(outputs))]
+
+
+def run_dynamics(
+    data: list[str],
+    tokenizer,
+    output_dir: str | Path,
+    steps: int = 300,
+    num_hidden_layers: int = 8,
+    hidden_size: int = 128,
+    seq_len: int = 128,
+    batch_size: int = 8,
+    learning_rate: float = 1e-3,
+    every: int = 25,
+    seed: int = 0,
+) -> dict:
+    """Train a baseline and a Block AttnRes model (same shape, same data, same seed) from scratch and record their
+    depth dynamics. Writes `dynamics.json` and `dynamics.png` to `output_dir`; returns the histories."""
+    from ..training import AttnResTrainer, packed_lm_dataset
+
+    output_dir = Path(output_dir)
+    dataset = packed_lm_dataset(data, tokenizer, seq_len=seq_len, eval_fraction=0.02)
+    probe = torch.tensor(dataset["eval"][: min(4, len(dataset["eval"]))]["input_ids"])
+    histories = {}
+    for name, depth_mixing in (("baseline (residual)", "residual"), ("Block AttnRes", "attnres")):
+        torch.manual_seed(seed)
+        config = AttnResConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=max(1, hidden_size // 32),
+            max_position_embeddings=seq_len, depth_mixing=depth_mixing, tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = AttnResForCausalLM(config)
+        callback = DepthDynamicsCallback(probe, every=every)
+        args = TrainingArguments(
+            output_dir=str(output_dir / "runs" / depth_mixing), max_steps=steps, per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate, warmup_steps=max(1, steps // 10), lr_scheduler_type="cosine",
+            logging_steps=max(1, steps // 10), save_strategy="no", eval_strategy="no", report_to="none", seed=seed,
+        )
+        trainer = AttnResTrainer(model=model, args=args, train_dataset=dataset["train"], callbacks=[callback],
+                                 entropy_batches=0)
+        trainer.train()
+        histories[name] = callback.history | {"final_train_loss": trainer.state.log_history[-1].get("train_loss")}
+    from .plots import plot_dynamics
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "dynamics.json").write_text(json.dumps(histories, indent=2) + "\n")
+    plot_dynamics(histories, output_dir / "dynamics.png")
+    return histories

@@ -1,0 +1,124 @@
+"""Matplotlib figures of depth routing (the paper's Figure 8 heatmaps) and of training dynamics (Figure 5 b/c)."""
+
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .routing import RoutingRecord  # noqa: E402
+
+
+def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
+    """Mean over `axis` ignoring NaN; all-NaN cells (sources a router cannot read) stay NaN, silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(values, axis=axis)
+
+
+def _router_label(name: str) -> str:
+    if name == "final_res":
+        return "final"
+    _, layer, kind = name.split(".")
+    return f"L{layer} {kind.removesuffix('_res')}"
+
+
+def _heatmap(ax, matrix: np.ndarray, rows: list[str], columns: list[str], title: str, cmap: str, label: str):
+    masked = np.ma.masked_invalid(matrix)
+    colormap = plt.get_cmap(cmap).with_extremes(bad="#e8e8e8")  # grey: sources a router cannot read
+    image = ax.imshow(masked, aspect="auto", cmap=colormap, interpolation="nearest")
+    ax.set_yticks(range(len(rows)), [_router_label(r) for r in rows], fontsize=_fontsize(len(rows)))
+    ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=_fontsize(len(columns)))
+    ax.set_xlabel("source")
+    ax.set_ylabel("router (sub-layer input, depth order)")
+    ax.set_title(title, fontsize=10)
+    ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.02, label=label)
+
+
+def _fontsize(n: int) -> float:
+    return max(4.0, min(9.0, 360.0 / max(n, 1)))
+
+
+def _figure(n_rows: int, n_cols: int, panels: int = 2):
+    width = min(30.0, 3.0 + panels * (2.5 + 0.22 * n_cols))
+    height = min(30.0, 2.5 + 0.2 * n_rows)
+    return plt.subplots(1, panels, figsize=(width, height), squeeze=False)
+
+
+def plot_average_routing(record: RoutingRecord, path: str | Path, title: str = "") -> Path:
+    """Token-averaged depth weights next to the token-averaged contributions `alpha_i * ||v_i||`."""
+    fig, axes = _figure(len(record.routers), len(record.sources))
+    tokens = len(record.tokens)
+    _heatmap(axes[0, 0], _nanmean(record.weights, axis=1), record.routers, record.sources,
+             f"depth weights alpha, mean over {tokens} tokens", "viridis", "alpha")
+    _heatmap(axes[0, 1], _nanmean(record.contributions, axis=1), record.routers, record.sources,
+             "contribution alpha * ||v||, mean over tokens", "magma", "alpha * ||v||")
+    fig.suptitle(title or "AttnRes depth routing")
+    return _save(fig, path)
+
+
+def plot_token_routing(record: RoutingRecord, path: str | Path, start: int, end: int | None = None, title: str = "") -> Path:
+    """Depth weights and contributions for token `start` (or the mean over the span `[start, end)`): input-specific
+    jumps that averages over a whole text hide."""
+    end = start + 1 if end is None else end
+    if not 0 <= start < end <= len(record.tokens):
+        raise ValueError(f"token span [{start}, {end}) is outside the {len(record.tokens)} tokens")
+    span = "".join(record.tokens[start:end]).replace("Ġ", " ").replace("Ċ", "\\n")
+    fig, axes = _figure(len(record.routers), len(record.sources))
+    _heatmap(axes[0, 0], _nanmean(record.weights[:, start:end], axis=1), record.routers, record.sources,
+             f"depth weights at tokens [{start}, {end}): {span[:40]!r}", "viridis", "alpha")
+    _heatmap(axes[0, 1], _nanmean(record.contributions[:, start:end], axis=1), record.routers, record.sources,
+             "contribution alpha * ||v||", "magma", "alpha * ||v||")
+    fig.suptitle(title or "AttnRes depth routing, per token")
+    return _save(fig, path)
+
+
+def plot_shift(routers: list[str], sources: list[str], shift: np.ndarray, path: str | Path, title: str = "") -> Path:
+    """Heatmap of the change of mean depth weights (b minus a) per router and source, centred at zero."""
+    fig, axes = _figure(len(routers), len(sources), panels=1)
+    ax = axes[0, 0]
+    limit = np.nanmax(np.abs(shift)) if np.isfinite(shift).any() and np.nanmax(np.abs(shift)) > 0 else 1.0
+    masked = np.ma.masked_invalid(shift)
+    colormap = plt.get_cmap("RdBu_r").with_extremes(bad="#e8e8e8")
+    image = ax.imshow(masked, aspect="auto", cmap=colormap, vmin=-limit, vmax=limit, interpolation="nearest")
+    ax.set_yticks(range(len(routers)), [_router_label(r) for r in routers], fontsize=_fontsize(len(routers)))
+    ax.set_xticks(range(len(sources)), sources, rotation=60, ha="right", fontsize=_fontsize(len(sources)))
+    ax.set_xlabel("source")
+    ax.set_ylabel("router")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02, label="mean alpha shift (b - a)")
+    ax.set_title(title or "depth-weight shift after the difference", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_dynamics(histories: dict[str, dict], path: str | Path) -> Path:
+    """Per-layer magnitudes at the last recorded step, one line per model (the paper's Figure 5 b/c).
+
+    `histories[name]` is a `DepthDynamicsCallback.history`: `steps`, and per recorded step one value per layer of
+    `hidden_rms`, `output_rms` and `grad_norm`.
+    """
+    panels = (("hidden_rms", "stream magnitude: RMS of hidden_states after each layer"),
+              ("output_rms", "output magnitude: RMS of each layer's attention + MLP output"),
+              ("grad_norm", "gradient magnitude: norm of each layer's parameter gradients"))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for ax, (key, title) in zip(axes, panels):
+        for name, history in histories.items():
+            ax.plot(range(1, len(history[key][-1]) + 1), history[key][-1], marker="o",
+                    label=f"{name}, step {history['steps'][-1]}")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
