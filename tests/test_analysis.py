@@ -138,3 +138,16 @@ def test_dynamics_trains_baseline_and_attnres_and_records_every_layer(tmp_path):
             assert len(history[key]) == 4 and all(len(row) == 4 and all(v > 0 for v in row) for row in history[key])
     assert (tmp_path / "out" / "dynamics.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "dynamics.json").read_text()).keys() == histories.keys()
+
+
+def test_dynamics_cli(tmp_path, capsys):
+    from conftest import counting_text
+
+    word_tokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "text.txt").write_text(counting_text(lines=100))
+    assert main(["routing", "dynamics", "--data", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "tok"),
+                 "--steps", "4", "--layers", "2", "--hidden-size", "32", "--seq-len", "32", "--every", "2",
+                 "--output-dir", str(tmp_path / "dyn")]) == 0
+    out = capsys.readouterr().out
+    assert "baseline (residual): final train loss" in out and "Block AttnRes: final train loss" in out
+    assert (tmp_path / "dyn" / "dynamics.png").exists()

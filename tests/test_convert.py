@@ -124,6 +124,29 @@ def test_truncated_gguf_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_invalid_block_size_is_refused_before_loading_weights(tmp_path, capsys, monkeypatch):
+    tiny_source("llama").save_pretrained(tmp_path / "source")
+    convert_module = importlib.import_module("attnres_hf.conversion.convert")
+    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    error = _bad_input_error(capsys, tmp_path / "source", tmp_path / "out", "--block-size", "3")
+    assert "attnres_block_size must be 1 (Full AttnRes) or a positive even number" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_written_files_are_readable_by_others(tmp_path):
+    import os
+    import stat
+
+    tiny_source("llama").save_pretrained(tmp_path / "source")
+    umask = os.umask(0o022)
+    try:
+        assert run_cli(tmp_path / "source", tmp_path / "out") == 0
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert modes["out"] == 0o755 and modes["model.safetensors"] == 0o644, modes
+
+
 def test_folder_without_weights_is_refused(tmp_path, capsys):
     tiny_source("llama").config.save_pretrained(tmp_path / "empty")
     assert "has no model weights" in _bad_input_error(capsys, tmp_path / "empty", tmp_path / "out")

@@ -28,6 +28,6 @@ def test_cli_info_describes_the_block_layout(tmp_path, capsys):
     tiny_config(attnres_block_size=4).save_pretrained(tmp_path)
     assert main(["info", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "Block AttnRes, 2 blocks" in out
+    assert "Block AttnRes, 2 blocks, the last of 2" in out
     assert "block   1: 0.attn 0.mlp 1.attn 1.mlp" in out and "block   2: 2.attn 2.mlp" in out
     assert main(["info", str(tmp_path / "missing")]) == 2

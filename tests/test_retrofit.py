@@ -1,4 +1,4 @@
-"""Retrofit: a converted model computes the source's logits (DESIGN.md §2)."""
+"""Retrofit: a converted model computes the source's logits (zero queries + RMSNorm scale invariance)."""
 
 import pytest
 import torch

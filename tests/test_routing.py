@@ -94,7 +94,7 @@ def test_fast_path_matches_naive_on_outputs_weights_and_gradients(block_size, re
 
 
 def test_rescaled_zero_queries_give_the_residual_sum(input_ids):
-    """DESIGN §2: with `attnres_rescale_output`, zero queries reproduce the residual stream exactly."""
+    """With `attnres_rescale_output`, zero queries reproduce the residual stream exactly (the retrofit property)."""
     model = tiny_model(attnres_block_size=2, attnres_rescale_output=True, routers=False)
     with torch.no_grad():
         _, _, routed, outputs, embedding = reference_forward(model, input_ids)

@@ -23,6 +23,8 @@ def staged_folder(target: str | os.PathLike, replace: bool = False) -> Iterator[
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield staging
+        for path in staging.rglob("*"):  # some writers (safetensors) create private files; publish them as usual
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
         if target.exists():
             if not replace:
                 raise FileExistsError(f"{target} already exists; pass --force to replace it")

@@ -35,7 +35,10 @@ def _info(args: argparse.Namespace) -> int:
     print(f"hidden_size         {config.hidden_size}")
     if config.depth_mixing == "attnres":
         kind = "Full AttnRes" if config.attnres_block_size == 1 else "Block AttnRes"
-        print(f"block size          {config.attnres_block_size} sub-layers ({kind}, {config.num_attnres_blocks} blocks)")
+        size = config.attnres_block_size
+        last = config.num_sublayers - size * (config.num_attnres_blocks - 1)
+        layout = f"{config.num_attnres_blocks} blocks" + (f", the last of {last}" if last != size else "")
+        print(f"block size          {size} sub-layer{'s' if size > 1 else ''} ({kind}, {layout})")
         print(f"routers             {config.num_sublayers + 1} (attn_res and mlp_res per layer, final_res)")
         print(f"router parameters   {(config.num_sublayers + 1) * 2 * config.hidden_size:,}")
         for index, block in enumerate(block_layout(config), start=1):

@@ -26,10 +26,12 @@ def _router_label(name: str) -> str:
     return f"L{layer} {kind.removesuffix('_res')}"
 
 
-def _heatmap(ax, matrix: np.ndarray, rows: list[str], columns: list[str], title: str, cmap: str, label: str):
+def _heatmap(ax, matrix: np.ndarray, rows: list[str], columns: list[str], title: str, cmap: str, label: str,
+             limits: tuple[float, float] | None = None):
     masked = np.ma.masked_invalid(matrix)
     colormap = plt.get_cmap(cmap).with_extremes(bad="#e8e8e8")  # grey: sources a router cannot read
-    image = ax.imshow(masked, aspect="auto", cmap=colormap, interpolation="nearest")
+    vmin, vmax = limits if limits is not None else (None, None)
+    image = ax.imshow(masked, aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
     ax.set_yticks(range(len(rows)), [_router_label(r) for r in rows], fontsize=_fontsize(len(rows)))
     ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=_fontsize(len(columns)))
     ax.set_xlabel("source")
@@ -42,6 +44,24 @@ def _fontsize(n: int) -> float:
     return max(4.0, min(9.0, 360.0 / max(n, 1)))
 
 
+def _relative_to_uniform(weights: np.ndarray) -> np.ndarray:
+    """`log2(alpha * n_sources)` per router row: 0 is uniform, +1 twice the uniform weight, -1 half of it."""
+    readable = np.isfinite(weights).sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        return np.log2(np.clip(weights * readable, 1e-6, None))
+
+
+def _three_panels(fig_axes, weights: np.ndarray, contributions: np.ndarray, record: RoutingRecord, what: str):
+    fig, axes = fig_axes
+    _heatmap(axes[0, 0], weights, record.routers, record.sources, f"depth weights alpha, {what}", "viridis", "alpha")
+    relative = _relative_to_uniform(weights)
+    bound = max(0.25, float(np.nanmax(np.abs(relative[1:])))) if len(relative) > 1 else 1.0
+    _heatmap(axes[0, 1], relative, record.routers, record.sources, "alpha relative to uniform: log2(alpha * n)",
+             "RdBu_r", "log2(alpha * n_sources)", limits=(-bound, bound))
+    _heatmap(axes[0, 2], contributions, record.routers, record.sources, "contribution alpha * ||v||", "magma",
+             "alpha * ||v||")
+
+
 def _figure(n_rows: int, n_cols: int, panels: int = 2):
     width = min(30.0, 3.0 + panels * (2.5 + 0.22 * n_cols))
     height = min(30.0, 2.5 + 0.2 * n_rows)
@@ -49,13 +69,12 @@ def _figure(n_rows: int, n_cols: int, panels: int = 2):
 
 
 def plot_average_routing(record: RoutingRecord, path: str | Path, title: str = "") -> Path:
-    """Token-averaged depth weights next to the token-averaged contributions `alpha_i * ||v_i||`."""
-    fig, axes = _figure(len(record.routers), len(record.sources))
-    tokens = len(record.tokens)
-    _heatmap(axes[0, 0], _nanmean(record.weights, axis=1), record.routers, record.sources,
-             f"depth weights alpha, mean over {tokens} tokens", "viridis", "alpha")
-    _heatmap(axes[0, 1], _nanmean(record.contributions, axis=1), record.routers, record.sources,
-             "contribution alpha * ||v||, mean over tokens", "magma", "alpha * ||v||")
+    """Token-averaged depth weights, the same relative to uniform (`log2(alpha * n)`, so that routers with many
+    sources are readable too), and the token-averaged contributions `alpha_i * ||v_i||`."""
+    fig_axes = _figure(len(record.routers), len(record.sources), panels=3)
+    _three_panels(fig_axes, _nanmean(record.weights, axis=1), _nanmean(record.contributions, axis=1), record,
+                  f"mean over {len(record.tokens)} tokens")
+    fig = fig_axes[0]
     fig.suptitle(title or "AttnRes depth routing")
     return _save(fig, path)
 
@@ -67,12 +86,11 @@ def plot_token_routing(record: RoutingRecord, path: str | Path, start: int, end:
     if not 0 <= start < end <= len(record.tokens):
         raise ValueError(f"token span [{start}, {end}) is outside the {len(record.tokens)} tokens")
     span = "".join(record.tokens[start:end]).replace("Ġ", " ").replace("Ċ", "\\n")
-    fig, axes = _figure(len(record.routers), len(record.sources))
-    _heatmap(axes[0, 0], _nanmean(record.weights[:, start:end], axis=1), record.routers, record.sources,
-             f"depth weights at tokens [{start}, {end}): {span[:40]!r}", "viridis", "alpha")
-    _heatmap(axes[0, 1], _nanmean(record.contributions[:, start:end], axis=1), record.routers, record.sources,
-             "contribution alpha * ||v||", "magma", "alpha * ||v||")
-    fig.suptitle(title or "AttnRes depth routing, per token")
+    fig_axes = _figure(len(record.routers), len(record.sources), panels=3)
+    _three_panels(fig_axes, _nanmean(record.weights[:, start:end], axis=1),
+                  _nanmean(record.contributions[:, start:end], axis=1), record, f"tokens [{start}, {end})")
+    fig = fig_axes[0]
+    fig.suptitle(f"{title or 'AttnRes depth routing, per token'}\ntokens [{start}, {end}): {span[:60]!r}")
     return _save(fig, path)
 
 

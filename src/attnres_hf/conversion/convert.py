@@ -17,6 +17,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
+from ..modeling import AttnResConfig
+from .families import attnres_config_fields
 from .retrofit import load_source, load_source_config, retrofit
 from .verify import PROBE_TEXT, verify_conversion
 
@@ -72,7 +74,7 @@ def model_card(report: dict) -> ModelCard:
 # {Path(report["output_dir"]).name}
 
 An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retrofitted from
-`{source["name"]}` ({source["model_type"]}) with [attnres-hf](https://pypi.org/project/attnres-hf/) {__version__}.
+`{source["name"]}` ({source["model_type"]}) with attnres-hf {__version__}.
 
 - Method: {method}.
 - Every backbone weight is copied unchanged; the depth routers' pseudo-queries are zero, so at conversion time the
@@ -97,8 +99,8 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retro
 import attnres_hf  # registers the model; or pass trust_remote_code=True without the package
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("PATH")
-tokenizer = AutoTokenizer.from_pretrained("PATH")
+model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}")  # this folder or its Hub id
+tokenizer = AutoTokenizer.from_pretrained("{Path(report["output_dir"]).name}")
 ```
 
 ## Citation
@@ -165,7 +167,9 @@ def convert(
         source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
         source_model, name = source_model.eval(), str(source.config._name_or_path or "in-memory model")
     else:
-        load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
+        source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
+        size = {"attnres_block_size": attnres_block_size} if attnres_block_size is not None else {}
+        AttnResConfig(**(attnres_config_fields(source_config) | config_overrides | size), depth_mixing=depth_mixing)
         tokenizer = tokenizer or load_tokenizer(source, gguf_file)
         source_model, name = load_source(source, gguf_file, dtype=torch.float32), str(source)
     name = source_name or name

@@ -1,6 +1,6 @@
 """Retrofit a pretrained Llama / Mistral / Qwen2 / Qwen3 model into AttnRes, exactly at conversion time.
 
-Why it is exact (DESIGN.md §2): every reader of the residual stream of a pre-norm model is an RMSNorm, which is
+Why it is exact: every reader of the residual stream of a pre-norm model is an RMSNorm, which is
 scale-invariant up to `eps`. With zero pseudo-queries an AttnRes router returns the *mean* of its sources, and the
 sources (Full: embedding and every sub-layer output; Block: embedding and block sums, paper Eq. 6) partition the
 residual sum. So copying every weight unchanged and zeroing the routers gives the same normalised inputs, the same
