@@ -101,6 +101,9 @@ def test_aligned_suffix():
 def test_layer_magnitudes_shapes_and_baseline_stream_growth(input_ids):
     hidden, output = layer_magnitudes(tiny_model(depth_mixing="residual"), input_ids)
     assert len(hidden) == len(output) == 3 and all(v > 0 for v in hidden + output)
+    with torch.no_grad():  # the baseline stream before the final norm is the residual sum, growing with depth here
+        states = tiny_model(depth_mixing="residual").model(input_ids, output_hidden_states=True).hidden_states
+    assert hidden[:2] == pytest.approx([float(h.pow(2).mean().sqrt()) for h in states[1:3]])
 
 
 def test_routing_cli_writes_figures_arrays_and_summary(tmp_path, capsys):

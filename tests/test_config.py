@@ -16,6 +16,10 @@ from conftest import tiny_config
         pytest.param(dict(hidden_size=30), "must be a multiple of num_attention_heads", id="hidden-not-divisible"),
         pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),
         pytest.param(dict(layer_types=["sliding_attention"] * 3), "sliding_window must be set", id="sliding-without-window"),
+        pytest.param(dict(sliding_window=-1), "sliding_window must be a positive number", id="negative-window"),
+        pytest.param(dict(head_dim=0), "head_dim must be a positive even integer", id="head-dim-0"),
+        pytest.param(dict(hidden_act="nonsense"), "hidden_act must be one of", id="unknown-activation"),
+        pytest.param(dict(rope_parameters={"rope_type": "nonsense", "rope_theta": 1e4}), "rope_type", id="unknown-rope"),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_rule(overrides, rule):
@@ -48,3 +52,15 @@ def test_full_attnres_and_rope_scaling_are_accepted():
     config = tiny_config(attnres_block_size=1, rope_parameters=rope)
     assert config.num_attnres_blocks == 6
     assert config.rope_parameters["rope_type"] == "llama3"
+
+
+def test_rules_are_checked_again_when_a_model_is_built(tmp_path):
+    from attnres_hf import AttnResForCausalLM
+
+    config = tiny_config()
+    config.attnres_block_size = 5
+    with pytest.raises(ValueError, match="attnres_block_size must be 1"):
+        AttnResForCausalLM(config)
+    AttnResForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="attnres_block_size must be 1"):
+        AttnResForCausalLM.from_pretrained(tmp_path, attnres_block_size=3)

@@ -1,6 +1,5 @@
 """Checkpoints: native and remote-code loading, Auto classes, dtype, missing routers."""
 
-import importlib
 import json
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-import attnres_hf
 from attnres_hf import AttnResForCausalLM, AttnResModel
 from conftest import tiny_model
 

@@ -6,8 +6,9 @@ import torch
 from conftest import tiny_model
 
 
+@pytest.mark.parametrize("reentrant", [None, False, True], ids=["default", "non-reentrant", "reentrant-asked"])
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
-def test_gradient_checkpointing_gives_the_same_gradients(block_size, input_ids):
+def test_gradient_checkpointing_gives_the_same_gradients(block_size, reentrant, input_ids):
     model = tiny_model(attnres_block_size=block_size).train()
     labels = input_ids.clone()
 
@@ -15,7 +16,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(block_size, input_ids):
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    model.gradient_checkpointing_enable()
+    # use_reentrant=True (asked for by older recipes) cannot follow the depth state: it is replaced, not obeyed
+    model.gradient_checkpointing_enable(None if reentrant is None else {"use_reentrant": reentrant})
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     recomputed_layers = []
     hook = model.model.layers[0].self_attn.register_forward_hook(lambda *a: recomputed_layers.append(1))

@@ -28,6 +28,17 @@ def block_layout(config: AttnResConfig) -> list[list[str]]:
 
 
 def _info(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    path = Path(args.path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json at {args.path}")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != AttnResConfig.model_type:
+        raise ValueError(f"{args.path} is not an AttnRes checkpoint (model_type {model_type!r}); "
+                         "`attnres convert` retrofits Llama/Mistral/Qwen2/Qwen3 ones")
     config = AttnResConfig.from_pretrained(args.path)
     print(f"model_type          {config.model_type}")
     print(f"depth_mixing        {config.depth_mixing}")
@@ -83,7 +94,8 @@ def _train(args: argparse.Namespace) -> int:
     from .training import DEFAULT_LEARNING_RATES, train
 
     parser = _train_parser()
-    argv = ["--learning_rate" if arg == "--lr" else arg for arg in args.rest]
+    argv = ["--learning_rate" if arg == "--lr" else arg.replace("--lr=", "--learning_rate=", 1)
+            if arg.startswith("--lr=") else arg for arg in args.rest]
     given = {arg.lstrip("-").split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     for name, value in TRAIN_DEFAULTS.items():
         if name not in given:

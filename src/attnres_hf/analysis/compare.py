@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .routing import record_routing
+
 EXAMPLE_PAIRS = Path(__file__).parent / "data" / "routing_pairs.jsonl"
 """Shipped example: 12 short texts, each with one word changed so that the rest of the text reads as consistent
 (`a`) or contradicted (`b`) by what came before."""
-
-from .routing import record_routing
 
 
 def load_pairs(path: str | Path) -> list[dict]:

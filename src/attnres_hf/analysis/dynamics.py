@@ -2,8 +2,8 @@
 
 `DepthDynamicsCallback` records, every `every` steps, on a fixed probe batch:
 
-- `hidden_rms[l]`: RMS of what follows layer `l` in `hidden_states` (baseline: the residual stream after the layer;
-  AttnRes: the routed input of the next layer, or the final normed state after the last);
+- `hidden_rms[l]`: RMS of the stream after layer `l` (baseline: the residual stream; AttnRes: the routed input of
+  the next layer, and for the last layer the final router's output), always before the final norm;
 - `output_rms[l]`: RMS of layer `l`'s own output, attention plus MLP (what it adds to the stream or the sources);
 - `grad_norm[l]`: L2 norm of the gradients of layer `l`'s parameters at that step, after the Trainer's global
   gradient clipping (a uniform scale, so the depth profile is unchanged).
@@ -61,7 +61,9 @@ def _rms(x: torch.Tensor) -> float:
 def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[float]]:
     """`(hidden_rms, output_rms)` per layer on `input_ids` (see the module docstring)."""
     outputs: dict[int, float] = {}
-    hooks = []
+    final: list[float] = []
+    inner = model.module if hasattr(model, "module") else model
+    hooks = [inner.model.norm.register_forward_hook(lambda module, args, out: final.append(_rms(args[0])))]
     for index, layer in enumerate(_layers(model)):
         def capture(module, args, out, index=index):
             value = out[0] if isinstance(out, tuple) else out
@@ -75,7 +77,7 @@ def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[
         for hook in hooks:
             hook.remove()
         model.train(was_training)
-    hidden_rms = [_rms(h) for h in out.hidden_states[1:]]
+    hidden_rms = [_rms(h) for h in out.hidden_states[1:-1]] + final  # the last entry of hidden_states is normed
     return hidden_rms, [outputs[i] ** 0.5 for i in range(len(outputs))]
 
 

@@ -117,7 +117,7 @@ def plot_dynamics(histories: dict[str, dict], path: str | Path) -> Path:
     `histories[name]` is a `DepthDynamicsCallback.history`: `steps`, and per recorded step one value per layer of
     `hidden_rms`, `output_rms` and `grad_norm`.
     """
-    panels = (("hidden_rms", "stream magnitude: RMS of hidden_states after each layer"),
+    panels = (("hidden_rms", "stream magnitude: RMS after each layer (before the final norm)"),
               ("output_rms", "output magnitude: RMS of each layer's attention + MLP output"),
               ("grad_norm", "gradient magnitude: norm of each layer's parameter gradients"))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))

@@ -74,11 +74,15 @@ def record_routing(model, input_ids: torch.Tensor, tokenizer=None) -> RoutingRec
     (`(seq_len,)` or `(1, seq_len)`) and collect its depth weights and source value norms (L2 norm per token).
 
     Raises:
-        ValueError: for a model without depth routers.
+        ValueError: for a model without depth routers, a batch of several sequences, or an empty input.
     """
     config = model.config
     if getattr(config, "depth_mixing", None) != "attnres":
         raise ValueError("routing maps need an AttnRes model (depth_mixing='attnres'); this one has no routers")
+    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"record_routing takes one sequence, (seq_len,) or (1, seq_len); got {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("record_routing needs at least one token; the input is empty")
     input_ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     names = router_names(config)
     norms: dict[str, torch.Tensor] = {}

@@ -158,6 +158,12 @@ def convert(
     output_dir = Path(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file, not a folder; choose another output folder")
+    target = output_dir.resolve()
+    protected = [Path.cwd().resolve()] + ([Path(source).resolve()] if not isinstance(source, PreTrainedModel) else [])
+    if any(target == p or target in p.parents for p in protected):
+        raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
     target_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(target_dtype, torch.dtype) or not target_dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point torch dtype such as float32 or bfloat16, got {dtype!r}")

@@ -12,9 +12,11 @@ paper's plain mean.
 
 import copy
 import os
+import pickle
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -86,7 +88,10 @@ def load_source(
     path = Path(source)
     if gguf_file is None and path.suffix == ".gguf":
         path, gguf_file = path.parent, path.name
-    return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype).eval()
+    except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files
+        raise ValueError(f"{path}: the weights cannot be read, the file is truncated or corrupt ({error})") from None
 
 
 def serializable_copy(model: PreTrainedModel) -> PreTrainedModel:

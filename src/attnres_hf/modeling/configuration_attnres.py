@@ -6,8 +6,9 @@ this config field by field. New fields are prefixed (`depth_mixing`, `attnres_*`
 Travels with checkpoints as remote code (`auto_map`): imports only `transformers`.
 """
 
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 
 DEPTH_MIXING_METHODS = ("residual", "attnres")
@@ -60,7 +61,8 @@ class AttnResConfig(PreTrainedConfig):
     Raises:
         ValueError: on an unknown `depth_mixing`, a block size that is neither 1 nor a positive even number,
             more key/value heads than attention heads or heads that do not divide, a `head_dim`-less config
-            whose `hidden_size` is not a multiple of the head count, or `layer_types` of the wrong length.
+            whose `hidden_size` is not a multiple of the head count, an odd or non-positive `head_dim`, an unknown
+            `hidden_act` or `rope_type`, a non-positive `sliding_window`, or `layer_types` of the wrong length.
 
     Example:
 
@@ -155,6 +157,17 @@ class AttnResConfig(PreTrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                 f"({self.num_attention_heads}) unless head_dim is given"
             )
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even integer (rotary pairs), got {self.head_dim!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act must be one of transformers' activations (e.g. 'silu'), got {self.hidden_act!r}")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(
+                f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, got {rope_type!r}"
+            )
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types must have one entry per layer ({self.num_hidden_layers}), got {len(self.layer_types)}"
@@ -162,7 +175,7 @@ class AttnResConfig(PreTrainedConfig):
         bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ValueError(f"layer_types entries must be 'full_attention' or 'sliding_attention', got {bad}")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
 
     @property

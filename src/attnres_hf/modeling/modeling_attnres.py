@@ -11,12 +11,14 @@ The classes follow `transformers`' `modeling_llama.py` in data-flow order; depar
 its sibling `configuration_attnres`.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -28,12 +30,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
+
+logger = logging.get_logger(__name__)
 
 
 class AttnResRMSNorm(nn.Module):
@@ -401,6 +405,26 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_record_outputs = {"attentions": AttnResAttention}
+
+    def __init__(self, config: AttnResConfig, *args, **kwargs):
+        config.validate_architecture()  # also after `from_pretrained(..., attnres_block_size=...)` or a setattr
+        super().__init__(config, *args, **kwargs)
+
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
+    ):
+        # AttnRes: a decoder layer passes its depth state as a NamedTuple of tensors; reentrant checkpointing only
+        # tracks tensors given directly, so it would silently cut the gradient at every layer. Use non-reentrant.
+        keywords = getattr(gradient_checkpointing_func, "keywords", {})
+        if enable and keywords.get("use_reentrant"):
+            logger.warning_once(
+                "AttnRes needs non-reentrant activation checkpointing (use_reentrant=True cannot follow the depth "
+                "state between layers); using use_reentrant=False."
+            )
+            gradient_checkpointing_func = functools.partial(
+                gradient_checkpointing_func.func, *gradient_checkpointing_func.args, **{**keywords, "use_reentrant": False}
+            )
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         if self._auto_class is not None:

@@ -15,12 +15,22 @@ def _load_raw(path: Path, text_field: str) -> Dataset:
         # one example per file: packing joins everything anyway, and line breaks stay part of the text
         loaded = Dataset.from_dict({text_field: [path.read_text(encoding="utf-8", errors="replace")]})
     elif path.suffix in (".jsonl", ".json"):
-        loaded = load_dataset("json", data_files=str(path), split="train")
+        if not path.read_text(encoding="utf-8", errors="replace").strip():
+            raise ValueError(f"{path} is empty")
+        try:
+            loaded = load_dataset("json", data_files=str(path), split="train")
+        except Exception as error:  # datasets wraps JSON errors in its own generation error
+            cause = error.__cause__ or error
+            raise ValueError(f"{path} is not valid JSON lines ({type(cause).__name__}: {cause})") from None
     else:
         raise ValueError(f"{path}: unsupported data file (use .txt, .jsonl or a datasets folder from save_to_disk)")
     if text_field not in loaded.column_names:
         raise ValueError(f"{path} has no {text_field!r} column (columns: {', '.join(loaded.column_names)})")
-    return loaded.select_columns([text_field])
+    loaded = loaded.select_columns([text_field])
+    bad = next((i for i, text in enumerate(loaded[text_field]) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: row {bad} has a {text_field!r} that is not a string ({loaded[bad][text_field]!r})")
+    return loaded
 
 
 def packed_lm_dataset(
@@ -38,9 +48,13 @@ def packed_lm_dataset(
     train and eval never share text. Each example has `input_ids` and `labels` (equal; the model shifts them).
 
     Raises:
-        FileNotFoundError: a missing file. ValueError: an unsupported file type, a missing text column, or too
-        little text for two blocks.
+        FileNotFoundError: a missing file. ValueError: an unsupported file type, an empty or malformed `.jsonl`, a
+        missing or non-string text column, `seq_len < 2`, or too little text for two blocks.
     """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2 tokens, got {seq_len}")
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}")
     paths = [Path(f) for f in files]
     for path in paths:
         if not path.exists():
