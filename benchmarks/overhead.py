@@ -13,7 +13,7 @@ Peak memory of the training step: on CUDA `torch.cuda.max_memory_allocated`; on 
 step keeps alive (parameters, gradients and every tensor saved for backward, deduplicated by storage), counted with
 autograd's saved-tensor hooks, since CPU has no allocator statistics.
 
-Paper targets (§4, on GPU with fused kernels): Block <= 1.04x on the training step and <= 1.02x on prefill and
+Targets from the paper's efficiency claims (GPU, fused kernels): Block <= 1.04x on the training step and <= 1.02x on prefill and
 decode; Full <= 1.10x; Block training peak memory <= 1.10x.
 
     python benchmarks/overhead.py                 # CPU

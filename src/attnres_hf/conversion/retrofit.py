@@ -164,7 +164,7 @@ def retrofit(
             if name in copied:
                 continue
             if name.endswith("_res.query"):
-                param.zero_()  # AttnRes: uniform depth weights, the mean of the sources (§2)
+                param.zero_()  # AttnRes: uniform depth weights, the mean of the sources (exact retrofit)
             elif name.endswith("_res.key_norm.weight"):
                 param.fill_(1.0)
             else:

@@ -16,7 +16,7 @@ DEPTH_MIXING_METHODS = ("residual", "attnres")
 
 
 def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> int:
-    """Sub-layers per block that give about `num_blocks` blocks (paper §3.2: ~8 blocks recover most of the gain).
+    """Sub-layers per block that give about `num_blocks` blocks (the paper: ~8 blocks recover most of the gain).
 
     A model with `num_hidden_layers = L` has `2 L` sub-layers (attention and MLP each count). The result is even,
     so blocks start at an attention sub-layer, and at least 2.
@@ -49,7 +49,7 @@ class AttnResConfig(PreTrainedConfig):
             How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
             to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 2-4 and 6).
         attnres_block_size (`int`, *optional*):
-            Sub-layers per block (paper §3.2, `S`). `1` is Full AttnRes (every sub-layer output is a source);
+            Sub-layers per block (the paper's `S`). `1` is Full AttnRes (every sub-layer output is a source);
             otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
             (see `default_attnres_block_size`). The last block may be partial.
         attnres_rescale_output (`bool`, defaults to `False`):
@@ -180,7 +180,7 @@ class AttnResConfig(PreTrainedConfig):
 
     @property
     def num_sublayers(self) -> int:
-        """Attention and MLP each count as one sub-layer (paper §3): `2 * num_hidden_layers`."""
+        """Attention and MLP each count as one sub-layer (a "layer" in the paper): `2 * num_hidden_layers`."""
         return 2 * self.num_hidden_layers
 
     @property

@@ -151,7 +151,7 @@ class AttnResState(NamedTuple):
 class AttnResRouter(nn.Module):
     """Softmax attention over depth sources with a learned pseudo-query (paper Eq. 2-4 and 6).
 
-    Parameters: `query` (`(hidden_size,)`, zero-initialised so that training starts from uniform weights, §3.1)
+    Parameters: `query` (`(hidden_size,)`, zero-initialised so that training starts from uniform weights, which the paper requires)
     and `key_norm` (an RMSNorm with its own weight). No `nn.Linear`, so PEFT's `all-linear` leaves routers alone.
     """
 
@@ -440,7 +440,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        # AttnRes: zero pseudo-queries give uniform depth weights at step 0 (paper §3.1: required for stability).
+        # AttnRes: zero pseudo-queries give uniform depth weights at step 0 (the paper: required for stability).
         if isinstance(module, AttnResRouter):
             init.zeros_(module.query)
 
@@ -469,7 +469,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        # AttnRes: a final router aggregates all sources before the last norm (paper §3; the README pseudocode
+        # AttnRes: a final router aggregates all sources before the last norm (paper text; its README pseudocode
         # omits it).
         self.final_res = DEPTH_MIXING[config.depth_mixing][1](config)
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
