@@ -1,7 +1,7 @@
 """Read the depth routing an AttnRes model computes: per-token depth weights, contributions and summary numbers.
 
 Every router (`layers.N.attn_res`, `layers.N.mlp_res`, `final_res`) returns a distribution over its sources (paper
-Eq. 2-4, 6). To show all routers in one table, sources are placed on a common axis:
+Eq. 1-4, 6). To show all routers in one table, sources are placed on a common axis:
 
 - Full AttnRes: `embedding`, then the output of each sub-layer (`0.attn`, `0.mlp`, `1.attn`, ...);
 - Block AttnRes: `embedding`, then block `n` (`block 1 [0.attn-3.mlp]`, ...). A router inside block `n` reads the

@@ -47,7 +47,7 @@ class AttnResConfig(PreTrainedConfig):
             `"sliding_attention"`; by default every layer slides when `sliding_window` is set.
         depth_mixing (`str`, defaults to `"attnres"`):
             How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
-            to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 2-4 and 6).
+            to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6).
         attnres_block_size (`int`, *optional*):
             Sub-layers per block (the paper's `S`). `1` is Full AttnRes (every sub-layer output is a source);
             otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks

@@ -2,7 +2,7 @@
 
 Kimi Team, "Attention Residuals", arXiv:2603.15031 (2026). A pre-norm transformer computes
 `h_{l+1} = h_l + f_l(Norm(h_l))`. AttnRes instead feeds sub-layer `l` a softmax mix over depth of earlier
-*sources* (Eq. 2-4): `h_l = sum_i alpha_{i->l} v_i`, `alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i))`, where `w_l`
+*sources* (Eq. 1-4): `h_l = sum_i alpha_{i->l} v_i`, `alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i))`, where `w_l`
 is a learned pseudo-query. Block AttnRes (Eq. 6) uses as sources the embedding, the sums of completed blocks of
 `S` sub-layers and the running sum of the current block.
 
@@ -73,7 +73,7 @@ def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def naive_attnres(
     sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference AttnRes router (paper Eq. 2-4), written for clarity; the spec the fast path is tested against.
+    """Reference AttnRes router (paper Eq. 1-4), written for clarity; the spec the fast path is tested against.
 
     `alpha_i = softmax_i(query . RMSNorm(v_i))` (no `1/sqrt(d)`), `h = sum_i alpha_i v_i`, all in fp32.
 
@@ -149,7 +149,7 @@ class AttnResState(NamedTuple):
 
 
 class AttnResRouter(nn.Module):
-    """Softmax attention over depth sources with a learned pseudo-query (paper Eq. 2-4 and 6).
+    """Softmax attention over depth sources with a learned pseudo-query (paper Eq. 1-4 and 6).
 
     Parameters: `query` (`(hidden_size,)`, zero-initialised so that training starts from uniform weights, which the paper requires)
     and `key_norm` (an RMSNorm with its own weight). No `nn.Linear`, so PEFT's `all-linear` leaves routers alone.
@@ -373,7 +373,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[AttnResState | ResidualState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the new depth state, this layer's routed input `(batch, seq_len, hidden_size)` (its entry in
         `hidden_states`) and the depth weights of its two routers (`None` for the residual baseline)."""
-        # AttnRes: the attention input is routed from the depth sources (Eq. 2-4, 6), not the residual sum.
+        # AttnRes: the attention input is routed from the depth sources (Eq. 1-4, 6), not the residual sum.
         state = state.begin_sublayer(2 * self.layer_idx, self.block_size)
         layer_input, attn_depth_weights = self.attn_res(state)
         hidden_states, _ = self.self_attn(
