@@ -152,5 +152,5 @@ def test_dynamics_cli(tmp_path, capsys):
                  "--steps", "4", "--layers", "2", "--hidden-size", "32", "--seq-len", "32", "--every", "2",
                  "--output-dir", str(tmp_path / "dyn")]) == 0
     out = capsys.readouterr().out
-    assert "baseline (residual): final train loss" in out and "Block AttnRes: final train loss" in out
+    assert "baseline (residual): last logged train loss" in out and "Block AttnRes: last logged train loss" in out
     assert (tmp_path / "dyn" / "dynamics.png").exists()

@@ -103,6 +103,12 @@ def test_resume_without_a_checkpoint_is_an_error(tiny_model_dir, capsys):
     assert "no checkpoint-* folder" in capsys.readouterr().err
 
 
+def test_an_earlier_runs_checkpoints_are_not_silently_mixed_with_a_new_run(tiny_model_dir, capsys):
+    (tiny_model_dir / "runs" / "checkpoint-6").mkdir(parents=True)
+    assert run_train(tiny_model_dir, tiny_model_dir / "runs", "--method", "routers", "--max-steps", "2") == 2
+    assert "holds checkpoints of an earlier run (checkpoint-6); pass --resume" in capsys.readouterr().err
+
+
 LAUNCH = {
     "ddp": ["--multi_gpu"],
     "fsdp": ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",

@@ -87,7 +87,11 @@ def _train_parser():
 
     from .training import AttnResArguments
 
-    return HfArgumentParser((AttnResArguments, TrainingArguments), prog="attnres train MODEL")
+    return HfArgumentParser(
+        (AttnResArguments, TrainingArguments),
+        usage="attnres train MODEL --data FILE [FILE ...] [--method {routers,lora,full}] --output-dir DIR "
+        "[--max-steps N] [--seq-len T] [--lr LR] [--resume] [any TrainingArguments flag; _ and - both work]",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -161,7 +165,8 @@ def _routing(argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{'router':<20}{'sources':>8}{'entropy/max':>12}{'embedding':>11}{'recent':>8}{'long jumps':>11}  sinks")
     for row in summary["routers"]:
-        print(f"{row['router']:<20}{row['n_sources']:>8}{row['entropy_ratio']:>12.3f}{row['embedding_mass']:>11.3f}"
+        ratio = "n/a" if row["entropy_ratio"] is None else f"{row['entropy_ratio']:.3f}"
+        print(f"{row['router']:<20}{row['n_sources']:>8}{ratio:>12}{row['embedding_mass']:>11.3f}"
               f"{row['recent_mass']:>8.3f}{row['long_jump_mass']:>11.3f}  {', '.join(row['sinks'])}")
     print(f"wrote {out}/routing_average.png, routing_tokens.png, routing.npz, summary.json")
     return 0
@@ -193,7 +198,9 @@ def _routing_compare(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plot_shift(result["routers"], result["sources"], result["shift"], out / "shift.png",
                title=f"depth-weight shift (b - a) after the difference, {result['pairs_used']} pairs")
-    print(f"{'router':<20}{'largest shift':>14}  source           95% interval")
+    width = max(len(source) for source in result["sources"])
+    print(f"{result['pairs_used']} pairs; aligned tokens after the difference: {result['aligned_tokens']}")
+    print(f"{'router':<20}{'largest shift':>14}  {'source':<{width}}  95% interval")
     rows = []
     for r, router in enumerate(result["routers"]):
         shift = result["shift"][r]
@@ -201,7 +208,7 @@ def _routing_compare(argv: list[str]) -> int:
         low, high = result["low"][r, c], result["high"][r, c]
         rows.append({"router": router, "source": result["sources"][c], "shift": float(shift[c]),
                      "low": float(low), "high": float(high)})
-        print(f"{router:<20}{shift[c]:>+14.4f}  {result['sources'][c]:<16} [{low:+.4f}, {high:+.4f}]")
+        print(f"{router:<20}{shift[c]:>+14.4f}  {result['sources'][c]:<{width}}  [{low:+.4f}, {high:+.4f}]")
     (out / "compare.json").write_text(json.dumps({"largest_shift_per_router": rows, "aligned_tokens":
                                                   result["aligned_tokens"], "max_abs_shift": result["max_abs_shift"]},
                                                  indent=2) + "\n")
@@ -236,7 +243,8 @@ def _routing_dynamics(argv: list[str]) -> int:
     histories = run_dynamics(args.data, tokenizer, args.output_dir, steps=args.steps, num_hidden_layers=args.layers,
                              hidden_size=args.hidden_size, seq_len=args.seq_len, every=args.every)
     for name, history in histories.items():
-        print(f"{name}: final train loss {history['final_train_loss']:.3f}")
+        loss = history["last_logged_train_loss"]
+        print(f"{name}: last logged train loss {'n/a' if loss is None else format(loss, '.3f')}")
         for key in ("hidden_rms", "output_rms", "grad_norm"):
             print(f"  {key:<11}" + " ".join(f"{v:8.3g}" for v in history[key][-1]))
     print(f"wrote {args.output_dir}/dynamics.png and dynamics.json")

@@ -31,7 +31,8 @@ class DepthDynamicsCallback(TrainerCallback):
         self._grads = None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if (state.global_step + 1) % self.every == 0 or state.global_step == 0:
+        step = state.global_step + 1  # the step this optimizer update completes
+        if step % self.every == 0 or step == 1 or step == state.max_steps:
             self._grads = [
                 float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in layer.parameters() if p.grad is not None)))
                 for layer in _layers(model)
@@ -121,7 +122,8 @@ def run_dynamics(
         trainer = AttnResTrainer(model=model, args=args, train_dataset=dataset["train"], callbacks=[callback],
                                  entropy_batches=0)
         trainer.train()
-        histories[name] = callback.history | {"final_train_loss": trainer.state.log_history[-1].get("train_loss")}
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        histories[name] = callback.history | {"last_logged_train_loss": losses[-1] if losses else None}
     from .plots import plot_dynamics
 
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -124,7 +124,7 @@ def record_routing(model, input_ids: torch.Tensor, tokenizer=None) -> RoutingRec
 def summarize(record: RoutingRecord, sink_factor: float = 2.0, sink_cv: float = 0.25) -> dict:
     """Summary numbers per router, averaged over tokens.
 
-    - `entropy` (nats) and `entropy_ratio` (entropy / log(n_sources); 1 = uniform);
+    - `entropy` (nats) and `entropy_ratio` (entropy / log(n_sources); 1 = uniform; None with a single source);
     - `embedding_mass`: weight on the embedding source;
     - `recent_mass`: weight on the most recent source (the partial block, or the last completed one);
     - `long_jump_mass`: weight on completed sources older than the previous block, the embedding excluded;
@@ -138,7 +138,7 @@ def summarize(record: RoutingRecord, sink_factor: float = 2.0, sink_cv: float = 
         cols = np.flatnonzero(readable)
         alpha = w[:, cols]  # (T, n)
         n = len(cols)
-        entropy = float(-(alpha * np.log(np.clip(alpha, 1e-12, None))).sum(-1).mean())
+        entropy = abs(float(-(alpha * np.log(np.clip(alpha, 1e-12, None))).sum(-1).mean()))
         mean, std = alpha.mean(0), alpha.std(0)
         sinks = [record.sources[c] for c, m, s in zip(cols, mean, std) if n > 1 and m >= sink_factor / n
                  and s / max(m, 1e-12) < sink_cv]
@@ -146,7 +146,7 @@ def summarize(record: RoutingRecord, sink_factor: float = 2.0, sink_cv: float = 
             "router": router,
             "n_sources": n,
             "entropy": entropy,
-            "entropy_ratio": entropy / np.log(n) if n > 1 else 0.0,
+            "entropy_ratio": entropy / np.log(n) if n > 1 else None,  # undefined for a single source
             "embedding_mass": float(mean[0]),
             "recent_mass": float(mean[-1]),
             # sources older than the previous block: before [last completed, partial] or before [last completed]

@@ -107,23 +107,30 @@ def _count(model) -> tuple[int, int]:
 def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: list | None = None) -> dict:
     """Fine-tune `args.model` on `args.data` with `args.method`; returns the summary (also `train_summary.json`).
 
-    `callbacks` are extra `TrainerCallback`s. The final model (or LoRA adapter with its routers) and the tokenizer are saved to `training_args.output_dir`;
-    checkpoints every `save_steps`. With `args.resume`, training continues from the last checkpoint there with its
+    `callbacks` are extra `TrainerCallback`s. The final model (or LoRA adapter with its routers) and the tokenizer
+    are saved to `training_args.output_dir`; checkpoints every `save_steps`. With `args.resume`, training continues from the last checkpoint there with its
     optimizer, scheduler, RNG and data order, so the loss trajectory is that of an uninterrupted run.
 
     Raises:
-        FileNotFoundError: missing data, or `resume` without a checkpoint. ValueError: bad method or data.
+        FileNotFoundError: missing data, or `resume` without a checkpoint. FileExistsError: checkpoints of an
+        earlier run in `output_dir` without `resume`. ValueError: bad method or data.
     """
     started = time.perf_counter()
+    existing = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+    if args.resume and existing is None:
+        raise FileNotFoundError(f"--resume: no checkpoint-* folder in {training_args.output_dir}")
+    if existing is not None and not args.resume:
+        raise FileExistsError(
+            f"{training_args.output_dir} holds checkpoints of an earlier run ({Path(existing).name}); pass --resume to "
+            "continue it, or choose another --output-dir"
+        )
+    checkpoint = existing if args.resume else None
+    if checkpoint is not None and training_args.process_index == 0:
+        print(f"Resuming from {checkpoint}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     data = packed_lm_dataset(args.data, tokenizer, args.seq_len, args.eval_fraction, args.text_field)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32)
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    checkpoint = None
-    if args.resume:
-        checkpoint = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
-        if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no checkpoint-* folder in {training_args.output_dir}")
 
     trainer = AttnResTrainer(
         model=model,
@@ -174,8 +181,9 @@ def format_summary(summary: dict) -> str:
         f"trainable parameters  {summary['trainable_parameters']:,} of {summary['total_parameters']:,} "
         f"(routers: {summary['router_parameters']:,})",
         f"steps / tokens seen   {summary['steps']} / {summary['tokens_seen']:,}",
-        f"held-out loss         {number(summary['eval_loss_before'], '.4f')} -> {number(summary['eval_loss_after'], '.4f')}",
-        f"held-out perplexity   {number(summary['eval_perplexity_before'], '.3f')} -> "
+        f"eval loss             {number(summary['eval_loss_before'], '.4f')} -> {number(summary['eval_loss_after'], '.4f')}"
+        "  (held-out last blocks of the training data)",
+        f"eval perplexity       {number(summary['eval_perplexity_before'], '.3f')} -> "
         f"{number(summary['eval_perplexity_after'], '.3f')}",
         f"depth entropy / max   {number(summary['depth_entropy_ratio_after'], '.4f')} (1 = uniform routing)",
         f"wall time             {summary['wall_time_s']:.0f} s",
