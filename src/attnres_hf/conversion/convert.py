@@ -17,9 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
-from ..modeling import AttnResConfig
-from .families import attnres_config_fields
-from .retrofit import load_source, load_source_config, retrofit
+from .retrofit import load_source, load_source_config, retrofit, retrofit_config
 from .verify import PROBE_TEXT, verify_conversion
 
 CITATION = """@article{kimi2026attnres,
@@ -175,7 +173,7 @@ def convert(
     else:
         source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
         size = {"attnres_block_size": attnres_block_size} if attnres_block_size is not None else {}
-        AttnResConfig(**(attnres_config_fields(source_config) | config_overrides | size), depth_mixing=depth_mixing)
+        retrofit_config(source_config, **config_overrides, **size, depth_mixing=depth_mixing)  # invalid options fail here
         tokenizer = tokenizer or load_tokenizer(source, gguf_file)
         source_model, name = load_source(source, gguf_file, dtype=torch.float32), str(source)
     name = source_name or name

@@ -94,6 +94,15 @@ def load_source(
         raise ValueError(f"{path}: the weights cannot be read, the file is truncated or corrupt ({error})") from None
 
 
+def retrofit_config(source_config, **config_overrides) -> AttnResConfig:
+    """The `AttnResConfig` a retrofit of a model with `source_config` gets: the source's architecture, the rescaled
+    router output (exact at conversion time), then `config_overrides`. Raises `ValueError` on invalid overrides and
+    `UnsupportedSourceError` on an unsupported source, before any weight is touched."""
+    fields = attnres_config_fields(source_config)
+    fields |= {"attnres_rescale_output": True, "architectures": ["AttnResForCausalLM"]}
+    return AttnResConfig(**(fields | config_overrides), attn_implementation=source_config._attn_implementation)
+
+
 def serializable_copy(model: PreTrainedModel) -> PreTrainedModel:
     """A plain copy of a GGUF-loaded model that `save_pretrained` accepts.
 
@@ -139,9 +148,7 @@ def retrofit(
         dtype = getattr(torch, dtype)
     if not isinstance(source, PreTrainedModel):
         source = load_source(source, gguf_file, dtype=dtype or torch.float32)
-    fields = attnres_config_fields(source.config)
-    fields |= {"attnres_rescale_output": True, "architectures": ["AttnResForCausalLM"]}
-    config = AttnResConfig(**(fields | config_overrides), attn_implementation=source.config._attn_implementation)
+    config = retrofit_config(source.config, **config_overrides)
 
     state = source.state_dict()
     mapped = map_keys(source.config.model_type, list(state))
