@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and the like
+        return 0
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"attnres {args.command}: error: {message}", file=sys.stderr)
