@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
-from .retrofit import load_source, load_source_config, retrofit, retrofit_config
+from .retrofit import load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
 from .verify import PROBE_TEXT, verify_conversion
 
 CITATION = """@article{kimi2026attnres,
@@ -28,16 +28,9 @@ CITATION = """@article{kimi2026attnres,
 }"""
 
 
-def _split_gguf(source: str | os.PathLike, gguf_file: str | None) -> tuple[Path, str | None]:
-    path = Path(source)
-    if gguf_file is None and path.suffix == ".gguf":
-        return path.parent, path.name
-    return path, gguf_file
-
-
 def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None):
     """The source's tokenizer (from the folder, or converted from the GGUF file), or `None` if it has none."""
-    folder, gguf_file = _split_gguf(source, gguf_file)
+    folder, gguf_file = split_gguf_path(source, gguf_file)
     if gguf_file is not None:
         from gguf import GGUFReader
 

@@ -53,6 +53,14 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
     return path
 
 
+def split_gguf_path(source: str | os.PathLike, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """`(folder, gguf_file)` for transformers' loaders: a `.gguf` path is split into its folder and file name."""
+    path = Path(source)
+    if gguf_file is None and path.suffix == ".gguf":
+        return path.parent, path.name
+    return path, gguf_file
+
+
 def _check_folder(folder: Path) -> None:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -66,9 +74,7 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
     `source` is an HF folder, or a `.gguf` file (or a folder plus `gguf_file`). Raises `FileNotFoundError`,
     `ValueError` (not GGUF / truncated), or `UnsupportedSourceError` (a `ValueError`) before anything heavy runs.
     """
-    path = Path(source)
-    if gguf_file is None and path.suffix == ".gguf":
-        path, gguf_file = path.parent, path.name
+    path, gguf_file = split_gguf_path(source, gguf_file)
     if gguf_file is not None:
         check_gguf_file(path / gguf_file)
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
@@ -85,9 +91,7 @@ def load_source(
     """Load a Llama/Mistral/Qwen2/Qwen3 causal LM from an HF folder or a GGUF file (dequantised by transformers'
     GGUF loader) in `dtype`. The family is checked first (see `load_source_config`)."""
     load_source_config(source, gguf_file)
-    path = Path(source)
-    if gguf_file is None and path.suffix == ".gguf":
-        path, gguf_file = path.parent, path.name
+    path, gguf_file = split_gguf_path(source, gguf_file)
     try:
         return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype).eval()
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files
