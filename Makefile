@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: a plain `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[convert,train,plot,test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[convert,train,eval,plot,test]"
 	touch $(STAMP)
 
 demo: $(STAMP)

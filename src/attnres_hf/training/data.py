@@ -33,6 +33,21 @@ def _load_raw(path: Path, text_field: str) -> Dataset:
     return loaded
 
 
+def read_texts(files: list[str | os.PathLike], text_field: str = "text") -> list[str]:
+    """The texts of `.txt` files (one text per file), `.jsonl` files and `datasets` folders (`text_field` of each row).
+
+    Raises:
+        FileNotFoundError: a path does not exist. ValueError: unsupported, empty or malformed file, missing column.
+    """
+    texts = []
+    for file in files:
+        path = Path(file)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        texts.extend(_load_raw(path, text_field)[text_field])
+    return texts
+
+
 def packed_lm_dataset(
     files: list[str | os.PathLike],
     tokenizer,

@@ -1,0 +1,286 @@
+"""lm-eval-harness runs of a model and its baseline on the offline task pack, and the paper's table.
+
+`evaluate_pair` checks everything that can fail before a model is loaded (task names, the code-execution opt-in,
+the local data, the output folder), runs lm-eval's `simple_evaluate` on the baseline and then the model with the same
+tasks, few-shot count, limit and seeds, and writes `results.json`, `table.md` (Benchmark | Baseline | +AttnRes |
+Gain, as in the paper's benchmark table) and `table.png`. Per-sample scores of the two models are compared too:
+a conversion is exact when every sample scores the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .._io import staged_folder
+from .code_execution import OPT_IN_VARIABLE, REFUSAL, CodeExecutionNotAllowed
+from .data import DATA, check_prepared, default_data_dir
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One row of the paper's table: the pack's lm-eval task, the metric reported (lm-eval's `metric,filter` key)
+    and whether scoring executes model-written code."""
+
+    name: str
+    title: str
+    task: str
+    metric: str
+    executes_code: bool = False
+
+
+BENCHMARKS = {b.name: b for b in (
+    Benchmark("mmlu", "MMLU", "offline_mmlu", "acc,none"),
+    Benchmark("mmlu_pro", "MMLU-Pro", "offline_mmlu_pro", "exact_match,custom-extract"),
+    Benchmark("gpqa_diamond", "GPQA-Diamond", "offline_gpqa_diamond", "acc,none"),
+    Benchmark("bbh", "BBH", "offline_bbh", "exact_match,strict-match"),
+    Benchmark("arc_challenge", "ARC-Challenge", "offline_arc_challenge", "acc_norm,none"),
+    Benchmark("arc_easy", "ARC-Easy", "offline_arc_easy", "acc_norm,none"),
+    Benchmark("hellaswag", "HellaSwag", "offline_hellaswag", "acc_norm,none"),
+    Benchmark("triviaqa", "TriviaQA", "offline_triviaqa", "exact_match,remove_whitespace"),
+    Benchmark("gsm8k", "GSM8K", "offline_gsm8k", "exact_match,strict-match"),
+    Benchmark("mgsm", "MGSM", "offline_mgsm", "exact_match,flexible-extract"),
+    Benchmark("math500", "MATH-500", "offline_math500", "exact_match,none"),
+    Benchmark("cmath", "CMath", "offline_cmath", "accuracy,none"),
+    Benchmark("humaneval", "HumanEval", "offline_humaneval", "pass_at_1,create_test", executes_code=True),
+    Benchmark("mbpp", "MBPP", "offline_mbpp", "pass_at_1,create_test", executes_code=True),
+    Benchmark("cmmlu", "CMMLU", "offline_cmmlu", "acc,none"),
+    Benchmark("ceval", "C-Eval", "offline_ceval", "acc,none"),
+)}
+"""The paper's benchmarks (and ARC-Easy), in the order of its table."""
+
+PAPER_TABLE = tuple(name for name in BENCHMARKS if name != "arc_easy")
+
+
+def task_dir() -> Path:
+    """The offline task pack (lm-eval `--include_path`)."""
+    return Path(str(resources.files("attnres_hf.eval") / "tasks"))
+
+
+def task_manager(data_dir: str | os.PathLike | None = None):
+    """An lm-eval `TaskManager` that knows the pack's tasks and reads local data from `data_dir`."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir()), metadata={"data_dir": str(data_dir or default_data_dir())})
+
+
+def resolve_benchmarks(tasks: str | list[str]) -> list[Benchmark]:
+    """Benchmarks from a comma-separated list of names (`mmlu`, `offline_mmlu`, or `paper` for the whole table).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
+    if not names:
+        raise ValueError("no tasks given")
+    chosen: list[Benchmark] = []
+    for name in names:
+        expanded = PAPER_TABLE if name == "paper" else (name.removeprefix("offline_"),)
+        for key in expanded:
+            if key not in BENCHMARKS:
+                raise ValueError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)} (or 'paper' for all)")
+            if BENCHMARKS[key] not in chosen:
+                chosen.append(BENCHMARKS[key])
+    return chosen
+
+
+def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir: str | os.PathLike | None) -> None:
+    """Checks made before any model is loaded.
+
+    Raises:
+        CodeExecutionNotAllowed: a benchmark executes generated code and there is no opt-in.
+        MissingBenchmarkData: a benchmark's local data is not prepared (names the command that prepares it).
+    """
+    executing = [b.title for b in benchmarks if b.executes_code]
+    if executing and not allow_code_execution:
+        raise CodeExecutionNotAllowed(f"refusing to run {', '.join(executing)} without --allow-code-execution: "
+                                      + REFUSAL)
+    for benchmark in benchmarks:
+        check_prepared(benchmark.name, data_dir)
+
+
+def offline_environment() -> None:
+    """No hub access from here on: every library that could download is told it is offline."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[variable] = "1"
+
+
+def run_lm_eval(model, benchmarks: list[Benchmark], *, tokenizer=None, num_fewshot: int | None = None,
+                limit: float | None = None, batch_size: int = 1, data_dir=None, allow_code_execution=False,
+                seed: int = 1234, dtype: str = "float32", device: str | None = None, trust_remote_code=False,
+                gen_kwargs: str | dict | None = None) -> dict:
+    """lm-eval's `simple_evaluate` of one model (a folder, or a `PreTrainedModel` with `tokenizer`) on `benchmarks`,
+    with per-sample logs. Seeds: python/numpy/torch and few-shot sampling all `seed`."""
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(model, (str, os.PathLike)):
+        lm = HFLM(pretrained=str(model), backend="causal", batch_size=batch_size, dtype=dtype, device=device,
+                  trust_remote_code=trust_remote_code)
+    else:
+        lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, batch_size=batch_size, device=device)
+    if allow_code_execution:
+        os.environ[OPT_IN_VARIABLE] = "1"
+    return simple_evaluate(
+        model=lm, tasks=[b.task for b in benchmarks], num_fewshot=num_fewshot, limit=limit, log_samples=True,
+        task_manager=task_manager(data_dir), random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+        fewshot_random_seed=seed, confirm_run_unsafe_code=allow_code_execution, gen_kwargs=gen_kwargs,
+    )
+
+
+def metric_value(results: dict, benchmark: Benchmark) -> float | None:
+    value = results["results"].get(benchmark.task, {}).get(benchmark.metric)
+    return None if value is None or value == "N/A" else float(value)
+
+
+def _sample_scores(results: dict, benchmark: Benchmark) -> dict[int, tuple]:
+    """`doc_id -> (metric value, per-choice log-likelihoods or generated text)` of one run."""
+    metric, filter_name = benchmark.metric.split(",")
+    scores = {}
+    for sample in results.get("samples", {}).get(benchmark.task, []):
+        if sample.get("filter", filter_name) != filter_name:
+            continue
+        responses = sample.get("filtered_resps", sample.get("resps"))
+        if responses and isinstance(responses[0], (list, tuple)) and len(responses[0]) == 2 and \
+                isinstance(responses[0][0], float):  # log-likelihood requests: (logprob, is_greedy)
+            responses = [round(r[0], 12) for r in responses]
+        scores[sample["doc_id"]] = (sample.get(metric), json.dumps(responses, default=str))
+    return scores
+
+
+def compare_samples(baseline: dict, model: dict, benchmark: Benchmark) -> dict:
+    """How many samples score the same in the two runs, and the largest log-likelihood difference."""
+    a, b = _sample_scores(baseline, benchmark), _sample_scores(model, benchmark)
+    shared = sorted(set(a) & set(b))
+    same_score = sum(a[i][0] == b[i][0] for i in shared)
+    max_delta = 0.0
+    for i in shared:
+        left, right = json.loads(a[i][1]), json.loads(b[i][1])
+        if left and isinstance(left[0], float) and len(left) == len(right):
+            max_delta = max(max_delta, *(abs(x - y) for x, y in zip(left, right)))
+    return {"samples": len(shared), "same_score": same_score, "max_abs_loglikelihood_delta": max_delta,
+            "identical": same_score == len(shared) and len(shared) > 0}
+
+
+def table_markdown(rows: list[dict], baseline_label: str, model_label: str) -> str:
+    lines = [f"| Benchmark | {baseline_label} | {model_label} | Gain |", "|---|---:|---:|---:|"]
+    for row in rows:
+        base, new = row["baseline"], row["model"]
+        fmt = (lambda v: "n/a" if v is None else f"{100 * v:.1f}")
+        gain = "n/a" if base is None or new is None else f"{100 * (new - base):+.1f}"
+        lines.append(f"| {row['title']} | {fmt(base)} | {fmt(new)} | {gain} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_table(rows: list[dict], path: Path, baseline_label: str, model_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    titles = [r["title"] for r in rows]
+    base = np.array([np.nan if r["baseline"] is None else 100 * r["baseline"] for r in rows])
+    new = np.array([np.nan if r["model"] is None else 100 * r["model"] for r in rows])
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(rows) + 1.5), 3.6))
+    ax.bar(x - 0.2, base, 0.4, label=baseline_label, color="#9aa5b1")
+    bars = ax.bar(x + 0.2, new, 0.4, label=model_label, color="#d1495b")
+    for bar, b, n in zip(bars, base, new):
+        if not (np.isnan(b) or np.isnan(n)):
+            ax.annotate(f"{n - b:+.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(x, titles, rotation=30, ha="right")
+    ax.set_ylabel("score (%)")
+    ax.legend(frameon=False, fontsize=8)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, output_dir: str | os.PathLike,
+                  limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 1,
+                  data_dir: str | os.PathLike | None = None, allow_code_execution: bool = False, force: bool = False,
+                  seed: int = 1234, dtype: str = "float32", device: str | None = None,
+                  trust_remote_code: bool = False, model_label: str = "+AttnRes",
+                  baseline_label: str = "Baseline", tokenizer=None, baseline_tokenizer=None,
+                  gen_kwargs: str | dict | None = None) -> dict:
+    """Evaluate `model` (and `baseline`, if given) with lm-eval on the offline task pack and write the table.
+
+    Args:
+        model, baseline: model folders (or loaded models, with `tokenizer` / `baseline_tokenizer`).
+        tasks: comma-separated benchmark names (see `BENCHMARKS`), or "paper" for the paper's whole table.
+        limit: lm-eval's `--limit` (questions per task; a fraction below 1 is a share of each task).
+        num_fewshot: few-shot examples; None keeps each task's own default.
+        gen_kwargs: generation settings for the generative tasks (lm-eval's `--gen_kwargs`, e.g. "max_gen_toks=256").
+        output_dir: written through a temporary folder; refused if it exists unless `force`.
+
+    Returns:
+        `{"rows": [...], "comparison": {...}, "results": {...}}`, the content of `results.json`.
+
+    Raises:
+        ValueError: unknown task; CodeExecutionNotAllowed: HumanEval/MBPP without `allow_code_execution`;
+        MissingBenchmarkData: data not prepared; FileExistsError: `output_dir` exists and `force` is false.
+        All of these are raised before a model is loaded.
+    """
+    import lm_eval
+
+    benchmarks = resolve_benchmarks(tasks)
+    preflight(benchmarks, allow_code_execution, data_dir)
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not force:
+        raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
+    offline_environment()
+    common = {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "data_dir": data_dir,
+              "allow_code_execution": allow_code_execution, "seed": seed, "dtype": dtype, "device": device,
+              "trust_remote_code": trust_remote_code, "gen_kwargs": gen_kwargs}
+    runs, timings = {}, {}
+    for label, target, tok in (("baseline", baseline, baseline_tokenizer), ("model", model, tokenizer)):
+        if target is None:
+            continue
+        start = time.perf_counter()
+        runs[label] = run_lm_eval(target, benchmarks, tokenizer=tok, **common)
+        timings[label] = time.perf_counter() - start
+    rows, comparison = [], {}
+    for benchmark in benchmarks:
+        rows.append({"benchmark": benchmark.name, "title": benchmark.title, "task": benchmark.task,
+                     "metric": benchmark.metric,
+                     "baseline": metric_value(runs["baseline"], benchmark) if "baseline" in runs else None,
+                     "model": metric_value(runs["model"], benchmark)})
+        if "baseline" in runs:
+            comparison[benchmark.name] = compare_samples(runs["baseline"], runs["model"], benchmark)
+    describe = (lambda m: str(m) if isinstance(m, (str, os.PathLike)) else type(m).__name__)
+    report = {
+        "rows": rows, "comparison": comparison,
+        "settings": {"model": describe(model), "baseline": None if baseline is None else describe(baseline),
+                     "tasks": [b.task for b in benchmarks], "limit": limit, "num_fewshot": num_fewshot,
+                     "batch_size": batch_size, "seed": seed, "dtype": dtype, "gen_kwargs": gen_kwargs,
+                     "data_dir": str(data_dir or default_data_dir()), "lm_eval_version": lm_eval.__version__,
+                     "wall_time_s": timings},
+        "versions": {label: run.get("versions") for label, run in runs.items()},
+    }
+    from lm_eval.utils import handle_non_serializable
+
+    with staged_folder(output_dir, replace=force) as staging:
+        results = {**report, "lm_eval": {label: {k: v for k, v in run.items() if k != "samples"}
+                                         for label, run in runs.items()}}
+        (staging / "results.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+        for label, run in runs.items():
+            with (staging / f"samples_{label}.jsonl").open("w") as handle:
+                for task, samples in run.get("samples", {}).items():
+                    for sample in samples:
+                        handle.write(json.dumps({"task": task, **sample}, default=handle_non_serializable) + "\n")
+        (staging / "table.md").write_text(table_markdown(rows, baseline_label, model_label))
+        plot_table(rows, staging / "table.png", baseline_label, model_label)
+    return report
+
+
+__all__ = ["BENCHMARKS", "DATA", "PAPER_TABLE", "Benchmark", "evaluate_pair", "resolve_benchmarks", "run_lm_eval",
+           "task_dir", "task_manager"]

