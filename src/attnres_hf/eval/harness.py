@@ -103,10 +103,38 @@ def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir:
         check_prepared(benchmark.name, data_dir)
 
 
-def offline_environment() -> None:
-    """No hub access from here on: every library that could download is told it is offline."""
-    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def offline_environment() -> dict:
+    """Switch off hub access for this process and its children; returns what to pass to `restore_environment`.
+
+    The libraries read their offline flags at import time, so the flags already loaded are set too
+    (`huggingface_hub.constants.HF_HUB_OFFLINE`, which transformers consults, and `datasets.config`).
+    """
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    saved = {"env": {v: os.environ.get(v) for v in _OFFLINE_VARIABLES}, "hub": hub_constants.HF_HUB_OFFLINE,
+             "datasets": (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE)}
+    for variable in _OFFLINE_VARIABLES:
         os.environ[variable] = "1"
+    hub_constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    return saved
+
+
+def restore_environment(saved: dict) -> None:
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    for variable, value in saved["env"].items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
+    hub_constants.HF_HUB_OFFLINE = saved["hub"]
+    datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved["datasets"]
 
 
 def run_lm_eval(model, benchmarks: list[Benchmark], *, tokenizer=None, num_fewshot: int | None = None,
@@ -237,17 +265,20 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     output_dir = Path(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
-    offline_environment()
+    saved_environment = offline_environment()
     common = {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "data_dir": data_dir,
               "allow_code_execution": allow_code_execution, "seed": seed, "dtype": dtype, "device": device,
               "trust_remote_code": trust_remote_code, "gen_kwargs": gen_kwargs}
     runs, timings = {}, {}
-    for label, target, tok in (("baseline", baseline, baseline_tokenizer), ("model", model, tokenizer)):
-        if target is None:
-            continue
-        start = time.perf_counter()
-        runs[label] = run_lm_eval(target, benchmarks, tokenizer=tok, **common)
-        timings[label] = time.perf_counter() - start
+    try:
+        for label, target, tok in (("baseline", baseline, baseline_tokenizer), ("model", model, tokenizer)):
+            if target is None:
+                continue
+            start = time.perf_counter()
+            runs[label] = run_lm_eval(target, benchmarks, tokenizer=tok, **common)
+            timings[label] = time.perf_counter() - start
+    finally:
+        restore_environment(saved_environment)
     rows, comparison = [], {}
     for benchmark in benchmarks:
         rows.append({"benchmark": benchmark.name, "title": benchmark.title, "task": benchmark.task,
