@@ -374,3 +374,13 @@ def test_runs_are_offline_and_the_setting_is_restored(data_dir, monkeypatch, tmp
     report = harness.evaluate_pair("m", "b", "mmlu", output_dir=tmp_path / "o", data_dir=data_dir)
     assert seen == [(True, "1"), (True, "1")] and report["rows"][0]["model"] == 0.5
     assert huggingface_hub.constants.HF_HUB_OFFLINE == before
+
+
+def test_a_datasets_folder_imports_like_the_release_files(tmp_path):
+    import datasets
+
+    splits = {split: data.read_jsonl(FIXTURES / "mmlu_pro" / f"{split}.jsonl") for split in ("test", "validation")}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(tmp_path / "hf")
+    data.import_benchmark("mmlu_pro", tmp_path / "hf", tmp_path / "d")
+    loaded = data.load_local("mmlu_pro", tmp_path / "d")
+    assert loaded["test"].to_list() == splits["test"] and loaded["validation"].num_rows == 10

