@@ -53,3 +53,13 @@ def test_convert_writes_tokenizer_chat_template_and_report(smollm2, tmp_path):
     assert loaded_tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.attnres_block_size == 8 and model.config.num_attnres_blocks == 8
+
+
+@pytest.mark.parametrize("depth_mixing", ["denseformer", "muddformer", "dca", "mhc"])
+def test_every_family_method_retrofits_smollm2_exactly(smollm2, depth_mixing):
+    _, source, _, input_ids = smollm2
+    model = retrofit(source, depth_mixing=depth_mixing)
+    with torch.no_grad():
+        logits, reference = model(input_ids).logits, source(input_ids).logits
+    assert (logits - reference).abs().max().item() <= 1e-3  # measured: 0 (DenseFormer, MUDDFormer), ~8e-5 (DCA, mHC)
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))

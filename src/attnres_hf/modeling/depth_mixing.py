@@ -558,12 +558,13 @@ class DCAState(NamedTuple):
 def sinkhorn_knopp(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     """Doubly-stochastic projection of `exp(logits)` (mHC Eq. 8-9): alternately normalise rows and columns,
     `iterations` times, in fp32. `(..., n, n) -> (..., n, n)`; columns sum to 1 exactly, rows to 1 up to the
-    Sinkhorn residual."""
-    matrix = torch.exp(logits.float() - logits.float().amax(dim=(-2, -1), keepdim=True))
+    Sinkhorn residual. Run in the log domain (the same iterates): `exp` of very negative logits would otherwise
+    leave denormal floats that slow CPUs by orders of magnitude, and could underflow a row to zero."""
+    log_matrix = logits.float()
     for _ in range(iterations):
-        matrix = matrix / matrix.sum(-1, keepdim=True)
-        matrix = matrix / matrix.sum(-2, keepdim=True)
-    return matrix
+        log_matrix = log_matrix - torch.logsumexp(log_matrix, dim=-1, keepdim=True)  # rows sum to 1
+        log_matrix = log_matrix - torch.logsumexp(log_matrix, dim=-2, keepdim=True)  # columns sum to 1
+    return log_matrix.exp()
 
 
 MHC_PRE_INIT = 0.7
