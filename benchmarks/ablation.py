@@ -43,12 +43,13 @@ class Preset:
     eval_batches: int
     max_chars_per_book: int | None  # None: the whole corpus
     jobs: int = 1  # runs in parallel, one single-threaded process each (CPU); 1: in this process
+    threads: int | None = None  # torch threads of this process when jobs == 1 (None: torch's default)
 
 
 PRESETS = {
-    "smoke": Preset(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, seq_len=32, batch_size=4, steps=8,
-                    seeds=2, learning_rate=3e-3, eval_batches=2, max_chars_per_book=20_000),
-    "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=700,
+    "smoke": Preset(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, seq_len=32, batch_size=4, steps=30,
+                    seeds=2, learning_rate=3e-3, eval_batches=2, max_chars_per_book=20_000, threads=1),
+    "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=360,
                   seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, jobs=2),
     "gpu": Preset(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, seq_len=512, batch_size=32,
                   steps=5000, seeds=3, learning_rate=1e-3, eval_batches=64, max_chars_per_book=None),
@@ -214,6 +215,8 @@ def main(argv=None):
     preset = PRESETS[args.preset]
     overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("jobs", args.jobs)) if v is not None}
     preset = Preset(**(asdict(preset) | overrides))
+    if preset.threads:
+        torch.set_num_threads(preset.threads)
     torch.set_flush_denormal(True)  # denormal floats (e.g. exp of very negative logits) slow CPUs many times over
     names = list(VARIANTS) if not args.variants else [n.strip() for n in args.variants.split(",")]
     unknown = sorted(set(names) - set(VARIANTS))

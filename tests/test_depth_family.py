@@ -252,7 +252,8 @@ def test_dca_weights_vary_per_feature_and_start_at_one(input_ids):
 def test_invalid_combinations_raise_value_errors_naming_the_rule():
     cases = [
         ({"depth_mixing": "residual", "mhc_num_streams": 2}, "mhc_num_streams only apply to depth_mixing='mhc'"),
-        ({"depth_mixing": "mhc", "attnres_score_fn": "sigmoid"}, "attnres_score_fn only apply to depth_mixing='attnres'"),
+        ({"depth_mixing": "mhc", "attnres_score_fn": "sigmoid"},
+         "attnres_score_fn only apply to depth_mixing='attnres'"),
         ({"depth_mixing": "dca", "denseformer_period": 2}, "denseformer_period only apply"),
         ({"depth_mixing": "mhc", "mhc_num_streams": 1}, "mhc_num_streams must be an integer >= 2"),
         ({"attnres_score_fn": "relu"}, "attnres_score_fn must be 'softmax' or 'sigmoid'"),

@@ -590,9 +590,11 @@ class ManifoldHyperConnection(nn.Module):
 
     Parameters (`layers.N.attn_mhc.*`, `layers.N.mlp_mhc.*`): `phi_pre`, `phi_post` `(nD, n)`, `phi_res`
     `(nD, n n)` (zero), `alpha_pre`, `alpha_post`, `alpha_res` (scalars, 0.01), `b_pre` (the softened one-hot read,
-    `MHC_PRE_INIT`), `b_post` (0: `H_post = 1`), `b_res` (`(n, n)`, diagonal-dominant, `MHC_RES_INIT_LOGIT`). The streams start as `n` copies
-    of the embedding (Hyper-Connections); since `H_res` rows and `H_pre` sum to 1 and `H_post = 1`, the streams
-    stay equal to the residual stream at initialisation: the residual model exactly.
+    `MHC_PRE_INIT`), `b_post` (0: `H_post = 1`), `b_res` (`(n, n)`, diagonal-dominant, `MHC_RES_INIT_LOGIT`).
+    The streams start as `n` copies of the embedding (Hyper-Connections); since the rows of `H_res` and `H_pre`
+    sum to 1 and `H_post = 1`, the streams stay equal to the residual stream at initialisation: the residual model
+    exactly. The gates and the static logits are this library's choice (the paper gives no numbers we could check).
+    Softmax-free: sigmoid, Sinkhorn and the mixes run in fp32.
     """
 
     def __init__(self, config, sublayer: int):

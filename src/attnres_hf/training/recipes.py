@@ -20,7 +20,8 @@ larger rate turns the uniform routing of a retrofit into a sharp one at once and
 
 
 def is_router_parameter(name: str) -> bool:
-    """True for the parameters of a depth-mixing module, e.g. `model.layers.3.mlp_res.query`, `model.layers.0.dwa.alpha`."""
+    """True for the parameters of a depth-mixing module, e.g. `model.layers.3.mlp_res.query`,
+    `model.layers.0.dwa.alpha`."""
     return any(f"{module}." in name for module in ROUTER_MODULES)
 
 
