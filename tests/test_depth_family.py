@@ -249,6 +249,21 @@ def test_dca_weights_vary_per_feature_and_start_at_one(input_ids):
     assert weights[1][0, 0].std(dim=-1).max() > 1e-3 and (weights[1][0, 0] != weights[1][0, 1]).any()  # per token
 
 
+@pytest.mark.parametrize("name", list(EXACT_AT_INIT))
+def test_every_mixing_parameter_family_learns_from_the_initialisation(name, input_ids):
+    """From the residual-exact initialisation the mixing must be able to move: no parameter group stuck at zero
+    gradient (e.g. DCA's ReLU(w . k) with w = 0 under torch's ReLU'(0) = 0), except those that are constant by
+    construction at step 0 (the first AttnRes router has one source; MUDDFormer's w1 sits behind w2 = 0; mHC's
+    gates multiply phi = 0; with equal streams H_res does not change the output)."""
+    model = variant_model(EXACT_AT_INIT[name], perturb=False).train()
+    model(input_ids, labels=input_ids).loss.backward()
+    exempt = ("layers.0.attn_res.", ".w1", "alpha_pre", "alpha_post", "alpha_res", "b_res", "phi_res")
+    for param_name, param in model.named_parameters():
+        if any(k in param_name for k in ("_res.", ".dwa.", ".mudd.", "dca.", "_mhc.")) and "key_norm" not in param_name:
+            if not any(k in param_name for k in exempt):
+                assert param.grad is not None and param.grad.abs().sum() > 0, param_name
+
+
 def test_invalid_combinations_raise_value_errors_naming_the_rule():
     cases = [
         ({"depth_mixing": "residual", "mhc_num_streams": 2}, "mhc_num_streams only apply to depth_mixing='mhc'"),

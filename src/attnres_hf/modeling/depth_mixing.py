@@ -474,6 +474,13 @@ class MUDDState(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _relu_trainable_at_zero(x: torch.Tensor) -> torch.Tensor:
+    """`ReLU(x)`, with the subgradient 1 (not torch's 0) at `x = 0`. The forward is ReLU's; the derivative differs
+    only on the kink. With torch's convention a zero-initialised `w` in `ReLU(w . k)` never receives a gradient, so
+    DCA's input-dependent part would stay dead from its (residual-exact) initialisation on."""
+    return torch.where(x >= 0, x, torch.zeros_like(x))
+
+
 class GRNv3(nn.Module):
     """Generalised residual network v3 (DCA paper Sec. 3): input-dependent, dimension-wise weights over the stack
     `G = (y_0, .., y_t)` of the embedding and the previous layer outputs:
@@ -483,7 +490,8 @@ class GRNv3(nn.Module):
 
     one output `c` per consumer: query, key and value inputs of a DCA layer (`C = 3`), or the final output (`C = 1`).
     RMSNorm without scale (folded into `w`). Parameters: `proj` `(C, hidden_size)` (the `w_c`, zero) and `bias`
-    `(C, t+1, hidden_size)` (ones), so that at initialisation `x_c = sum_i y_i`: the residual stream.
+    `(C, t+1, hidden_size)` (ones), so that at initialisation `x_c = sum_i y_i`: the residual stream. ReLU's
+    derivative at 0 is taken as 1 so that the zero `w_c` can train (see `_relu_trainable_at_zero`).
     """
 
     def __init__(self, config, num_sources: int, num_outputs: int):
@@ -501,7 +509,7 @@ class GRNv3(nn.Module):
         with `keep_weights`, the weights `(batch, seq_len, C, t+1, hidden_size)` in fp32 (else `None`)."""
         values = torch.stack(sources, dim=-2).float()  # (B, T, n, D)
         normed = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
-        dynamic = F.relu(normed @ self.proj.float().T).transpose(-1, -2)  # (B, T, C, n)
+        dynamic = _relu_trainable_at_zero(normed @ self.proj.float().T).transpose(-1, -2)  # (B, T, C, n)
         # sum_i (b_{c,i} + s_{c,i}) * y_i, without materialising the (B, T, C, n, D) weights
         outputs = torch.einsum("cnd,btnd->btcd", self.bias.float(), values) + dynamic @ values  # (B, T, C, D)
         weights = self.bias.float() + dynamic.unsqueeze(-1) if keep_weights else None
