@@ -12,7 +12,7 @@ from conftest import tiny_config
         pytest.param(dict(attnres_block_size=-2), "attnres_block_size must be 1", id="block-size-negative"),
         pytest.param(dict(num_key_value_heads=8), "num_key_value_heads (8) must not exceed num_attention_heads (4)", id="more-kv-heads"),
         pytest.param(dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads", id="kv-heads-not-dividing"),
-        pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres'), got 'hyper'", id="unknown-depth-mixing"),
+        pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres', 'denseformer', 'muddformer', 'dca', 'mhc'), got 'hyper'", id="unknown-depth-mixing"),
         pytest.param(dict(hidden_size=30), "must be a multiple of num_attention_heads", id="hidden-not-divisible"),
         pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),
         pytest.param(dict(layer_types=["sliding_attention"] * 3), "sliding_window must be set", id="sliding-without-window"),

@@ -75,3 +75,33 @@ def test_unmapped_source_key_is_an_error_naming_it():
     source.model.layers[0].register_parameter("extra_scale", torch.nn.Parameter(torch.ones(3)))
     with pytest.raises(KeyError, match=r"model\.layers\.0\.extra_scale"):
         retrofit(source)
+
+
+FAMILY = {
+    "denseformer": {"depth_mixing": "denseformer"},
+    "denseformer-k2-p2": {"depth_mixing": "denseformer", "denseformer_dilation": 2, "denseformer_period": 2},
+    "muddformer": {"depth_mixing": "muddformer"},
+    "dca": {"depth_mixing": "dca"},
+    "mhc": {"depth_mixing": "mhc"},
+    "attnres-sigmoid": {"attnres_score_fn": "sigmoid"},
+    "attnres-no-key-norm": {"attnres_key_norm": False},
+    "attnres-input-query": {"attnres_query": "input_dependent"},
+    "attnres-heads4": {"attnres_num_heads": 4},
+    "attnres-scalar": {"attnres_scalar_weights": True},
+}
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-llama3-rope", "qwen3-qk-norm"])
+@pytest.mark.parametrize("method", list(FAMILY))
+def test_every_family_method_retrofits_exactly(method, name):
+    source = make_source(name, tie=True)
+    model = retrofit(source, **FAMILY[method])
+    input_ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        delta = (model(input_ids).logits - source(input_ids).logits).abs().max().item()
+    assert delta <= 1e-5, delta
+
+
+def test_a_sliding_depth_window_is_refused_since_it_cannot_be_exact():
+    with pytest.raises(ValueError, match="attnres_window drops all but the most recent sources"):
+        retrofit(make_source("qwen2-qkv-bias", tie=False), attnres_window=2)

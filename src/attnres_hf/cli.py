@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import __version__
 from .modeling import AttnResConfig
+from .modeling.configuration_attnres import DEPTH_MIXING_METHODS
 
 
 def block_layout(config: AttnResConfig) -> list[list[str]]:
@@ -429,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     size = convert.add_mutually_exclusive_group()
     size.add_argument("--block-size", type=int, help="sub-layers per block (even; default about 8 blocks)")
     size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
-    convert.add_argument("--depth-mixing", default="attnres", choices=["attnres", "residual"])
+    convert.add_argument("--depth-mixing", default="attnres", choices=list(DEPTH_MIXING_METHODS),
+                         help="the method; every one starts exactly as the source (default: attnres)")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     convert.add_argument("--paper-mean", action="store_true",
                          help="routers output the plain mean of their sources (the paper) instead of the rescaled "

@@ -52,14 +52,34 @@ def model_card(report: dict) -> ModelCard:
         base_model=source["name"] if source["name"] and not Path(source["name"]).exists() else None,
         tags=["attnres", "attention-residuals", "depth-mixing", "retrofit"],
     )
-    if config["depth_mixing"] == "residual":
-        method = "standard residual (`depth_mixing=\"residual\"`, the baseline)"
+    family = {
+        "residual": "standard residual (`depth_mixing=\"residual\"`, the baseline)",
+        "denseformer": "DenseFormer Depth-Weighted Averages (`depth_mixing=\"denseformer\"`)",
+        "muddformer": "MUDDFormer multiway dynamic dense connections (`depth_mixing=\"muddformer\"`)",
+        "dca": "DeepCrossAttention GRN-v3 (`depth_mixing=\"dca\"`)",
+        "mhc": "manifold-constrained hyper-connections (`depth_mixing=\"mhc\"`)",
+    }
+    if config["depth_mixing"] in family:
+        method = family[config["depth_mixing"]]
     elif config["attnres_block_size"] == 1:
         method = "Full Attention Residuals (every sub-layer output is a depth source)"
     else:
         method = (
             f"Block Attention Residuals, {config['attnres_block_size']} sub-layers per block "
             f"({config['num_attnres_blocks']} blocks over {config['num_sublayers']} sub-layers)"
+        )
+    if config["depth_mixing"] == "attnres":
+        rescaled = ", rescaled by their number" if config["attnres_rescale_output"] else ""
+        start = (
+            "Every backbone weight is copied unchanged; the depth routers' pseudo-queries are zero, so at conversion "
+            f"time the\n  model computes the source's function (routers output the mean of their sources{rescaled}; "
+            "RMSNorm makes that the residual\n  stream). Training the routers makes it depart from the source."
+        )
+    else:
+        start = (
+            "Every backbone weight is copied unchanged and every depth-mixing parameter is at the initialisation "
+            "under which\n  the method is the residual model, so at conversion time the model computes the source's "
+            "function. Training\n  the mixing parameters makes it depart from the source."
         )
     body = f"""
 # {Path(report["output_dir"]).name}
@@ -68,10 +88,7 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retro
 `{source["name"]}` ({source["model_type"]}) with attnres-hf {__version__}.
 
 - Method: {method}.
-- Every backbone weight is copied unchanged; the depth routers' pseudo-queries are zero, so at conversion time the
-  model computes the source's function (routers output the mean of their sources{", rescaled by their number"
-  if config["attnres_rescale_output"] else ""}; RMSNorm makes that the residual stream). Training the routers
-  makes it depart from the source.
+- {start}
 - dtype: `{report["dtype"]}`.
 
 ## Verification (fp32, at conversion time)
@@ -132,7 +149,8 @@ def convert(
     Args:
         source: an HF folder, a `.gguf` file (or folder + `gguf_file`), or an in-memory `PreTrainedModel`.
         attnres_block_size: sub-layers per block (1 = Full AttnRes; default about 8 blocks).
-        depth_mixing: `"attnres"` or `"residual"`.
+        depth_mixing: one of `DEPTH_MIXING_METHODS` (`"attnres"`, `"residual"`, `"denseformer"`, `"muddformer"`,
+            `"dca"`, `"mhc"`); every one starts exactly as the source.
         dtype: dtype of the written weights (`float32`, `bfloat16`, `float16`); verification always runs in fp32.
         force: replace an existing `output_dir`.
         tokenizer: for an in-memory source; loaded from the source otherwise.

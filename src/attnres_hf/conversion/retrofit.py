@@ -8,6 +8,13 @@ sub-layer outputs and the same logits: exactly when `eps = 0`, up to an `eps` ef
 default to `attnres_rescale_output=True` (router output times its number of sources), which removes that `eps`
 effect (max |delta logits| ~1e-4 instead of ~4e-2 on SmolLM2-135M); pass `attnres_rescale_output=False` for the
 paper's plain mean.
+
+The rest of the depth-mixing family is exact for the same reason or exactly by construction: each mixing module's
+`reset_parameters()` is an initialisation under which the model *is* the residual model (DenseFormer: weight 1 on
+the current state; MUDDFormer: static weights on the current layer, `w2 = 0`; DCA: GRN-v3 bias ones, `w = 0`; mHC:
+equal streams, read weights summing to 1, `H_post = 1`; AttnRes knobs: zero queries / scalars, with the output
+rescaled to the sum). The exception is `attnres_window`: a window drops sources, so no initialisation reproduces the
+residual model and `retrofit` refuses it.
 """
 
 import copy
@@ -21,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
+from ..modeling.depth_mixing import MIXING_MODULES
 from ..modeling.modeling_attnres import AttnResRotaryEmbedding
 from .families import attnres_config_fields, check_supported, map_keys
 
@@ -104,7 +112,13 @@ def retrofit_config(source_config, **config_overrides) -> AttnResConfig:
     `UnsupportedSourceError` on an unsupported source, before any weight is touched."""
     fields = attnres_config_fields(source_config)
     fields |= {"attnres_rescale_output": True, "architectures": ["AttnResForCausalLM"]}
-    return AttnResConfig(**(fields | config_overrides), attn_implementation=source_config._attn_implementation)
+    config = AttnResConfig(**(fields | config_overrides), attn_implementation=source_config._attn_implementation)
+    if config.depth_mixing == "attnres" and config.attnres_window is not None:
+        raise ValueError(
+            "attnres_window drops all but the most recent sources, so no initialisation reproduces the residual "
+            "model: a retrofit with it would not compute the source's logits (train such a model from scratch)"
+        )
+    return config
 
 
 def serializable_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -136,16 +150,19 @@ def retrofit(
             `.gguf` file (or a folder with `gguf_file`).
         dtype: dtype of the result (`torch.float32` when loading from disk; the source's dtype otherwise).
         progress: show a progress bar while the weights are copied.
-        **config_overrides: `AttnResConfig` fields, e.g. `depth_mixing="residual"`, `attnres_block_size=1` (Full
-            AttnRes; default about 8 blocks), `attnres_rescale_output=False` (the paper's plain mean).
+        **config_overrides: `AttnResConfig` fields, e.g. `depth_mixing="residual"` / `"denseformer"` /
+            `"muddformer"` / `"dca"` / `"mhc"`, `attnres_block_size=1` (Full AttnRes; default about 8 blocks),
+            `attnres_rescale_output=False` (the paper's plain mean), an AttnRes ablation knob.
 
     Returns:
-        The AttnRes model in eval mode, with every backbone weight copied unchanged and zero pseudo-queries.
+        The AttnRes model in eval mode, with every backbone weight copied unchanged and every depth-mixing module at
+        its residual-model initialisation (AttnRes: zero pseudo-queries).
 
     Raises:
         UnsupportedSourceError (a `ValueError`): unsupported `model_type` or a feature such as MoE layers.
         KeyError: a source weight the family's key table does not map.
-        ValueError: invalid config overrides, or a malformed / truncated GGUF file.
+        ValueError: invalid config overrides (incl. `attnres_window`, which cannot be exact), or a malformed /
+            truncated GGUF file.
         FileNotFoundError: a folder without config or weights.
     """
     if isinstance(dtype, str):
@@ -171,13 +188,12 @@ def retrofit(
                 raise ValueError(f"{key}: source shape {tuple(state[key].shape)} != AttnRes {tuple(target.shape)}")
             target.copy_(state[key])
             copied.add(mapped[key])
-        for name, param in model.named_parameters():  # tied lm_head is not listed: it is the embedding
-            if name in copied:
-                continue
-            if name.endswith("_res.query"):
-                param.zero_()  # AttnRes: uniform depth weights, the mean of the sources (exact retrofit)
-            elif name.endswith("_res.key_norm.weight"):
-                param.fill_(1.0)
-            else:
+        mixing = set()
+        for module_name, module in model.named_modules():
+            if isinstance(module, MIXING_MODULES):  # the residual-model initialisation of each method (exact)
+                module.reset_parameters(config.initializer_range)
+                mixing |= {f"{module_name}.{name}" for name, _ in module.named_parameters()}
+        for name, _ in model.named_parameters():  # tied lm_head is not listed: it is the embedding
+            if name not in copied and name not in mixing:
                 raise KeyError(f"{source.config.model_type} checkpoint has no weight for {name}")
     return model.eval()

@@ -11,8 +11,18 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 
-DEPTH_MIXING_METHODS = ("residual", "attnres")
-"""Values accepted by `AttnResConfig.depth_mixing`; the family grows by adding a state and a router class."""
+DEPTH_MIXING_METHODS = ("residual", "attnres", "denseformer", "muddformer", "dca", "mhc")
+"""Values accepted by `AttnResConfig.depth_mixing`; the family grows by adding a state and its mixing modules."""
+
+ATTNRES_KNOB_DEFAULTS = {
+    "attnres_score_fn": "softmax",
+    "attnres_key_norm": True,
+    "attnres_window": None,
+    "attnres_query": "static",
+    "attnres_num_heads": 1,
+    "attnres_scalar_weights": False,
+}
+"""The paper's Table 4 ablation knobs of `depth_mixing="attnres"` at their defaults (the paper's AttnRes)."""
 
 
 def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> int:
@@ -47,7 +57,11 @@ class AttnResConfig(PreTrainedConfig):
             `"sliding_attention"`; by default every layer slides when `sliding_window` is set.
         depth_mixing (`str`, defaults to `"attnres"`):
             How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
-            to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6).
+            to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6); the rest of the
+            family: `"denseformer"` (Depth-Weighted Averages), `"muddformer"` (multiway dynamic dense connections),
+            `"dca"` (DeepCrossAttention, GRN-v3 on the q/k/v inputs) and `"mhc"` (manifold-constrained
+            hyper-connections). Each starts (at initialisation and after `retrofit`) as the residual model; see the
+            classes in `modeling_attnres.py` for the equations.
         attnres_block_size (`int`, *optional*):
             Sub-layers per block (the paper's `S`). `1` is Full AttnRes (every sub-layer output is a source);
             otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
@@ -56,10 +70,47 @@ class AttnResConfig(PreTrainedConfig):
             Multiply each router's output by its number of sources. Every reader of the routed state is an
             RMSNorm, which is scale-invariant up to `rms_norm_eps`, so this changes only the `eps` effect; with
             zero pseudo-queries it makes the router output equal the residual *sum*, so a model retrofitted from
-            Llama/Qwen reproduces its logits to float noise. `False` is the paper's formulation (the mean).
+            Llama/Qwen reproduces its logits to float noise. `False` is the paper's formulation (the mean). With
+            `attnres_score_fn="sigmoid"` the factor is 2 (`sigmoid(0) = 1/2`), which has the same effect.
+
+        AttnRes ablation knobs (the paper's Table 4; `depth_mixing="attnres"` only, defaults are the paper's AttnRes):
+
+        attnres_score_fn (`str`, defaults to `"softmax"`):
+            `"softmax"` over depth (Eq. 2) or `"sigmoid"`: each source weighted by `sigmoid(w . k_i)`, unnormalised.
+        attnres_key_norm (`bool`, defaults to `True`):
+            RMSNorm the keys (Eq. 3). `False` scores the raw sources, `w . v_i`; the router then has no `key_norm`.
+        attnres_window (`int`, *optional*):
+            Sliding window over depth: each router sees the embedding plus only the `W` most recent other sources
+            (completed sources and the current block's partial sum). Drops sources, so no initialisation reproduces
+            the residual model and `retrofit` refuses it.
+        attnres_query (`str`, defaults to `"static"`):
+            `"static"`: the learned pseudo-query `w_l`. `"input_dependent"`: `w_l + W_l RMSNorm(v_last)`, a projection
+            of the most recent source (a `(hidden_size, hidden_size)` parameter `query_proj`, zero-initialised).
+        attnres_num_heads (`int`, defaults to 1):
+            Per-head depth weights: the hidden axis is split into `H` slices, each with its own slice of the query and
+            its own softmax over depth (keys RMS-normalised over the whole vector). Must divide `hidden_size`.
+        attnres_scalar_weights (`bool`, defaults to `False`):
+            Input-independent weights: the score of source `i` is a learned scalar `s_{i->l}` (parameter `logits`,
+            zero-initialised) instead of `w_l . RMSNorm(v_i)`. No query and no key norm.
+
+        DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024):
+
+        denseformer_dilation (`int`, defaults to 1):
+            The DWA after layer `i` averages only the states `j` with `j = i + 1 (mod k)` (the paper's `k`).
+        denseformer_period (`int`, defaults to 1):
+            A DWA module after every `p`-th layer only (the paper's `p`); the other layers pass their output on.
+
+        mHC (`depth_mixing="mhc"`; Xie et al., DeepSeek-AI, arXiv:2512.24880):
+
+        mhc_num_streams (`int`, defaults to 4):
+            Number `n >= 2` of parallel residual streams (the expansion rate).
+        mhc_sinkhorn_iterations (`int`, defaults to 20):
+            Sinkhorn-Knopp iterations that make the stream-mixing matrix doubly stochastic (the paper's `t_max`).
 
     Raises:
-        ValueError: on an unknown `depth_mixing`, a block size that is neither 1 nor a positive even number,
+        ValueError: on an unknown `depth_mixing`, a knob set for another method (e.g. `mhc_num_streams` with
+            `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys), an
+            invalid knob value, a block size that is neither 1 nor a positive even number,
             more key/value heads than attention heads or heads that do not divide, a `head_dim`-less config
             whose `hidden_size` is not a multiple of the head count, an odd or non-positive `head_dim`, an unknown
             `hidden_act` or `rope_type`, a non-positive `sliding_window`, or `layer_types` of the wrong length.
@@ -113,6 +164,16 @@ class AttnResConfig(PreTrainedConfig):
     depth_mixing: str = "attnres"
     attnres_block_size: int | None = None
     attnres_rescale_output: bool = False
+    attnres_score_fn: str = "softmax"
+    attnres_key_norm: bool = True
+    attnres_window: int | None = None
+    attnres_query: str = "static"
+    attnres_num_heads: int = 1
+    attnres_scalar_weights: bool = False
+    denseformer_dilation: int = 1
+    denseformer_period: int = 1
+    mhc_num_streams: int = 4
+    mhc_sinkhorn_iterations: int = 20
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -133,6 +194,7 @@ class AttnResConfig(PreTrainedConfig):
         """Check the rules of the architecture; raises `ValueError` naming the rule that is broken."""
         if self.depth_mixing not in DEPTH_MIXING_METHODS:
             raise ValueError(f"depth_mixing must be one of {DEPTH_MIXING_METHODS}, got {self.depth_mixing!r}")
+        self._validate_depth_knobs()
         size = self.attnres_block_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1 or (size != 1 and size % 2):
             raise ValueError(
@@ -178,6 +240,47 @@ class AttnResConfig(PreTrainedConfig):
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
 
+    def _validate_depth_knobs(self):
+        def positive_int(name, minimum=1):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        positive_int("denseformer_dilation")
+        positive_int("denseformer_period")
+        positive_int("mhc_num_streams", 2)  # one stream cannot hold a doubly-stochastic mix of anything
+        positive_int("mhc_sinkhorn_iterations")
+        positive_int("attnres_num_heads")
+        if self.attnres_window is not None:
+            positive_int("attnres_window")
+        if self.attnres_score_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"attnres_score_fn must be 'softmax' or 'sigmoid', got {self.attnres_score_fn!r}")
+        if self.attnres_query not in ("static", "input_dependent"):
+            raise ValueError(f"attnres_query must be 'static' or 'input_dependent', got {self.attnres_query!r}")
+        if self.hidden_size % self.attnres_num_heads:
+            raise ValueError(
+                f"attnres_num_heads ({self.attnres_num_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        owners = {"attnres": ATTNRES_KNOB_DEFAULTS,
+                  "denseformer": {"denseformer_dilation": 1, "denseformer_period": 1},
+                  "mhc": {"mhc_num_streams": 4, "mhc_sinkhorn_iterations": 20}}
+        for method, defaults in owners.items():
+            if self.depth_mixing == method:
+                continue
+            changed = [name for name, default in defaults.items() if getattr(self, name) != default]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} only apply to depth_mixing={method!r}, "
+                    f"but depth_mixing is {self.depth_mixing!r}"
+                )
+        if self.attnres_scalar_weights:
+            if self.attnres_query != "static" or self.attnres_num_heads != 1 or not self.attnres_key_norm:
+                raise ValueError(
+                    "attnres_scalar_weights=True replaces the query and the keys by one learned scalar per source, "
+                    "so it cannot be combined with attnres_query='input_dependent', attnres_num_heads > 1 or "
+                    "attnres_key_norm=False"
+                )
+
     @property
     def num_sublayers(self) -> int:
         """Attention and MLP each count as one sub-layer (a "layer" in the paper): `2 * num_hidden_layers`."""
@@ -189,4 +292,4 @@ class AttnResConfig(PreTrainedConfig):
         return -(-self.num_sublayers // self.attnres_block_size)
 
 
-__all__ = ["AttnResConfig", "default_attnres_block_size", "DEPTH_MIXING_METHODS"]
+__all__ = ["AttnResConfig", "default_attnres_block_size", "DEPTH_MIXING_METHODS", "ATTNRES_KNOB_DEFAULTS"]

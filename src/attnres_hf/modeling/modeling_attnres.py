@@ -7,20 +7,19 @@ is a learned pseudo-query. Block AttnRes (Eq. 6) uses as sources the embedding, 
 `S` sub-layers and the running sum of the current block.
 
 The classes follow `transformers`' `modeling_llama.py` in data-flow order; departures from Llama carry an
-`# AttnRes:` comment. This file travels with checkpoints as remote code: it imports only torch, transformers and
-its sibling `configuration_attnres`.
+`# AttnRes:` comment. The depth-mixing family (`depth_mixing`: residual, AttnRes, DenseFormer, MUDDFormer, DCA, mHC)
+is in the sibling `depth_mixing.py`. This file travels with checkpoints as remote code: it imports only torch,
+transformers and its siblings `configuration_attnres` and `depth_mixing`.
 """
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -36,159 +35,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
+from .depth_mixing import DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState, naive_attnres
 
 logger = logging.get_logger(__name__)
 
 
-class AttnResRMSNorm(nn.Module):
-    """RMSNorm over the last axis, computed in fp32 (Llama's `LlamaRMSNorm`)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# AttnRes: depth routing. A *state* carries what later sub-layers may read; a *router* turns it into the input of
-# one sub-layer. Each `depth_mixing` method is one (state, router) pair in `DEPTH_MIXING`.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`1 / RMS(x)` over the last axis in fp32: `(..., d) -> (...)`."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
-
-
-def naive_attnres(
-    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference AttnRes router (paper Eq. 1-4), written for clarity; the spec the fast path is tested against.
-
-    `alpha_i = softmax_i(query . RMSNorm(v_i))` (no `1/sqrt(d)`), `h = sum_i alpha_i v_i`, all in fp32.
-
-    Args:
-        sources: `n` tensors `v_i` of shape `(batch, seq_len, hidden_size)`, in depth order.
-        query: pseudo-query `w_l`, shape `(hidden_size,)`.
-        key_norm_weight: weight of the router's key RMSNorm, shape `(hidden_size,)`.
-        eps: RMSNorm epsilon.
-
-    Returns:
-        `h` of shape `(batch, seq_len, hidden_size)` (fp32) and the depth weights `alpha` of shape
-        `(batch, seq_len, n)` (fp32, rows sum to 1).
-    """
-    values = torch.stack([v.float() for v in sources], dim=-2)  # (B, T, n, D)
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.float()
-    weights = torch.softmax(keys @ query.float(), dim=-1)  # (B, T, n)
-    return (weights.unsqueeze(-1) * values).sum(-2), weights
-
-
-class ResidualState(NamedTuple):
-    """Depth state of a standard residual stream (`depth_mixing="residual"`): the running sum."""
-
-    hidden: torch.Tensor  # (B, T, D)
-
-    @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float) -> "ResidualState":
-        return cls(embeddings)
-
-    def begin_sublayer(self, index: int, block_size: int) -> "ResidualState":
-        return self
-
-    def add(self, output: torch.Tensor) -> "ResidualState":
-        return ResidualState(self.hidden + output)
-
-
-class ResidualRouter(nn.Module):
-    """The residual baseline reads the running sum itself; it has no parameters."""
-
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-
-    def forward(self, state: ResidualState) -> tuple[torch.Tensor, None]:
-        return state.hidden, None
-
-
-class AttnResState(NamedTuple):
-    """Depth state of Block AttnRes (paper Eq. 6; Full AttnRes is block size 1).
-
-    Immutable, so a gradient-checkpointed layer can be replayed on the same input.
-    """
-
-    sources: torch.Tensor  # (B, T, n, D): completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums)
-    inv_rms: torch.Tensor  # (B, T, n) fp32: 1/RMS of each completed source, the key norm statistics
-    partial: torch.Tensor | None  # (B, T, D): b_n^{i-1}, the sum of the current block so far; None at its start
-    eps: float
-
-    @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float) -> "AttnResState":
-        return cls(embeddings.unsqueeze(-2), _inv_rms(embeddings, eps).unsqueeze(-1), None, eps)
-
-    def begin_sublayer(self, index: int, block_size: int) -> "AttnResState":
-        """Close the current block when sub-layer `index` starts a new one (Eq. 6: `b_n^0` is no source)."""
-        if index % block_size or self.partial is None:
-            return self
-        # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
-        sources = torch.cat([self.sources, self.partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
-        inv_rms = torch.cat([self.inv_rms, _inv_rms(self.partial, self.eps).unsqueeze(-1)], dim=-1)
-        return AttnResState(sources, inv_rms, None, self.eps)
-
-    def add(self, output: torch.Tensor) -> "AttnResState":
-        partial = output if self.partial is None else self.partial + output
-        return self._replace(partial=partial)
-
-
-class AttnResRouter(nn.Module):
-    """Softmax attention over depth sources with a learned pseudo-query (paper Eq. 1-4 and 6).
-
-    Parameters: `query` (`(hidden_size,)`, zero-initialised so that training starts from uniform weights, which the paper requires)
-    and `key_norm` (an RMSNorm with its own weight). No `nn.Linear`, so PEFT's `all-linear` leaves routers alone.
-    """
-
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.query = nn.Parameter(torch.zeros(config.hidden_size))
-        self.key_norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rescale_output = config.attnres_rescale_output
-
-    def forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route `state` into one sub-layer input.
-
-        Returns `h` of shape `(batch, seq_len, hidden_size)` in the sources' dtype and the depth weights of shape
-        `(batch, seq_len, n_sources)` in fp32 (completed sources in depth order, then the partial block sum).
-        """
-        # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
-        # statistics (`inv_rms`) are shared by every router of a block. Logits and softmax in fp32.
-        query = self.query.float() * self.key_norm.weight.float()  # (D,)
-        logits = (state.sources.float() @ query) * state.inv_rms  # (B, T, n)
-        if state.partial is not None:
-            partial_logit = (state.partial.float() @ query) * _inv_rms(state.partial, state.eps)  # (B, T)
-            logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)  # (B, T, n+1)
-        weights = torch.softmax(logits, dim=-1)
-        mix = weights * weights.shape[-1] if self.rescale_output else weights
-        mix = mix.to(state.sources.dtype)
-        n = state.sources.shape[-2]
-        hidden = (mix[..., None, :n] @ state.sources).squeeze(-2)  # (B, T, 1, n) @ (B, T, n, D) -> (B, T, D)
-        if state.partial is not None:
-            hidden = hidden + mix[..., n:] * state.partial
-        return hidden, weights
-
-
-DEPTH_MIXING = {
-    "residual": (ResidualState, ResidualRouter),
-    "attnres": (AttnResState, AttnResRouter),
-}
-
+# AttnRes: depth mixing (residual, AttnRes and its family) lives in `depth_mixing.py`, a sibling that travels with
+# this file as remote code.
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backbone: Llama blocks (with Qwen2 q/k/v bias, Qwen3 q/k norm and Mistral/Qwen sliding windows).
@@ -311,13 +164,18 @@ class AttnResAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
+        key_value_states: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`key_value_states`: separate (normed) inputs of `k_proj` and `v_proj`, `(batch, seq_len, hidden_size)`
+        each (MUDDFormer, DCA); `None` projects `hidden_states` for all three, as Llama."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        # AttnRes: MUDDFormer and DCA route a different depth mix into each of q, k and v.
+        key_input, value_input = key_value_states if key_value_states is not None else (hidden_states, hidden_states)
         query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, nh, hd)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, nkv, hd)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
+        key_states = self.k_proj(key_input).view(hidden_shape)  # (B, T, nkv, hd)
+        value_states = self.v_proj(value_input).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
         if self.config.use_qk_norm:
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
@@ -346,36 +204,38 @@ class AttnResAttention(nn.Module):
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
-    """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`), each reading its input through a
-    depth router (`attn_res`, `mlp_res`) instead of the residual sum."""
+    """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`) that read their inputs from, and write
+    their outputs to, the depth state of `config.depth_mixing` instead of the residual sum. The mixing modules are
+    attributes named by the method (`attn_res`/`mlp_res`, `dwa`, `mudd`, `dca`, `attn_mhc`/`mlp_mhc`)."""
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.block_size = config.attnres_block_size
-        router_class = DEPTH_MIXING[config.depth_mixing][1]
         self.self_attn = AttnResAttention(config=config, layer_idx=layer_idx)
         self.mlp = AttnResMLP(config)
         self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn_res = router_class(config)
-        self.mlp_res = router_class(config)
+        for name, module in DEPTH_MIXING[config.depth_mixing].layer_modules(config, layer_idx).items():
+            setattr(self, name, module)
 
     def forward(
         self,
-        state: AttnResState | ResidualState,
+        state,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[AttnResState | ResidualState, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the new depth state, this layer's routed input `(batch, seq_len, hidden_size)` (its entry in
-        `hidden_states`) and the depth weights of its two routers (`None` for the residual baseline)."""
-        # AttnRes: the attention input is routed from the depth sources (Eq. 1-4, 6), not the residual sum.
-        state = state.begin_sublayer(2 * self.layer_idx, self.block_size)
-        layer_input, attn_depth_weights = self.attn_res(state)
+    ) -> tuple:
+        """Returns the new depth state, this layer's attention (query) input `(batch, seq_len, hidden_size)` (its
+        entry in `hidden_states`) and the tuple of depth weights its mixing computed (empty for the residual)."""
+        # AttnRes: the attention input(s) come from the depth state (Eq. 1-4, 6 for AttnRes), not the residual sum.
+        state, (layer_input, key_input, value_input), attn_depth_weights = state.read_attn(self)
+        key_value_states = None
+        if key_input is not None:  # one pre-norm per sub-layer, applied to each routed stream
+            key_value_states = (self.input_layernorm(key_input), self.input_layernorm(value_input))
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(layer_input),
             attention_mask=attention_mask,
@@ -383,15 +243,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            key_value_states=key_value_states,
             **kwargs,
         )
-        state = state.add(hidden_states)
+        state = state.write_attn(self, hidden_states)
 
-        state = state.begin_sublayer(2 * self.layer_idx + 1, self.block_size)
-        hidden_states, mlp_depth_weights = self.mlp_res(state)
+        state, hidden_states, mlp_depth_weights = state.read_mlp(self)
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        state = state.add(hidden_states)
-        return state, layer_input, attn_depth_weights, mlp_depth_weights
+        state, output_depth_weights = state.write_mlp(self, hidden_states)
+        return state, layer_input, (*attn_depth_weights, *mlp_depth_weights, *output_depth_weights)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -440,15 +300,20 @@ class AttnResPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        # AttnRes: zero pseudo-queries give uniform depth weights at step 0 (the paper: required for stability).
-        if isinstance(module, AttnResRouter):
-            init.zeros_(module.query)
+        # AttnRes: every mixing module starts as the residual model (AttnRes: zero pseudo-queries, uniform depth
+        # weights at step 0, which the paper requires; see each module's `reset_parameters`).
+        if isinstance(module, MIXING_MODULES):
+            module.reset_parameters(self.config.initializer_range)
 
 
 @dataclass
 class AttnResModelOutputWithPast(BaseModelOutputWithPast):
-    """`BaseModelOutputWithPast` plus `depth_weights`: one `(batch, seq_len, n_sources)` fp32 tensor per router, in
-    depth order (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`), when `output_depth_weights=True`."""
+    """`BaseModelOutputWithPast` plus `depth_weights`, fp32 tensors in depth order when `output_depth_weights=True`:
+    AttnRes: one `(batch, seq_len, n_sources)` per router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`;
+    `(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA
+    (static alphas, broadcast); MUDDFormer: one `(batch, seq_len, C, n)` per layer (`C = 4` streams q, k, v, r; 1 after
+    the last layer); DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN (`C = 3` per layer, 1 for `final_dca`);
+    mHC: `H_res`, `(batch, seq_len, n_streams, n_streams)`, per sub-layer. `None` for the residual baseline."""
 
     depth_weights: tuple[torch.Tensor, ...] | None = None
 
@@ -469,9 +334,9 @@ class AttnResModel(AttnResPreTrainedModel):
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        # AttnRes: a final router aggregates all sources before the last norm (paper text; its README pseudocode
-        # omits it).
-        self.final_res = DEPTH_MIXING[config.depth_mixing][1](config)
+        # AttnRes: the method's final mixing (AttnRes: `final_res`, DCA: `final_dca`) builds the last norm's input.
+        for name, module in DEPTH_MIXING[config.depth_mixing].final_modules(config).items():
+            setattr(self, name, module)
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -500,8 +365,8 @@ class AttnResModel(AttnResPreTrainedModel):
                 cache of its own: depth routing is per token.
             output_hidden_states (`bool`): return the embeddings, each layer's routed input and the final normed
                 state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is Llama's tuple).
-            output_depth_weights (`bool`): return `depth_weights`, one `(batch, seq_len, n_sources)` fp32 tensor
-                per router (rows sum to 1).
+            output_depth_weights (`bool`): return `depth_weights` (see `AttnResModelOutputWithPast`; AttnRes:
+                one `(batch, seq_len, n_sources)` fp32 tensor per router, rows summing to 1 with softmax).
 
         Raises:
             ValueError: if both or neither of `input_ids` and `inputs_embeds` are given.
@@ -531,10 +396,10 @@ class AttnResModel(AttnResPreTrainedModel):
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        state = DEPTH_MIXING[self.config.depth_mixing][0].start(inputs_embeds, self.config.rms_norm_eps)
+        state = DEPTH_MIXING[self.config.depth_mixing].start(inputs_embeds, self.config, bool(output_depth_weights))
         hidden_states, depth_weights = [], []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            state, layer_input, attn_depth_weights, mlp_depth_weights = decoder_layer(
+            state, layer_input, layer_depth_weights = decoder_layer(
                 state,
                 attention_mask=mask_mapping[self.config.layer_types[decoder_layer.layer_idx]],
                 position_embeddings=position_embeddings,
@@ -544,16 +409,16 @@ class AttnResModel(AttnResPreTrainedModel):
                 **kwargs,
             )
             hidden_states.append(layer_input)
-            depth_weights += [attn_depth_weights, mlp_depth_weights]
+            depth_weights += layer_depth_weights
 
-        last_hidden_state, final_depth_weights = self.final_res(state)
+        last_hidden_state, final_depth_weights = state.read_final(self)
         last_hidden_state = self.norm(last_hidden_state)
-        depth_weights.append(final_depth_weights)
+        depth_weights += final_depth_weights
         return AttnResModelOutputWithPast(
             last_hidden_state=last_hidden_state,
             cache=cache,
             hidden_states=(*hidden_states, last_hidden_state) if output_hidden_states else None,
-            depth_weights=tuple(depth_weights) if output_depth_weights and final_depth_weights is not None else None,
+            depth_weights=tuple(depth_weights) if output_depth_weights and depth_weights else None,
         )
 
 

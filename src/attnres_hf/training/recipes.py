@@ -5,8 +5,10 @@ import os
 import torch
 from transformers import PreTrainedModel
 
-ROUTER_MODULES = ("attn_res", "mlp_res", "final_res")
-"""Module names of the depth routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`, `model.final_res`)."""
+ROUTER_MODULES = ("attn_res", "mlp_res", "final_res", "dwa", "mudd", "dca", "final_dca", "attn_mhc", "mlp_mhc")
+"""Module names of the depth-mixing modules: AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`,
+`model.final_res`) and the rest of the family's (DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC
+`attn_mhc` / `mlp_mhc`). `--method routers` trains exactly these."""
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """LoRA targets for `model_type="attnres"` (PEFT ships none for it): every attention and MLP projection."""
@@ -18,7 +20,8 @@ larger rate turns the uniform routing of a retrofit into a sharp one at once and
 
 
 def is_router_parameter(name: str) -> bool:
-    """True for router queries and key norms, e.g. `model.layers.3.mlp_res.query`."""
+    """True for the parameters of a depth-mixing module, e.g. `model.layers.3.mlp_res.query`,
+    `model.layers.0.dwa.alpha`."""
     return any(f"{module}." in name for module in ROUTER_MODULES)
 
 

