@@ -49,8 +49,8 @@ def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
         "mmlu": {"test": data.round_robin(mmlu[:3] + mmlu[6:9], "subject"), "dev": mmlu[3:6] + mmlu[9:]},
         "arc_challenge": {"test": arc, "validation": arc},
         "arc_easy": {"test": arc, "validation": arc},
-        "hellaswag": {"validation": [{"ind": i, "activity_label": "Cooking", "ctx_a": "A man cuts onions.",
-                                      "ctx_b": "he", "ctx": "A man cuts onions. he",
+        "hellaswag": {"validation": [{"ind": i, "activity_label": "Cooking", "ctx_a": f"A man cuts {i} onions.",
+                                      "ctx_b": "he", "ctx": f"A man cuts {i} onions. he",
                                       "endings": ["fries them.", "sings [title] loudly.", "sleeps.", "runs."],
                                       "source_id": "x", "split": "val", "split_type": "indomain", "label": "0"}
                                      for i in range(3)]},
@@ -124,7 +124,7 @@ def test_bad_imports_are_refused_and_lose_nothing(data_dir, tmp_path):
     with pytest.raises(ValueError, match="no .csv"):
         data.import_benchmark("cmath", tmp_path / "x.txt", tmp_path / "d")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    with pytest.raises(json.JSONDecodeError):
+    with pytest.raises(ValueError, match="bad.jsonl could not be read"):
         data.import_benchmark("cmath", tmp_path / "bad.jsonl", tmp_path / "d")
 
 
@@ -231,11 +231,33 @@ def test_sandbox_passes_fails_and_times_out(monkeypatch, tmp_path):
     assert code_execution.pass_at_1(["assert add(2, 3) == 5"], [["def add(a, b):\n    return a * b"]]) == 0.0
     slow = code_execution.run_program("while True:\n    pass", timeout=1.0)
     assert slow.status == "timed out"
+    for early_exit in ("import sys; sys.exit(0)", "import os; os._exit(0)", "exit()",
+                       "import os, sys; sys.excepthook = lambda *a: os._exit(0)"):
+        wrong = "def add(a, b):\n    return a * b\n" + early_exit
+        assert code_execution.pass_at_1(["assert add(2, 3) == 5"], [[wrong]]) == 0.0, early_exit
+    import time
+
+    start = time.perf_counter()
+    detached = code_execution.run_program(
+        "import subprocess, time\nsubprocess.Popen(['sleep', '30'], start_new_session=True)\ntime.sleep(60)", timeout=1.0)
+    assert detached.status == "timed out" and time.perf_counter() - start < 10
+    assert not any(b"sleep\x0030" in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline")
+                   if p.exists() and _readable(p))  # the detached grandchild was killed too
+    flood = code_execution.run_program("import sys\nfor _ in range(10 ** 6): sys.stderr.write('x' * 1000)", timeout=5)
+    assert not flood.passed and len(flood.detail) <= 300
     hog = code_execution.run_program("x = bytearray(4 << 30)", timeout=5.0, memory_mb=256)
     assert hog.status == "failed" and "MemoryError" in hog.detail
     stray = code_execution.run_program(f"open({str(tmp_path / 'f')!r}, 'w').write('x' * (64 << 20))", timeout=5.0)
     assert not stray.passed  # the file-size limit stops it
     assert code_execution.run_program("import os; assert 'HF_TOKEN' not in os.environ").passed
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.read_bytes()
+        return True
+    except OSError:
+        return False
 
 
 # --- scoring helpers ------------------------------------------------------------------------------------------------
@@ -249,6 +271,14 @@ def test_sandbox_passes_fails_and_times_out(monkeypatch, tmp_path):
     ("\\boxed{1,000}", "1000", True),
     ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
     ("\\boxed{x=5}", "5", True),
+    ("Final Answer: The final answer is $\\boxed{5}$. I hope it is correct.", "5", True),
+    ("\\boxed{\\textbf{(A)}}", "A", True),
+    ("\\boxed{0.50}", "0.5", True),
+    ("\\boxed{1{,}000}", "1000", True),
+    ("\\boxed{5\\text{ft}}", "5", True),
+    ("\\boxed{a=1, b=2}", "a=1,b=2", True),
+    ("\\boxed{1,2}", "12", False),
+    ("Final Answer: The final answer is 5.\n\nmore", "5", True),
     ("\\boxed{6}", "5", False),
     ("no answer here", "5", False),
 ])
@@ -265,6 +295,9 @@ def test_cmath_compares_numbers_not_strings():
     assert task_utils.process_cmath({"golden": "1/3"}, ["每人分得0.333333"])["accuracy"] == 1
     assert task_utils.process_cmath({"golden": "6"}, ["答：6人。"])["accuracy"] == 1
     assert task_utils.process_cmath({"golden": "6"}, ["7"])["accuracy"] == 0
+    assert task_utils.process_cmath({"golden": "12"}, ["答案是12元，共3人"])["accuracy"] == 1
+    assert task_utils.process_cmath({"golden": "75%"}, ["0.75"])["accuracy"] == 1
+    assert task_utils.process_cmath({"golden": "5/3"}, ["1 2/3"])["accuracy"] == 1
 
 
 def test_gpqa_shuffle_is_fixed_per_question_and_keeps_the_answer():
@@ -277,13 +310,37 @@ def test_gpqa_shuffle_is_fixed_per_question_and_keeps_the_answer():
     assert first[f"choice{'ABCD'.index(first['answer'][1]) + 1}"] == "c"
 
 
-def test_same_subject_sampler_draws_the_subjects_first_dev_questions():
-    pool = [{"subject": s, "i": i} for s in ("a", "b") for i in range(4)]
-    sampler = task_utils.SameSubjectSampler(pool, rnd=0)
-    assert [d["i"] for d in sampler.sample(3, eval_doc={"subject": "b", "i": 9})] == [0, 1, 2]
-    assert all(d["subject"] == "b" for d in sampler.sample(3, eval_doc={"subject": "b", "i": 9}))
-    with pytest.raises(ValueError, match="few-shot"):
-        sampler.sample(5, eval_doc={"subject": "a", "i": 9})
+def test_pool_sampler_takes_the_first_rows_of_the_questions_own_pool():
+    sampler = task_utils.PoolSampler([], rnd=0)
+    doc = {"subject": "b", "fewshot_pool": [{"i": i} for i in range(4)]}
+    assert [d["i"] for d in sampler.sample(3, eval_doc=doc)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="'b' has 4"):
+        sampler.sample(5, eval_doc=doc)
+    with pytest.raises(RuntimeError, match="fewshot_split"):
+        sampler.sample(1, eval_doc=None)
+
+
+def _contexts(results, task):
+    return {s["doc"].get("question", s["doc"].get("query", s["doc"].get("Question"))): s["arguments"][0][0]
+            for s in results["samples"][task]}
+
+
+def test_few_shot_examples_come_from_the_questions_own_subject_and_never_include_it(data_dir):
+    model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
+    tasks = [harness.BENCHMARKS[n] for n in ("mmlu", "cmmlu", "hellaswag", "triviaqa", "gsm8k")]
+    results = harness.run_lm_eval(model, tasks, tokenizer=tokenizer, data_dir=data_dir, num_fewshot=2,
+                                  gen_kwargs="max_gen_toks=2")
+    for question, context in _contexts(results, "offline_mmlu").items():
+        subject = question.split(" about ")[1].rstrip("?")
+        shots = context.split("\n\n")[1:-1]
+        assert len(shots) == 2 and all(f"about {subject}?" in shot for shot in shots), context
+        assert [int(shot.split()[1]) for shot in shots] == [3, 4]  # the first dev rows of that subject
+    for question, context in _contexts(results, "offline_cmmlu").items():
+        own = "水稻" in question or "小麦" in question
+        assert ("水稻属于" in context.split("\n\n")[1]) == own  # agronomy questions get agronomy examples
+    for task in ("offline_hellaswag", "offline_triviaqa", "offline_gsm8k"):
+        for question, context in _contexts(results, task).items():
+            assert context.count(question) == 1, (task, question)  # the question itself only once, at the end
 
 
 def test_lm_eval_command_line_with_trust_remote_code(data_dir, model_dirs, tmp_path):
@@ -360,7 +417,7 @@ def test_cli_prepare_import_tasks_and_perplexity(model_dirs, tmp_path, capsys):
     assert result["tokens"] == 899 and result["perplexity"] > 1 and "perplexity" in capsys.readouterr().out
 
 
-def test_runs_are_offline_and_the_setting_is_restored(data_dir, monkeypatch, tmp_path):
+def test_runs_are_offline_and_the_setting_is_restored(data_dir, model_dirs, monkeypatch, tmp_path):
     import huggingface_hub.constants
 
     before = huggingface_hub.constants.HF_HUB_OFFLINE
@@ -371,7 +428,8 @@ def test_runs_are_offline_and_the_setting_is_restored(data_dir, monkeypatch, tmp
         return {"results": {b.task: {b.metric: 0.5} for b in benchmarks}, "samples": {}}
 
     monkeypatch.setattr(harness, "run_lm_eval", fake_run)
-    report = harness.evaluate_pair("m", "b", "mmlu", output_dir=tmp_path / "o", data_dir=data_dir)
+    model = model_dirs / "attnres"
+    report = harness.evaluate_pair(model, model, "mmlu", output_dir=tmp_path / "o", data_dir=data_dir)
     assert seen == [(True, "1"), (True, "1")] and report["rows"][0]["model"] == 0.5
     assert huggingface_hub.constants.HF_HUB_OFFLINE == before
 
@@ -383,4 +441,77 @@ def test_a_datasets_folder_imports_like_the_release_files(tmp_path):
     datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(tmp_path / "hf")
     data.import_benchmark("mmlu_pro", tmp_path / "hf", tmp_path / "d")
     loaded = data.load_local("mmlu_pro", tmp_path / "d")
-    assert loaded["test"].to_list() == splits["test"] and loaded["validation"].num_rows == 10
+    rows = sorted(({k: v for k, v in row.items() if k != "fewshot_pool"} for row in loaded["test"].to_list()),
+                  key=lambda row: row["question_id"])
+    assert rows == splits["test"] and loaded["validation"].num_rows == 10
+    assert all(len(row["fewshot_pool"]) == 5 for row in loaded["test"])  # its category's validation rows
+
+
+
+def test_preflight_refuses_bad_settings_before_any_model_loads(data_dir, model_dirs, tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(harness, "run_lm_eval", lambda *a, **k: loaded.append(a))
+    model = model_dirs / "attnres"
+    cases = [
+        ({"model": tmp_path / "nope", "baseline": model}, FileNotFoundError, "no config.json"),
+        ({"limit": 0}, ValueError, "--limit"), ({"limit": -3}, ValueError, "--limit"),
+        ({"limit": 1.5}, ValueError, "--limit"), ({"batch_size": 0}, ValueError, "--batch-size"),
+        ({"num_fewshot": 6}, ValueError, "at most 3"),  # the MMLU fixture has 3 dev rows per subject
+        ({"tasks": "mbpp", "allow_code_execution": True, "num_fewshot": 99}, ValueError, "at most 4"),
+        ({"tasks": "humaneval", "allow_code_execution": True, "num_fewshot": 1}, ValueError, "0-shot"),
+        ({"output_dir": model, "force": True}, ValueError, "model folder"),
+        ({"output_dir": model_dirs, "force": True}, ValueError, "model folder"),
+    ]
+    for overrides, error, message in cases:
+        kwargs = {"model": model, "tasks": "mmlu", "output_dir": tmp_path / "o", "data_dir": data_dir} | overrides
+        with pytest.raises(error, match=message):
+            harness.evaluate_pair(kwargs.pop("model"), kwargs.pop("baseline", None), kwargs.pop("tasks"), **kwargs)
+    assert not loaded and (model / "config.json").is_file()
+
+
+def test_corrupt_or_truncated_local_data_is_found_before_loading(data_dir, tmp_path):
+    broken = tmp_path / "data"
+    shutil.copytree(data_dir / "gsm8k", broken / "gsm8k")
+    path = broken / "gsm8k" / "test.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]))  # cut at a line boundary
+    with pytest.raises(ValueError, match="truncated"):
+        harness.preflight([harness.BENCHMARKS["gsm8k"]], False, broken)
+    path.write_text("".join(lines[:-1]) + lines[-1][:10])  # cut inside a line
+    with pytest.raises(ValueError, match="not valid JSON"):
+        harness.preflight([harness.BENCHMARKS["gsm8k"]], False, broken)
+
+
+def test_a_perturbed_model_is_reported_different_even_when_filtered_answers_agree(data_dir):
+    from conftest import randomize_routers
+
+    tokenizer = byte_tokenizer()
+    models = [eval_model(attnres_block_size=2), eval_model(attnres_block_size=2)]
+    randomize_routers(models[1], seed=7)
+    tasks = [harness.BENCHMARKS["gsm8k"]]
+    runs = [harness.run_lm_eval(m, tasks, tokenizer=tokenizer, data_dir=data_dir, limit=3,
+                                gen_kwargs="max_gen_toks=12") for m in models]
+    same = harness.compare_samples(runs[0], runs[1], tasks[0])
+    assert same["generations"] == 3 and same["same_generation"] < 3 and not same["identical"]
+    assert harness.compare_samples(runs[0], runs[0], tasks[0])["identical"]
+
+
+def test_imports_order_subjects_round_robin_and_check_answers(tmp_path):
+    data.import_benchmark("cmmlu", FIXTURES / "cmmlu", tmp_path / "d")
+    subjects = [row["subject"] for row in data.read_jsonl(tmp_path / "d" / "cmmlu" / "test.jsonl")]
+    assert subjects == ["agronomy", "astronomy", "agronomy", "astronomy"]
+    bad = tmp_path / "bad_cmmlu"
+    shutil.copytree(FIXTURES / "cmmlu", bad)
+    (bad / "test" / "agronomy.csv").write_text(",Question,A,B,C,D,Answer\n0,q,a,b,c,d,E\n")
+    with pytest.raises(ValueError, match="Answer = 'E'"):
+        data.import_benchmark("cmmlu", bad, tmp_path / "e")
+    tsv = tmp_path / "mgsm"
+    tsv.mkdir()
+    (tsv / "mgsm_en.tsv").write_text("only a question\n")
+    with pytest.raises(ValueError, match="question<TAB>answer"):
+        data.import_benchmark("mgsm", tsv, tmp_path / "e")
+
+
+def test_the_table_gain_is_the_difference_of_the_printed_scores():
+    table = harness.table_markdown([{"title": "X", "baseline": 1 / 3, "model": 11 / 30}], "Baseline", "+AttnRes")
+    assert "| X | 33.3 | 36.7 | +3.4 |" in table

@@ -282,6 +282,9 @@ def _eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load with the modeling code saved in the folder")
+    parser.add_argument("--label", help='table column of MODEL (default "+AttnRes" for an AttnRes model, else its '
+                        "folder name)")
+    parser.add_argument("--baseline-label", default="Baseline", help="table column of BASELINE")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
     return parser
 
@@ -290,18 +293,19 @@ def _eval(argv: list[str]) -> int:
     from .eval.harness import evaluate_pair
 
     args = _eval_parser().parse_args(argv)
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     report = evaluate_pair(
-        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=limit, num_fewshot=args.num_fewshot,
+        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=args.limit, num_fewshot=args.num_fewshot,
         batch_size=args.batch_size, data_dir=args.data_dir, allow_code_execution=args.allow_code_execution,
         force=args.force, seed=args.seed, dtype=args.dtype, device=args.device,
-        trust_remote_code=args.trust_remote_code, gen_kwargs=args.gen_kwargs,
+        trust_remote_code=args.trust_remote_code, gen_kwargs=args.gen_kwargs, model_label=args.label,
+        baseline_label=args.baseline_label,
     )
     print((Path(args.output_dir) / "table.md").read_text(), end="")
     for name, same in report["comparison"].items():
-        verdict = "identical" if same["identical"] else "DIFFERENT"
-        print(f"{name}: per-sample scores {verdict} on {same['same_score']}/{same['samples']} samples "
-              f"(max |delta log-likelihood| {same['max_abs_loglikelihood_delta']:.2e})")
+        detail = (f"generations identical on {same['same_generation']}/{same['generations']}" if same["generations"]
+                  else f"max |delta log-likelihood| {same['max_abs_loglikelihood_delta']:.2e}")
+        print(f"{name}: {'identical' if same['identical'] else 'DIFFERENT'} per sample: scores equal on "
+              f"{same['same_score']}/{same['samples']}, {detail}")
     print(f"wrote {args.output_dir}/results.json, table.md, table.png and per-sample logs")
     return 0
 
@@ -332,7 +336,9 @@ def _eval_prepare_data(argv: list[str]) -> int:
             print(f"imported {name} into {folder}")
         if not args.only:
             return 0
-    only = args.only.split(",") if args.only else None
+    only = None if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
+    if only == []:
+        raise ValueError("--only needs at least one benchmark name")
     written = prepare_offline(data_dir, only, force=args.force)
     for name in only or OFFLINE:
         print(f"{name:<14} {'written' if name in written else 'already prepared'}: {data_dir / name}")
@@ -379,6 +385,8 @@ def _eval_perplexity(argv: list[str]) -> int:
     if args.max_tokens:
         input_ids = input_ids[: args.max_tokens]
     window = args.window or min(2048, model.config.max_position_embeddings)
+    if window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {window}")
     result = perplexity(model, input_ids, window=window, stride=args.stride)
     result |= {"model": args.model, "data": args.data, "window": window, "stride": args.stride or window - 1}
     print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens "

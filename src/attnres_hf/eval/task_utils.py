@@ -18,37 +18,34 @@ from .data import load_local as load  # noqa: F401  (custom_dataset of every tas
 # --- few-shot samplers ----------------------------------------------------------------------------------------------
 
 
-class _SameGroupSampler(ContextSampler):
-    """The first `n` few-shot documents whose `KEY` equals the evaluated document's: lm-eval's `first_n` sampler
-    applied per subject, as MMLU, CMMLU, C-Eval and MMLU-Pro draw their few-shot examples from their own subject's
-    dev split."""
+class PoolSampler(ContextSampler):
+    """The first `n` documents of the evaluated document's own `fewshot_pool` (its subject's dev rows, attached by
+    `attnres_hf.eval.data.load_local`): lm-eval's `first_n` sampler per subject, as its per-subject MMLU, CMMLU,
+    C-Eval and MMLU-Pro tasks draw few-shot examples. The task must set `fewshot_split` to its evaluated split, so
+    that lm-eval passes the evaluated document to the sampler.
 
-    KEY = "subject"
+    Raises:
+        ValueError: the subject has fewer than `n` few-shot rows.
+    """
 
     def sample(self, n, eval_doc=None, df=None, **kwargs):
         if n == 0:
             return []
-        pool = [doc for doc in (df or self.df) if eval_doc is None or doc[self.KEY] == eval_doc[self.KEY]]
-        pool = [doc for doc in pool if doc != eval_doc]
+        if eval_doc is None or "fewshot_pool" not in eval_doc:
+            raise RuntimeError("PoolSampler needs fewshot_split == test_split and documents with a fewshot_pool")
+        pool = eval_doc["fewshot_pool"]
         if len(pool) < n:
-            raise ValueError(f"{n} few-shot examples asked for, but the few-shot split has {len(pool)} with "
-                             f"{self.KEY} {eval_doc[self.KEY] if eval_doc else ''!r}")
+            group = next((eval_doc[k] for k in ("subject", "category") if k in eval_doc), "?")
+            raise ValueError(f"{n} few-shot examples asked for, but {group!r} has {len(pool)}")
         return pool[:n]
-
-
-class SameSubjectSampler(_SameGroupSampler):
-    KEY = "subject"
-
-
-class SameCategorySampler(_SameGroupSampler):
-    KEY = "category"
 
 
 # --- document processing --------------------------------------------------------------------------------------------
 
 
-def _hellaswag_clean(text: str) -> str:
-    text = text.strip().replace(" [title]", ". ")
+def _clean(text: str | None) -> str:
+    """Strip, turn WikiHow's " [title]" into ". ", drop other bracketed artefacts, collapse double spaces."""
+    text = (text or "").strip().replace(" [title]", ". ")
     text = re.sub(r"\[.*?\]", "", text)
     return text.replace("  ", " ")
 
@@ -59,19 +56,20 @@ def process_hellaswag(dataset):
 
     def one(doc):
         context = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-        return {"query": _hellaswag_clean(doc["activity_label"] + ": " + context),
-                "choices": [_hellaswag_clean(ending) for ending in doc["endings"]], "gold": int(doc["label"])}
+        return {"query": _clean(doc["activity_label"] + ": " + context),
+                "choices": [_clean(ending) for ending in doc["endings"]], "gold": int(doc["label"])}
 
     return dataset.map(one)
 
 
 def process_gpqa(dataset):
-    """GPQA as lm-eval's `gpqa_diamond_zeroshot`: the correct and three incorrect answers in a shuffled order. The
-    shuffle is seeded by the question text, so the order does not depend on which documents run before it."""
+    """GPQA as lm-eval's `gpqa_diamond_zeroshot` (v2.2): the correct and three incorrect answers, cleaned as lm-eval
+    does, in a shuffled order. The shuffle is seeded by the question text, so the order does not depend on which
+    documents run before it (lm-eval's follows its global seed and the document order)."""
 
     def one(doc):
-        correct = doc["Correct Answer"].strip()
-        choices = [doc[f"Incorrect Answer {i}"].strip() for i in (1, 2, 3)] + [correct]
+        correct = _clean(doc["Correct Answer"])
+        choices = [_clean(doc[f"Incorrect Answer {i}"]) for i in (1, 2, 3)] + [correct]
         random.Random(doc["Question"]).shuffle(choices)
         return {"choice1": choices[0], "choice2": choices[1], "choice3": choices[2], "choice4": choices[3],
                 "answer": f"({LETTERS[choices.index(correct)]})"}
@@ -80,31 +78,58 @@ def process_gpqa(dataset):
 
 
 def mmlu_pro_doc_to_text(doc) -> str:
-    """MMLU-Pro as lm-eval's `mmlu_pro` (5-shot chain of thought): question, lettered options, and
-    "Answer: Let's think step by step." (the few-shot targets continue with the reference reasoning)."""
-    options = "".join(f"{LETTERS[i]}. {option}\n" for i, option in enumerate(doc["options"]))
+    """MMLU-Pro as lm-eval's `mmlu_pro` (v3.1, 5-shot chain of thought): question, lettered options (stripped), and
+    "Answer: Let's think step by step."."""
+    options = "".join(f"{LETTERS[i]}. {option.strip()}\n" for i, option in enumerate(doc["options"][:len(LETTERS)]))
     return f"Question:\n{doc['question']}\nOptions:\n{options}Answer: Let's think step by step."
 
 
+def mmlu_pro_fewshot_text(doc) -> str:
+    """A few-shot example: the question as above followed by its reference reasoning (`cot_content`)."""
+    reasoning = doc["cot_content"].replace("A: Let's think step by step.", "Answer: Let's think step by step.")
+    return mmlu_pro_doc_to_text(doc).removesuffix("Answer: Let's think step by step.") + reasoning
+
+
 def mmlu_pro_fewshot_target(doc) -> str:
-    return doc["cot_content"].removeprefix("A: Let's think step by step.").strip()
+    """Nothing: a few-shot example's answer is already in its reasoning (`mmlu_pro_fewshot_text`)."""
+    return ""
 
 
 # --- scoring --------------------------------------------------------------------------------------------------------
 
-_REMOVED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\$", "$", "\\%", "%", "^\\circ", "^{\\circ}", "\\displaystyle")
-_UNITS = ("degrees", "degree", "cm", "centimeters", "meters", "meter", "inches", "inch", "feet", "foot", "units",
-          "unit", "sq", "square", "dollars", "cents", "hours", "minutes", "seconds", "mph", "km")
+_REMOVED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\$", "$", "\\%", "%", "^\\circ", "^{\\circ}",
+            "\\displaystyle", "{,}")
+_UNITS = ("degrees", "degree", "centimeters", "centimeter", "cm", "meters", "meter", "kilometers", "km", "inches",
+          "inch", "feet", "foot", "ft", "yards", "yard", "miles", "mile", "units", "unit", "sq", "square", "dollars",
+          "dollar", "cents", "cent", "hours", "hour", "minutes", "minute", "seconds", "second", "mph", "pounds",
+          "pound", "grams", "gram", "kg", "liters", "liter")
+_WRAPPERS = ("boxed", "fbox", "text", "textbf", "mathrm", "mathbf", "mbox")
+
+
+def _unwrap(text: str, command: str) -> str:
+    """Replace every `\\command{...}` by its content (braces balanced)."""
+    marker = "\\" + command + "{"
+    while (start := text.find(marker)) >= 0:
+        depth, index = 0, start + len(marker) - 1
+        for index in range(start + len(marker) - 1, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[index], 0)
+            if depth == 0:
+                break
+        else:
+            return text  # unbalanced: leave as is
+        text = text[:start] + text[start + len(marker) : index] + text[index + 1 :]
+    return text
 
 
 def normalize_math_answer(answer: str) -> str:
-    """Normalise a MATH final answer for string comparison, in the spirit of the Minerva normalisation lm-eval's
-    `minerva_math` uses (Lewkowycz et al. 2022, App. D.1): drop `\\text{}` wrappers, units, dollar signs, `\\left`,
-    `\\right`, spaces and a trailing period; `dfrac`/`tfrac` become `frac`; `\\frac12` becomes `\\frac{1}{2}`;
-    `0.5` and `.5` agree; thousands separators go."""
+    """Normalise a MATH final answer for string comparison, in the spirit of the Minerva normalisation that
+    lm-eval's `minerva_math` uses (Lewkowycz et al. 2022, App. D.1): unwrap `\\boxed{}`, `\\text{}` and similar,
+    drop units, dollar and percent signs, `\\left`/`\\right`, spaces and a trailing period; `dfrac`/`tfrac` become
+    `frac` and `\\frac12` becomes `\\frac{1}{2}`; a lone `x = ...` keeps its right side; an option letter loses its
+    parentheses; a plain number is written canonically (`0.50` -> `0.5`, `1,000` -> `1000`, `2.0` -> `2`)."""
     text = answer.strip()
-    text = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", text)
-    text = re.sub(r"\\mbox\{\s*([^{}]*)\}", r"\1", text)
+    for command in _WRAPPERS:
+        text = _unwrap(text, command)
     for token in _REMOVED:
         text = text.replace(token, "")
     text = text.replace("dfrac", "frac").replace("tfrac", "frac")
@@ -114,21 +139,25 @@ def normalize_math_answer(answer: str) -> str:
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)
     text = re.sub(r"\\frac\{([^{}]+)\}(\d)", r"\\frac{\1}{\2}", text)
     text = re.sub(r"\\sqrt(\d+)", r"\\sqrt{\1}", text)
-    if re.fullmatch(r"-?[\d,]+(\.\d+)?", text):
-        text = text.replace(",", "")
-    if text.startswith("."):
-        text = "0" + text
-    if re.fullmatch(r"-?\d+\.0+", text):
-        text = text.split(".")[0]
-    if re.fullmatch(r"[a-zA-Z]=.+", text):  # `x=5` -> `5`
+    if re.fullmatch(r"[a-zA-Z]=[^=,]+", text):  # `x=5` -> `5`
         text = text.split("=", 1)[1]
+    if re.fullmatch(r"\(([A-Ea-e])\)", text):  # `(C)` -> `C`
+        text = text[1]
+    if re.fullmatch(r"-?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?", text) and any(c.isdigit() for c in text):
+        number = text.replace(",", "")
+        if "." in number:
+            number = number.rstrip("0").rstrip(".")
+        if number.startswith(("-.", ".")):
+            number = number.replace(".", "0.", 1)
+        text = number or "0"
     return text
 
 
 def extract_math_answer(generation: str) -> str | None:
-    """The final answer of a MATH solution: "Final Answer: The final answer is X." (Minerva style), else the last
-    `\\boxed{}`, else None."""
-    match = re.search(r"[Ff]inal [Aa]nswer: The final answer is (.*?)(?:\. I hope it is correct|$)", generation)
+    """The final answer of a MATH solution: "Final Answer: The final answer is X." (Minerva style, on its own
+    line), else the last `\\boxed{}`, else None."""
+    match = re.search(r"[Ff]inal [Aa]nswer: The final answer is (.*?)(?:\. I hope it is correct|\.?\s*$)",
+                      generation, flags=re.MULTILINE)
     if match:
         return match.group(1).strip()
     return last_boxed(generation)
@@ -140,27 +169,41 @@ def process_math(doc, results) -> dict:
 
 
 def _numbers(text: str) -> list[str]:
-    return re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?", text)
+    """Numbers in `text`, with thousands separators, decimals, fractions, percentages and mixed numbers."""
+    return [m.group(0).strip() for m in re.finditer(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s+\d+/\d+|/\d+)?%?", text)]
 
 
 def _as_float(text: str) -> float | None:
-    text = text.replace(",", "")
+    text = text.replace(",", "").strip()
+    scale = 0.01 if text.endswith("%") else 1.0
+    text = text.rstrip("%")
     try:
+        if " " in text:  # mixed number `1 2/3`
+            whole, fraction = text.split()
+            numerator, denominator = fraction.split("/")
+            value = abs(float(whole)) + float(numerator) / float(denominator)
+            return scale * (-value if whole.startswith("-") else value)
         if "/" in text:
             numerator, denominator = text.split("/")
-            return float(numerator) / float(denominator)
-        return float(text)
+            return scale * float(numerator) / float(denominator)
+        return scale * float(text)
     except (ValueError, ZeroDivisionError):
         return None
 
 
 def process_cmath(doc, results) -> dict:
-    """CMath (Wei et al. 2023): the last number in the answer equals the gold answer `golden` within 1e-4 relative
-    tolerance (fractions allowed), as the CMath paper's automatic checker compares numbers, not strings."""
-    found = _numbers(results[0])
-    predicted = _as_float(found[-1]) if found else None
-    gold = _as_float(str(doc["golden"]).strip().rstrip("%"))
-    correct = predicted is not None and gold is not None and abs(predicted - gold) <= 1e-4 * max(1.0, abs(gold))
+    """CMath (Wei et al. 2023): the answer equals the gold answer `golden` within 1e-4 relative tolerance (fractions,
+    mixed numbers and percentages allowed), as the CMath paper's checker compares numbers, not strings. The answer
+    is the first number after an answer marker ("答案", "答：", "answer is"), else the last number."""
+    text = results[0]
+    marker = max((text.rfind(m) for m in ("答案", "答：", "答:", "answer is", "Answer:")), default=-1)
+    found = _numbers(text[marker:]) if marker >= 0 and _numbers(text[marker:]) else _numbers(text)[-1:]
+    predicted = _as_float(found[0]) if found else None
+    gold_text = str(doc["golden"]).strip()
+    gold = _as_float(gold_text)
+    candidates = {gold} | ({gold * 100} if gold_text.endswith("%") and gold is not None else set())
+    correct = predicted is not None and gold is not None and any(
+        abs(predicted - value) <= 1e-4 * max(1.0, abs(value)) for value in candidates)
     return {"accuracy": int(correct)}
 
 
@@ -169,10 +212,7 @@ def build_humaneval_program(resps, docs):
     return [[doc["prompt"] + r for r in resp] for resp, doc in zip(resps, docs)]
 
 
-def build_mbpp_program(resps, docs):
-    """MBPP filter: the completion is the program; the test setup code runs before the tests (see doc_to_target)."""
-    return [[r.split("[DONE]")[0] for r in resp] for resp in resps]
-
-
 def pass_at_1(references, predictions, **kwargs) -> float:
-    return _pass_at_1(references, predictions)
+    """pass@1 of one document; `predictions[0]` is the program, or a list holding it (after a filter)."""
+    program = predictions[0] if isinstance(predictions[0], str) else predictions[0][0]
+    return _pass_at_1(references, [[program]])

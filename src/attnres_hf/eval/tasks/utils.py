@@ -2,13 +2,12 @@
 path). They live in `attnres_hf.eval.task_utils`, where they are documented and tested."""
 
 from attnres_hf.eval.task_utils import (  # noqa: F401
-    SameCategorySampler,
-    SameSubjectSampler,
+    PoolSampler,
     build_humaneval_program,
-    build_mbpp_program,
     load,
     mmlu_pro_doc_to_text,
     mmlu_pro_fewshot_target,
+    mmlu_pro_fewshot_text,
     pass_at_1,
     process_cmath,
     process_gpqa,
