@@ -8,7 +8,7 @@ for every variant. It prints the held-out validation loss (nats per byte) as mea
 paper's Table 4 values (1.4T-token / 48B-parameter scale: compare orderings, not numbers).
 
     python benchmarks/ablation.py --preset smoke              # < 1 minute, checks the pipeline end to end
-    python benchmarks/ablation.py --preset cpu                # about an hour on 2 CPU cores
+    python benchmarks/ablation.py --preset cpu                # about 35 minutes on 2 CPU cores (34 min measured)
     python benchmarks/ablation.py --preset gpu --device cuda  # larger model and budget
 
 Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset.
