@@ -404,6 +404,10 @@ def _lm_eval(argv: list[str]) -> int:
 
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(task_dir())]
+    if "--model_args" in argv:  # lm-eval does not know the registered model type; tell it the backend
+        index = argv.index("--model_args") + 1
+        if index < len(argv) and "backend=" not in argv[index]:
+            argv = [*argv[:index], argv[index] + ",backend=causal", *argv[index + 1 :]]
     offline_environment()
     from lm_eval.__main__ import cli_evaluate
 

@@ -166,6 +166,7 @@ def run_demo(
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
     rows = [
+        ("source checkpoint (HF copy)", str(folder)),
         ("converted model", f"{model_dir} (Block AttnRes: {config.num_attnres_blocks} blocks of "
                             f"{config.attnres_block_size} sub-layers over {config.num_sublayers}"
                             f"{', the last partial' if config.num_sublayers % config.attnres_block_size else ''})"),
@@ -176,14 +177,15 @@ def run_demo(
         ("held-out perplexity, source", f"{ppl['source']['perplexity']:.4f} ({ppl['source']['tokens']} tokens)"),
         ("  converted (at init)", f"{ppl['converted']['perplexity']:.4f}"),
     ]
+    eval_rows = []
     if evaluation is not None:
         for row in evaluation["rows"]:
             same = evaluation["comparison"][row["benchmark"]]
-            rows.append((f"{row['title']} ({row['metric'].split(',')[0]}), source -> converted",
-                         f"{100 * row['baseline']:.1f} -> {100 * row['model']:.1f}; per-sample scores "
-                         f"{'identical' if same['identical'] else 'DIFFERENT'} on {same['same_score']}/"
-                         f"{same['samples']} questions (max |delta log-likelihood| "
-                         f"{same['max_abs_loglikelihood_delta']:.1e})"))
+            eval_rows.append((f"{row['title']} ({row['metric'].split(',')[0]}), source -> converted",
+                              f"{100 * row['baseline']:.1f} -> {100 * row['model']:.1f}; per-sample scores "
+                              f"{'identical' if same['identical'] else 'DIFFERENT'} on {same['same_score']}/"
+                              f"{same['samples']} questions (max |delta log-likelihood| "
+                              f"{same['max_abs_loglikelihood_delta']:.1e})"))
     if trained is not None:
         rows += [
             ("  router-trained", f"{ppl['router_trained']['perplexity']:.4f} ({training['steps']} steps, "
@@ -191,6 +193,7 @@ def run_demo(
                                  f"{training['wall_time_s']:.0f} s)"),
             ("depth entropy / uniform", f"{training['depth_entropy_ratio_after']:.4f} after training (1.0 at init)"),
         ]
+    rows += eval_rows
     rows.append(("wall time", f"{time.perf_counter() - started:.0f} s"))
     chats = "\n\n".join(f"**{name}**\n\n> " + answer.replace("\n", "\n> ") for name, answer in answers.items())
     summary = (
