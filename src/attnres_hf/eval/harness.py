@@ -200,13 +200,20 @@ def run_lm_eval(model, benchmarks: list[Benchmark], *, tokenizer=None, num_fewsh
                   trust_remote_code=trust_remote_code)
     else:
         lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, batch_size=batch_size, device=device)
+    previous = os.environ.get(OPT_IN_VARIABLE)
     if allow_code_execution:
-        os.environ[OPT_IN_VARIABLE] = "1"
-    return simple_evaluate(
-        model=lm, tasks=[b.task for b in benchmarks], num_fewshot=num_fewshot, limit=limit, log_samples=True,
-        task_manager=task_manager(data_dir), random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed, confirm_run_unsafe_code=allow_code_execution, gen_kwargs=gen_kwargs,
-    )
+        os.environ[OPT_IN_VARIABLE] = "1"  # the sandbox's opt-in, for this run only
+    try:
+        return simple_evaluate(
+            model=lm, tasks=[b.task for b in benchmarks], num_fewshot=num_fewshot, limit=limit, log_samples=True,
+            task_manager=task_manager(data_dir), random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed, confirm_run_unsafe_code=allow_code_execution, gen_kwargs=gen_kwargs,
+        )
+    finally:
+        if previous is None:
+            os.environ.pop(OPT_IN_VARIABLE, None)
+        else:
+            os.environ[OPT_IN_VARIABLE] = previous
 
 
 def metric_value(results: dict, benchmark: Benchmark) -> float | None:
