@@ -1,69 +1,14 @@
+"""Fixtures; the helpers they use live in `tests/utils.py`."""
+
 import pytest
 import torch
 
-from attnres_hf import AttnResConfig, AttnResForCausalLM
-
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def tiny_config(**overrides) -> AttnResConfig:
-    """transformers' model-tester size: vocab 99, hidden 32; 3 layers = 6 sub-layers, GQA 4/2 heads."""
-    return AttnResConfig(**{**TINY, **overrides})
-
-
-def randomize_routers(model: torch.nn.Module, seed: int = 0, scale: float = 1.0) -> None:
-    """Give every router a non-zero pseudo-query and a non-trivial key-norm weight (trained-like routers)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".query"):
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
-            elif "_res.key_norm" in name:
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-
-
-def tiny_model(seed: int = 0, routers: bool = True, **overrides) -> AttnResForCausalLM:
-    torch.manual_seed(seed)
-    model = AttnResForCausalLM(tiny_config(**overrides)).eval()
-    if routers:
-        randomize_routers(model, seed)
-    return model
+from utils import TINY, counting_text, tiny_model, word_tokenizer
 
 
 @pytest.fixture
 def input_ids():
     return torch.randint(3, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
-
-
-def word_tokenizer():
-    """A word-level tokenizer over `w3 .. w98` (+ pad/bos/eos), built offline for the tiny models."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-
-
-def counting_text(lines: int = 400, seed: int = 0, length: int = 24) -> str:
-    """A learnable synthetic language: each line counts upwards (mod 96) from a random word."""
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for start in torch.randint(0, 96, (lines,), generator=generator).tolist():
-        out.append(" ".join(f"w{3 + (start + k) % 96}" for k in range(length)))
-    return "\n".join(out)
 
 
 @pytest.fixture

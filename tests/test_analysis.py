@@ -10,7 +10,7 @@ from attnres_hf.analysis import (aligned_suffix, compare_pairs, layer_magnitudes
                                  source_names, summarize)
 from attnres_hf.analysis.plots import plot_average_routing, plot_token_routing
 from attnres_hf.cli import main
-from conftest import tiny_model, word_tokenizer
+from utils import tiny_model, word_tokenizer
 
 
 @pytest.mark.parametrize("block_size, layers", [(1, 3), (2, 3), (4, 5)], ids=["full-3", "block2-3", "block4-5"])
@@ -129,7 +129,7 @@ def test_routing_cli_writes_figures_arrays_and_summary(tmp_path, capsys):
 
 def test_dynamics_trains_baseline_and_attnres_and_records_every_layer(tmp_path):
     from attnres_hf.analysis import run_dynamics
-    from conftest import counting_text
+    from utils import counting_text
 
     (tmp_path / "text.txt").write_text(counting_text(lines=200))
     histories = run_dynamics([tmp_path / "text.txt"], word_tokenizer(), tmp_path / "out", steps=12, num_hidden_layers=4,
@@ -144,7 +144,7 @@ def test_dynamics_trains_baseline_and_attnres_and_records_every_layer(tmp_path):
 
 
 def test_dynamics_cli(tmp_path, capsys):
-    from conftest import counting_text
+    from utils import counting_text
 
     word_tokenizer().save_pretrained(tmp_path / "tok")
     (tmp_path / "text.txt").write_text(counting_text(lines=100))

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from attnres_hf.analysis import record_routing
 from attnres_hf.cli import main
 from attnres_hf.training import packed_lm_dataset
-from conftest import TINY, tiny_model, word_tokenizer
+from utils import TINY, tiny_model, word_tokenizer
 
 
 def test_record_routing_takes_one_non_empty_sequence():

@@ -1,7 +1,7 @@
 import pytest
 
 from attnres_hf import AttnResConfig, default_attnres_block_size
-from conftest import tiny_config
+from utils import tiny_config
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import importlib
 from attnres_hf.cli import main
-from conftest import TINY
+from utils import TINY
 from gguf_fixtures import write_gguf
 from test_save_load import REMOTE_SCRIPT
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from attnres_hf import AttnResForCausalLM
 from attnres_hf.modeling.depth_mixing import MIXING_MODULES, sinkhorn_knopp
-from conftest import TINY, tiny_config
+from utils import TINY, tiny_config
 
 EXACT_AT_INIT = {
     "attnres-block2": {"attnres_block_size": 2, "attnres_rescale_output": True},

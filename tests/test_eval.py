@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from utils import tiny_model
 
 from attnres_hf.cli import main
 from attnres_hf.eval import code_execution, data, harness, task_utils
@@ -149,7 +149,7 @@ def _loglikelihoods(results, task):
 
 def test_batch_size_does_not_change_scores(data_dir):
     model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
-    from conftest import randomize_routers
+    from utils import randomize_routers
 
     randomize_routers(model, seed=3)
     tasks = [harness.BENCHMARKS[n] for n in ("mmlu", "arc_challenge", "gsm8k")]
@@ -381,7 +381,7 @@ def test_loglikelihood_rolling_is_batch_invariant_and_matches_perplexity():
     from attnres_hf.eval import perplexity
 
     model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
-    from conftest import randomize_routers
+    from utils import randomize_routers
 
     randomize_routers(model, seed=5)
     texts = ["short text", "a somewhat longer text with more bytes in it " * 3, "x" * 40, "mixed 123 !?"]
@@ -482,7 +482,7 @@ def test_corrupt_or_truncated_local_data_is_found_before_loading(data_dir, tmp_p
 
 
 def test_a_perturbed_model_is_reported_different_even_when_filtered_answers_agree(data_dir):
-    from conftest import randomize_routers
+    from utils import randomize_routers
 
     tokenizer = byte_tokenizer()
     models = [eval_model(attnres_block_size=2), eval_model(attnres_block_size=2)]

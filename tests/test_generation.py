@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from utils import tiny_model
 
 MODELS = [
     pytest.param(dict(attnres_block_size=2), id="block2"),

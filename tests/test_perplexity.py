@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attnres_hf.eval.perplexity import perplexity, sliding_windows
-from conftest import tiny_model
+from utils import tiny_model
 
 
 @pytest.mark.parametrize("n, window, stride", [(10, 4, 3), (10, 4, 1), (4096, 512, 511), (3, 8, 7), (513, 512, 256)])

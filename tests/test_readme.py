@@ -23,7 +23,7 @@ def test_readme_names_the_two_setup_commands():
 
 def test_cli_info_describes_the_block_layout(tmp_path, capsys):
     from attnres_hf.cli import main
-    from conftest import tiny_config
+    from utils import tiny_config
 
     tiny_config(attnres_block_size=4).save_pretrained(tmp_path)
     assert main(["info", str(tmp_path)]) == 0

@@ -7,7 +7,7 @@ from transformers import MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen
 
 from attnres_hf import AttnResForCausalLM
 from attnres_hf.conversion import UnsupportedSourceError, retrofit
-from conftest import TINY
+from utils import TINY
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attnres_hf import naive_attnres
-from conftest import tiny_model
+from utils import tiny_model
 
 BLOCK_SIZES = [pytest.param(1, id="full"), pytest.param(2, id="block2"), pytest.param(4, id="block4-partial-last"),
                pytest.param(6, id="block6-one-block"), pytest.param(8, id="block8-larger-than-model")]

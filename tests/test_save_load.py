@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from attnres_hf import AttnResForCausalLM, AttnResModel
-from conftest import tiny_model
+from utils import tiny_model
 
 
 @pytest.fixture

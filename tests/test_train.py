@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArgument
 from attnres_hf.cli import main
 from attnres_hf.training import AttnResArguments, AttnResTrainer, packed_lm_dataset, prepare_model, train
 from attnres_hf.training.recipes import is_router_parameter, merge_lora
-from conftest import TINY, tiny_model, word_tokenizer
+from utils import TINY, tiny_model, word_tokenizer
 
 COMMON = ["--seq-len", "64", "--per_device_train_batch_size", "8", "--disable_tqdm", "true", "--seed", "0",
           "--train_sampling_strategy", "sequential", "--logging_steps", "1"]

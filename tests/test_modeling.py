@@ -1,9 +1,9 @@
-"""Training-side behaviour: gradient checkpointing, mixed precision, losses, PEFT, attention outputs."""
+"""Modeling behaviour: gradient checkpointing, half precision, depth-weight outputs, attention backends, PEFT wrapping, tied embeddings."""
 
 import pytest
 import torch
 
-from conftest import tiny_model
+from utils import tiny_model
 
 
 @pytest.mark.parametrize("reentrant", [None, False, True], ids=["default", "non-reentrant", "reentrant-asked"])
