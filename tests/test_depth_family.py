@@ -503,3 +503,14 @@ def test_weight_decay_leaves_what_the_record_declares_unchanged(name, tmp_path):
     if model.config.depth_mixing == "mhc":
         connection = model.model.layers[0].attn_mhc
         torch.testing.assert_close(torch.sigmoid(connection.b_pre).sum(), torch.tensor(1.0))  # H_pre at equal streams
+
+
+@pytest.mark.parametrize("name", list(VARIANTS | EXTRA_VARIANTS))
+def test_attnres_info_prints_the_models_own_mixing_parameter_count(name, tmp_path, capsys):
+    from attnres_hf.cli import main
+
+    model = variant_model((VARIANTS | EXTRA_VARIANTS)[name], perturb=False)
+    model.config.save_pretrained(tmp_path)
+    assert main(["info", str(tmp_path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mixing parameters"))
+    assert line.split()[2] == f"{model.num_depth_mixing_parameters():,}"

@@ -154,9 +154,16 @@ def depth_mixing_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: param for name, param in model.named_parameters() if is_depth_mixing_parameter(name)}
 
 
-def num_depth_mixing_parameters(model: nn.Module) -> int:
-    """Number of depth-mixing parameters the model holds (routers, DWAs, ...), counted on the model itself."""
-    return sum(param.numel() for param in depth_mixing_parameters(model).values())
+def num_depth_mixing_parameters(model_or_config) -> int:
+    """Number of depth-mixing parameters (routers, DWAs, ...): counted on a model's own parameters, or for a config
+    on the modules its method's record builds (on the meta device: no memory, any model size)."""
+    if isinstance(model_or_config, nn.Module):
+        return sum(param.numel() for param in depth_mixing_parameters(model_or_config).values())
+    config, method = model_or_config, DEPTH_MIXING[model_or_config.depth_mixing]
+    with torch.device("meta"):
+        modules = [*(module for layer_idx in range(config.num_hidden_layers)
+                     for module in method.layer_modules.build(config, layer_idx)), *method.final_modules.build(config)]
+    return sum(param.numel() for module in modules if module is not None for param in module.parameters())
 
 
 def is_no_weight_decay_parameter(name: str) -> bool:
