@@ -15,6 +15,18 @@ from attnres_hf.modeling.depth_mixing import DEPTH_MIXING
 from utils import VARIANTS, tiny_model, variant_model, word_tokenizer
 
 
+def sublayer_outputs(model, input_ids) -> list[torch.Tensor]:
+    """The raw output of every sub-layer (attention, MLP, ...) in depth order, read with hooks: the Eq. 6 values."""
+    outputs = []
+    hooks = [m.register_forward_hook(lambda mod, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
+             for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    with torch.no_grad():
+        model(input_ids)
+    for hook in hooks:
+        hook.remove()
+    return outputs
+
+
 @pytest.mark.parametrize("block_size, layers", [(1, 3), (2, 3), (4, 5)], ids=["full-3", "block2-3", "block4-5"])
 def test_recorded_weights_and_contributions_equal_the_models_own(block_size, layers, input_ids, tmp_path):
     model = tiny_model(attnres_block_size=block_size, num_hidden_layers=layers)  # hand-set (random) queries
@@ -29,13 +41,7 @@ def test_recorded_weights_and_contributions_equal_the_models_own(block_size, lay
         assert np.isnan(record.weights[r][:, others]).all()
 
     # the contribution map, by hand: alpha_i * ||v_i|| with v_i from hooks on the sub-layers (Eq. 6 sources)
-    outputs = []
-    hooks = [m.register_forward_hook(lambda mod, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
-             for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
-    with torch.no_grad():
-        model(input_ids[:1])
-    for h in hooks:
-        h.remove()
+    outputs = sublayer_outputs(model, input_ids[:1])
     embedding = model.model.embed_tokens(input_ids[:1]).detach()
     for r in range(len(record.routers)):
         done = r // block_size
@@ -202,14 +208,7 @@ def test_windowed_and_per_head_maps_show_what_the_router_computes(input_ids):
     head has its own row; the value norms are those of the sources the router really mixes."""
     model = variant_model({"attnres_block_size": 1, "attnres_window": 1, "attnres_num_heads": 2})
     record = record_routing(model, input_ids[0])
-    outputs = []
-    hooks = [m.register_forward_hook(lambda mod, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
-             for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
-    with torch.no_grad():
-        model(input_ids[:1])
-    for hook in hooks:
-        hook.remove()
-    values = [model.model.embed_tokens(input_ids[:1]).detach()] + outputs  # column c = source c (Full AttnRes)
+    values = [model.model.embed_tokens(input_ids[:1]).detach()] + sublayer_outputs(model, input_ids[:1])  # column c = source c (Full AttnRes)
     for r in range(len(record.routers)):
         sublayer = r // 2
         expected_columns = [0] if sublayer == 0 else [0, sublayer]

@@ -218,18 +218,21 @@ def test_invalid_combinations_raise_value_errors_naming_the_rule():
         ({"depth_mixing": "mhc", "attnres_score_fn": "sigmoid"},
          "attnres_score_fn only apply to depth_mixing='attnres'"),
         ({"depth_mixing": "dca", "denseformer_period": 2}, "denseformer_period only apply"),
-        ({"depth_mixing": "mhc", "mhc_num_streams": 1}, "mhc_num_streams must be an integer >= 2"),
-        ({"attnres_score_fn": "relu"}, "attnres_score_fn must be 'softmax' or 'sigmoid'"),
-        ({"attnres_query": "dynamic"}, "attnres_query must be 'static' or 'input_dependent'"),
+        ({"depth_mixing": "mhc", "mhc_num_streams": 1}, "mhc_num_streams must be greater or equal to 2, got 1"),
+        ({"attnres_score_fn": "relu"}, "attnres_score_fn must be one of ('softmax', 'sigmoid'), got relu"),
+        ({"attnres_query": "dynamic"}, "attnres_query must be one of ('static', 'input_dependent'), got dynamic"),
         ({"attnres_num_heads": 3}, "attnres_num_heads (3) must divide hidden_size (32)"),
-        ({"attnres_window": 0}, "attnres_window must be an integer >= 1"),
+        ({"attnres_window": 0}, "attnres_window must be a positive number of sources or None, got 0"),
         ({"attnres_scalar_weights": True, "attnres_num_heads": 2}, "attnres_scalar_weights=True replaces the query"),
-        ({"depth_mixing": "denseformer", "denseformer_dilation": 0}, "denseformer_dilation must be an integer >= 1"),
+        ({"depth_mixing": "denseformer", "denseformer_dilation": 0}, "denseformer_dilation must be greater or equal to 1"),
+        ({"attnres_num_heads": 0}, "attnres_num_heads must be greater or equal to 1, got 0"),
+        ({"attnres_key_norm": 1}, "attnres_key_norm must be bool, got int"),
+        ({"hidden_size": "32"}, "hidden_size must be int, got str"),
     ]
     for overrides, rule in cases:
         with pytest.raises(ValueError) as error:
             tiny_config(**overrides)
-        assert rule in str(error.value), (overrides, str(error.value))
+        assert rule in str(error.value) and "\n" not in str(error.value), (overrides, str(error.value))
 
 
 # ---------------------------------------------------------------------------------------------------------------
