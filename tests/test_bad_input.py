@@ -67,3 +67,82 @@ def test_routing_cli_rejects_empty_text(tmp_path, capsys):
     word_tokenizer().save_pretrained(tmp_path / "m")
     assert main(["routing", str(tmp_path / "m"), "--text", ""]) == 2
     assert "input is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    ({"method": "lroa"}, ValueError, "method must be one of routers, lora, full"),
+    ({"seq_len": "64"}, TypeError, "seq_len must be int"),
+    ({"seq_len": 1}, ValueError, "seq_len must be at least 2"),
+    ({"eval_fraction": 1.0}, ValueError, "eval_fraction must be between 0 and 1"),
+    ({"data": 5}, TypeError, "data must be a path or a list of paths"),
+    ({"data": []}, ValueError, "data needs at least one file"),
+    ({"model": None}, TypeError, "model must be a model folder path"),
+    ({"lora_r": 0}, ValueError, "lora_r must be a positive integer"),
+    ({"lora_r": 2.5}, ValueError, "lora_r must be a positive integer"),
+    ({"lora_dropout": 1.0}, ValueError, r"lora_dropout must be a probability in \[0, 1\)"),
+    ({"lora_alpha": -1}, ValueError, "lora_alpha must be a positive number"),
+    ({"lora_target_modules": 5}, TypeError, "lora_target_modules must be a list of module names"),
+    ({"entropy_batches": -1}, ValueError, "entropy_batches must be 0"),
+    ({"resume": "yes"}, TypeError, "resume must be bool"),
+], ids=lambda value: str(value) if not isinstance(value, dict) else "-".join(f"{k}={v!r}" for k, v in value.items()))
+def test_training_arguments_are_checked_at_construction(overrides, error, message):
+    from attnres_hf.training import AttnResArguments
+
+    with pytest.raises(error, match=message):
+        AttnResArguments(**{"model": "m", "data": ["d.txt"], **overrides})
+
+
+def test_training_arguments_take_one_path_or_paths():
+    from pathlib import Path
+
+    from attnres_hf.training import AttnResArguments
+
+    assert AttnResArguments(model=Path("m"), data="d.txt").data == ["d.txt"]
+    assert AttnResArguments(model="m", data=(Path("a.txt"), "b.jsonl")).data == ["a.txt", "b.jsonl"]
+
+
+def test_train_checks_its_arguments_before_loading_a_model(tiny_model_dir, tmp_path, monkeypatch):
+    import transformers
+    from transformers import TrainingArguments
+
+    from attnres_hf.training import AttnResArguments, train
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    LlamaConfig(**TINY).save_pretrained(tmp_path / "llama")
+    word_tokenizer().save_pretrained(tmp_path / "llama")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
+    data = [str(tiny_model_dir / "train.txt")]
+    cases = [
+        (("model", args), TypeError, "args must be AttnResArguments"),
+        ((AttnResArguments(model=str(tiny_model_dir / "model"), data=data), {"output_dir": "x"}), TypeError,
+         "training_args must be transformers.TrainingArguments"),
+        ((AttnResArguments(model=str(tmp_path / "nope"), data=data), args), FileNotFoundError, "model folder"),
+        ((AttnResArguments(model=str(tiny_model_dir / "model"), data=[str(tmp_path / "no.txt")]), args),
+         FileNotFoundError, "data file not found"),
+        ((AttnResArguments(model=str(tmp_path / "llama"), data=data), args), ValueError,
+         r"method 'routers' needs depth routers: .* \(model_type 'llama'"),
+        ((AttnResArguments(model=str(tiny_model_dir / "model"), data=data, method="lora",
+                           lora_target_modules=["q_projection"]), args), ValueError, "not found in this model"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            train(*call)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "routers", "--seq-len", "1"], "seq_len must be at least 2"),
+    (["--lora_r", "0"], "lora_r must be a positive integer"),
+    (["--bogus", "1"], "unrecognized arguments: --bogus 1 (attnres train --help"),
+    (["--data", "nope.txt"], "data file not found: nope.txt"),
+], ids=["seq-len", "lora-r", "unknown-flag", "missing-data"])
+def test_train_cli_refuses_bad_arguments_in_one_line(flags, message, tiny_model_dir, capsys):
+    argv = ["train", str(tiny_model_dir / "model"), "--data", str(tiny_model_dir / "train.txt"), "--output-dir",
+            str(tiny_model_dir / "out"), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnres train: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not (tiny_model_dir / "out").exists()
