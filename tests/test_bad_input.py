@@ -146,3 +146,18 @@ def test_train_cli_refuses_bad_arguments_in_one_line(flags, message, tiny_model_
     err = capsys.readouterr().err
     assert err.startswith("attnres train: error: ") and message in err and len(err.strip().splitlines()) == 1
     assert not (tiny_model_dir / "out").exists()
+
+
+def test_merge_lora_checks_its_folders_before_loading(tiny_model_dir, tmp_path):
+    from attnres_hf.training import merge_lora
+
+    with pytest.raises(TypeError, match="base_model must be a model folder or a PreTrainedModel"):
+        merge_lora(5, tmp_path)
+    with pytest.raises(TypeError, match="adapter_dir must be a folder path"):
+        merge_lora(tiny_model_dir / "model", None)
+    with pytest.raises(FileNotFoundError, match="holds no LoRA adapter"):
+        merge_lora(tiny_model_dir / "model", tmp_path / "nothing")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="is not a model folder"):
+        merge_lora(tmp_path / "no-model", tmp_path / "adapter")

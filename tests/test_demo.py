@@ -84,3 +84,20 @@ def test_summary_renderer_reports_a_failed_check_loudly():
     assert "30.0 -> 25.0; per-sample scores DIFFERENT on 90/100" in text
     assert "WARNING: the per-sample scores differ" in text and "## lm-eval at conversion time" in markdown
     assert "> line one\n> line two" in markdown
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"attnres_block_size": 3}, ValueError, "attnres_block_size must be 1"),
+    ({"ppl_tokens": "4096"}, TypeError, "ppl_tokens must be an integer"),
+    ({"window": 1}, ValueError, "window must be at least 2"),
+    ({"eval_questions": -1}, ValueError, "eval_questions must be at least 0"),
+    ({"output_dir": 5}, TypeError, "output_dir must be a folder path"),
+], ids=["block-size-3", "ppl-tokens-text", "window-1", "eval-questions-negative", "output-dir-number"])
+def test_demo_settings_are_checked_before_anything_loads(kwargs, error, message, tmp_path, monkeypatch):
+    def refuse():
+        raise AssertionError("the source was fetched")
+
+    monkeypatch.setattr(demo, "smollm2_hf_folder", refuse)
+    with pytest.raises(error, match=message):
+        demo.run_demo(**{"output_dir": tmp_path / "demo"} | kwargs)
+    assert not (tmp_path / "demo").exists()

@@ -10,6 +10,7 @@ existing folder is refused): the converted model folder, `demo.json` and `summar
 """
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,20 @@ class DemoSettings:
     train_steps: int = 30
     train_seq_len: int = 256
     eval_questions: int = 100
+
+    def __post_init__(self):
+        minimum = {"ppl_tokens": 2, "window": 2, "chat_tokens": 1, "train_steps": 0, "train_seq_len": 2,
+                   "eval_questions": 0}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+            if value < low:
+                raise ValueError(f"{name} must be at least {low}, got {value}")
+        if self.attnres_block_size is not None:
+            from .modeling import AttnResConfig
+
+            AttnResConfig(attnres_block_size=self.attnres_block_size)  # the config's own rule, before any loading
 
 
 @dataclass
@@ -278,10 +293,14 @@ def run_demo(
             model, which must score identically; 0 skips the evaluation.
 
     Raises:
-        FileExistsError: `output_dir` is an existing folder that is not an earlier demo output.
+        FileExistsError: `output_dir` is an existing folder that is not an earlier demo output. TypeError /
+        ValueError: a setting of the wrong type or out of range (a block size the config refuses), before anything
+        loads.
     """
     started = time.perf_counter()
     torch.manual_seed(0)
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise TypeError(f"output_dir must be a folder path, got {type(output_dir).__name__}")
     settings = DemoSettings(Path(output_dir), attnres_block_size, ppl_tokens, window, chat_tokens, train_steps,
                             train_seq_len, eval_questions)
     prepare_output_dir(settings.output_dir)

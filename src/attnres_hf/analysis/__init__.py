@@ -5,6 +5,7 @@ Never imported by `modeling/`: plots and hooks live here, outside what travels w
 
 from .compare import aligned_suffix, compare_pairs, load_pairs
 from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
+from .inputs import encode_text
 from .layout import block_layout, sublayer_names
 from .routing import RoutingRecord, record_routing, router_names, source_columns, source_names, summarize
 
@@ -14,6 +15,7 @@ __all__ = [
     "aligned_suffix",
     "block_layout",
     "compare_pairs",
+    "encode_text",
     "layer_magnitudes",
     "load_pairs",
     "record_routing",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .inputs import encode_text
 from .routing import record_routing
 
 EXAMPLE_PAIRS = Path(__file__).parent / "data" / "routing_pairs.jsonl"
@@ -54,19 +55,34 @@ def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
     return suffix
 
 
-def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0) -> dict:
+def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0, chat: bool = False) -> dict:
     """Shift of the depth weights (b minus a) after the difference, per router and source.
 
-    Returns `routers`, `sources`, `shift` (`(n_routers, n_sources)`, NaN where a router cannot read a source),
-    `low`/`high` (95% bootstrap interval over pairs), `aligned_tokens` per pair, and `max_abs_shift`.
+    Each text is encoded with `encode_text` (`chat=True`: as the user turn of the chat template). Returns `routers`,
+    `sources`, `shift` (`(n_routers, n_sources)`, NaN where a router cannot read a source), `low`/`high` (95%
+    bootstrap interval over pairs), `aligned_tokens` per pair, `pairs_used` and `max_abs_shift`.
 
     Raises:
-        ValueError: if no pair has aligned tokens after its difference.
+        TypeError: `pairs` is not a list of `{"a": str, "b": str}` dicts, or `bootstrap`/`seed` not integers.
+        ValueError: no pairs, `bootstrap < 1`, or no pair with aligned tokens after its difference (and the errors
+            of `record_routing` for a model without routers).
     """
+    if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, dict) and isinstance(p.get("a"), str) and isinstance(p.get("b"), str) for p in pairs):
+        raise TypeError('pairs must be a list of {"a": text, "b": text} dicts (load_pairs reads a .jsonl file)')
+    if not pairs:
+        raise ValueError("pairs is empty")
+    for name, value in (("bootstrap", bootstrap), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+    if bootstrap < 1:
+        raise ValueError(f"bootstrap must be at least 1 resample, got {bootstrap}")
+    if getattr(model.config, "depth_mixing", None) != "attnres":
+        raise ValueError("routing maps need an AttnRes model (depth_mixing='attnres'); this one has no routers")
     per_pair, aligned, record = [], [], None
     for pair in pairs:
-        ids_a = tokenizer(pair["a"], return_tensors="pt").input_ids[0]
-        ids_b = tokenizer(pair["b"], return_tensors="pt").input_ids[0]
+        ids_a = encode_text(tokenizer, pair["a"], chat=chat)
+        ids_b = encode_text(tokenizer, pair["b"], chat=chat)
         suffix = aligned_suffix(ids_a.tolist(), ids_b.tolist())
         aligned.append(suffix)
         if suffix == 0:

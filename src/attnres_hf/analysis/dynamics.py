@@ -13,6 +13,7 @@ the same data and plots both.
 """
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -83,7 +84,7 @@ def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[
 
 
 def run_dynamics(
-    data: list[str],
+    data: list[str | os.PathLike],
     tokenizer,
     output_dir: str | Path,
     steps: int = 300,
@@ -96,9 +97,29 @@ def run_dynamics(
     seed: int = 0,
 ) -> dict:
     """Train a baseline and a Block AttnRes model (same shape, same data, same seed) from scratch and record their
-    depth dynamics. Writes `dynamics.json` and `dynamics.png` to `output_dir`; returns the histories."""
+    depth dynamics. Writes `dynamics.json` and `dynamics.png` to `output_dir`; returns the histories.
+
+    Raises:
+        TypeError: a setting of the wrong type (`data` takes a path or a list of paths). ValueError: a count below 1,
+        a non-positive learning rate (and the data errors of `packed_lm_dataset`), before any model is built.
+    """
     from ..training import AttnResTrainer, packed_lm_dataset
 
+    data = [data] if isinstance(data, (str, os.PathLike)) else data
+    if not isinstance(data, (list, tuple)) or not data or not all(isinstance(f, (str, os.PathLike)) for f in data):
+        raise TypeError(f"data must be a path or a non-empty list of paths, got {data!r}")
+    if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
+        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise TypeError(f"output_dir must be a folder path, got {type(output_dir).__name__}")
+    for name, value in (("steps", steps), ("num_hidden_layers", num_hidden_layers), ("hidden_size", hidden_size),
+                        ("seq_len", seq_len), ("batch_size", batch_size), ("every", every)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     output_dir = Path(output_dir)
     dataset = packed_lm_dataset(data, tokenizer, seq_len=seq_len, eval_fraction=0.02)
     probe = torch.tensor(dataset["eval"][: min(4, len(dataset["eval"]))]["input_ids"])

@@ -144,10 +144,25 @@ def _has_router_parameters(model: torch.nn.Module) -> bool:
 
 def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str | os.PathLike, output_dir=None):
     """Merge a LoRA adapter (with its trained routers) into its base model; return the plain AttnRes model, and
-    save it to `output_dir` when given."""
+    save it to `output_dir` when given.
+
+    Raises:
+        TypeError: `base_model` is neither a folder path nor a `PreTrainedModel`, or a path of the wrong type.
+        FileNotFoundError: no `adapter_config.json` in `adapter_dir`, or no base model folder (checked before loading).
+    """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    if not isinstance(base_model, (str, os.PathLike, PreTrainedModel)):
+        raise TypeError(f"base_model must be a model folder or a PreTrainedModel, got {type(base_model).__name__}")
+    for name, path in (("adapter_dir", adapter_dir), ("output_dir", output_dir)):
+        if not isinstance(path, (str, os.PathLike)) and (path is not None or name == "adapter_dir"):
+            raise TypeError(f"{name} must be a folder path, got {type(path).__name__}")
+    if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+        raise FileNotFoundError(f"{adapter_dir} holds no LoRA adapter (adapter_config.json); `attnres train --method "
+                                "lora` writes one to its --output-dir")
+    if not isinstance(base_model, PreTrainedModel) and not os.path.isfile(os.path.join(base_model, "config.json")):
+        raise FileNotFoundError(f"{base_model} is not a model folder (no config.json there)")
     if not isinstance(base_model, PreTrainedModel):
         base_model = AutoModelForCausalLM.from_pretrained(base_model)
     merged = PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()
