@@ -71,18 +71,18 @@ def test_routing_cli_rejects_empty_text(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides, error, message", [
     ({"method": "lroa"}, ValueError, "method must be one of routers, lora, full"),
-    ({"seq_len": "64"}, TypeError, "seq_len must be int"),
-    ({"seq_len": 1}, ValueError, "seq_len must be at least 2"),
+    ({"seq_len": "64"}, TypeError, "seq_len must be an integer"),
+    ({"seq_len": 1}, ValueError, "seq_len must be at least 2 tokens"),
     ({"eval_fraction": 1.0}, ValueError, "eval_fraction must be between 0 and 1"),
     ({"data": 5}, TypeError, "data must be a path or a list of paths"),
-    ({"data": []}, ValueError, "data needs at least one file"),
+    ({"data": []}, ValueError, "data needs at least one path"),
     ({"model": None}, TypeError, "model must be a model folder path"),
-    ({"lora_r": 0}, ValueError, "lora_r must be a positive integer"),
-    ({"lora_r": 2.5}, ValueError, "lora_r must be a positive integer"),
+    ({"lora_r": 0}, ValueError, r"lora_r \(the adapter rank\) must be at least 1"),
+    ({"lora_r": 2.5}, TypeError, r"lora_r \(the adapter rank\) must be an integer"),
     ({"lora_dropout": 1.0}, ValueError, r"lora_dropout must be a probability in \[0, 1\)"),
     ({"lora_alpha": -1}, ValueError, "lora_alpha must be a positive number"),
     ({"lora_target_modules": 5}, TypeError, "lora_target_modules must be a list of module names"),
-    ({"entropy_batches": -1}, ValueError, "entropy_batches must be 0"),
+    ({"entropy_batches": -1}, ValueError, "entropy_batches must be at least 0"),
     ({"resume": "yes"}, TypeError, "resume must be bool"),
 ], ids=lambda value: str(value) if not isinstance(value, dict) else "-".join(f"{k}={v!r}" for k, v in value.items()))
 def test_training_arguments_are_checked_at_construction(overrides, error, message):
@@ -135,7 +135,7 @@ def test_train_checks_its_arguments_before_loading_a_model(tiny_model_dir, tmp_p
 
 @pytest.mark.parametrize("flags, message", [
     (["--method", "routers", "--seq-len", "1"], "seq_len must be at least 2"),
-    (["--lora_r", "0"], "lora_r must be a positive integer"),
+    (["--lora_r", "0"], "lora_r (the adapter rank) must be at least 1"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1 (attnres train --help"),
     (["--data", "nope.txt"], "data file not found: nope.txt"),
 ], ids=["seq-len", "lora-r", "unknown-flag", "missing-data"])

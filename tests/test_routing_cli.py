@@ -146,8 +146,8 @@ def test_compare_pairs_refuses_bad_arguments(kwargs, error, message):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"data": 5}, TypeError, "data must be a path or a non-empty list"),
-    ({"data": []}, TypeError, "data must be a path or a non-empty list"),
+    ({"data": 5}, TypeError, "data must be a path or a list of paths"),
+    ({"data": []}, ValueError, "data needs at least one path"),
     ({"tokenizer": None}, TypeError, "tokenizer must be a transformers tokenizer"),
     ({"steps": 0}, ValueError, "steps must be at least 1"),
     ({"hidden_size": "32"}, TypeError, "hidden_size must be an integer"),

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import assets
+from ._checks import check_int
 from ._io import staged_folder
 from .conversion import PROBE_TEXT, convert, load_source, retrofit, serializable_copy, verify_conversion
 from .eval import perplexity
@@ -78,11 +79,7 @@ class DemoSettings:
         minimum = {"ppl_tokens": 2, "window": 2, "chat_tokens": 1, "train_steps": 0, "train_seq_len": 2,
                    "eval_questions": 0}
         for name, low in minimum.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-            if value < low:
-                raise ValueError(f"{name} must be at least {low}, got {value}")
+            check_int(name, getattr(self, name), low)
         if self.attnres_block_size is not None:
             from .modeling import AttnResConfig
 

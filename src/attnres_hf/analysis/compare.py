@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._checks import check_int
 from .inputs import encode_text
 from .routing import record_routing
 
@@ -72,11 +73,8 @@ def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, se
         raise TypeError('pairs must be a list of {"a": text, "b": text} dicts (load_pairs reads a .jsonl file)')
     if not pairs:
         raise ValueError("pairs is empty")
-    for name, value in (("bootstrap", bootstrap), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-    if bootstrap < 1:
-        raise ValueError(f"bootstrap must be at least 1 resample, got {bootstrap}")
+    check_int("bootstrap", bootstrap, 1, "resample")
+    check_int("seed", seed)
     if getattr(model.config, "depth_mixing", None) != "attnres":
         raise ValueError("routing maps need an AttnRes model (depth_mixing='attnres'); this one has no routers")
     per_pair, aligned, record = [], [], None

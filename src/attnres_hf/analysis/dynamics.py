@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from .._checks import check_int, check_paths
 from ..modeling import AttnResConfig, AttnResForCausalLM
 
 
@@ -105,19 +106,14 @@ def run_dynamics(
     """
     from ..training import AttnResTrainer, packed_lm_dataset
 
-    data = [data] if isinstance(data, (str, os.PathLike)) else data
-    if not isinstance(data, (list, tuple)) or not data or not all(isinstance(f, (str, os.PathLike)) for f in data):
-        raise TypeError(f"data must be a path or a non-empty list of paths, got {data!r}")
+    data = check_paths("data", data)
     if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
         raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
     if not isinstance(output_dir, (str, os.PathLike)):
         raise TypeError(f"output_dir must be a folder path, got {type(output_dir).__name__}")
     for name, value in (("steps", steps), ("num_hidden_layers", num_hidden_layers), ("hidden_size", hidden_size),
                         ("seq_len", seq_len), ("batch_size", batch_size), ("every", every)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+        check_int(name, value, 1)
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     output_dir = Path(output_dir)

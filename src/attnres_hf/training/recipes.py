@@ -6,6 +6,8 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
+from .._checks import check_int
+
 ROUTER_MODULES = ("attn_res", "mlp_res", "final_res", "dwa", "mudd", "dca", "final_dca", "attn_mhc", "mlp_mhc")
 """Module names of the depth-mixing modules: AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`,
 `model.final_res`) and the rest of the family's (DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC
@@ -128,10 +130,9 @@ def prepare_model(
 
 
 def check_lora_settings(lora_r: int, lora_alpha: float, lora_dropout: float) -> None:
-    """Raises ValueError unless `lora_r` is a positive integer, `lora_alpha` a positive number and `lora_dropout` a
+    """Raises TypeError/ValueError unless `lora_r` is a positive integer, `lora_alpha` a positive number and `lora_dropout` a
     probability in [0, 1)."""
-    if isinstance(lora_r, bool) or not isinstance(lora_r, int) or lora_r < 1:
-        raise ValueError(f"lora_r must be a positive integer (the adapter rank), got {lora_r!r}")
+    check_int("lora_r (the adapter rank)", lora_r, 1)
     if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
         raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
     if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:

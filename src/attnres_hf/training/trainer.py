@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from .._checks import check_int, check_paths
 from .data import packed_lm_dataset
 from .recipes import METHODS, check_lora_settings, check_lora_targets, is_router_parameter, prepare_model
 
@@ -53,26 +54,17 @@ class AttnResArguments:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a model folder path, got {type(self.model).__name__}")
         self.model = str(self.model)
-        if isinstance(self.data, (str, os.PathLike)):
-            self.data = [self.data]
-        if not isinstance(self.data, (list, tuple)) or not all(isinstance(f, (str, os.PathLike)) for f in self.data):
-            raise TypeError(f"data must be a path or a list of paths (.txt, .jsonl, datasets folders), got {self.data!r}")
-        if not self.data:
-            raise ValueError("data needs at least one file (--data FILE [FILE ...])")
-        self.data = [str(f) for f in self.data]
+        self.data = check_paths("data", self.data)
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        for name, kind in (("seq_len", int), ("entropy_batches", int), ("eval_fraction", (int, float)),
-                           ("text_field", str), ("resume", bool), ("trust_remote_code", bool)):
-            value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise TypeError(f"{name} must be {getattr(kind, '__name__', 'a number')}, got {value!r}")
-        if self.seq_len < 2:
-            raise ValueError(f"seq_len must be at least 2 tokens, got {self.seq_len}")
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
-        if self.entropy_batches < 0:
-            raise ValueError(f"entropy_batches must be 0 (off) or more, got {self.entropy_batches}")
+        check_int("seq_len", self.seq_len, 2, "tokens")
+        check_int("entropy_batches", self.entropy_batches, 0)
+        for name, kind in (("text_field", str), ("resume", bool), ("trust_remote_code", bool)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be {kind.__name__}, got {getattr(self, name)!r}")
+        if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or not (
+                0 < self.eval_fraction < 1):
+            raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction!r}")
         check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout)
         if self.lora_target_modules is not None:
             if isinstance(self.lora_target_modules, tuple):
