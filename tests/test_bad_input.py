@@ -161,3 +161,31 @@ def test_merge_lora_checks_its_folders_before_loading(tiny_model_dir, tmp_path):
     (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="is not a model folder"):
         merge_lora(tmp_path / "no-model", tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"files": 5}, TypeError, "files must be a path or a list of paths"),
+    ({"files": []}, ValueError, "files needs at least one path"),
+    ({"seq_len": "64"}, TypeError, "seq_len must be an integer"),
+    ({"eval_fraction": 0}, ValueError, "eval_fraction must be between 0 and 1"),
+    ({"text_field": 1}, TypeError, "text_field must be a column name"),
+    ({"tokenizer": None}, TypeError, "tokenizer must be a transformers tokenizer"),
+], ids=["files-number", "files-empty", "seq-len-text", "eval-fraction-0", "text-field-number", "no-tokenizer"])
+def test_packed_dataset_arguments(kwargs, error, message, tmp_path):
+    (tmp_path / "d.txt").write_text("w3 w4 w5")
+    with pytest.raises(error, match=message):
+        packed_lm_dataset(**{"files": tmp_path / "d.txt", "tokenizer": word_tokenizer()} | kwargs)
+
+
+def test_read_texts_and_load_pairs_arguments(tmp_path):
+    from attnres_hf.analysis import load_pairs
+    from attnres_hf.training.data import read_texts
+
+    (tmp_path / "d.txt").write_text("w3 w4")
+    assert read_texts(tmp_path / "d.txt") == ["w3 w4"]  # one path is a list of one
+    with pytest.raises(TypeError, match="files must be a path or a list of paths"):
+        read_texts(None)
+    with pytest.raises(TypeError, match="path must be a .jsonl file path"):
+        load_pairs(5)
+    with pytest.raises(FileNotFoundError, match="no such pairs file"):
+        load_pairs(tmp_path / "missing.jsonl")

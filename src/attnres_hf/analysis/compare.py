@@ -7,6 +7,7 @@ interval over pairs.
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,13 @@ def load_pairs(path: str | Path) -> list[dict]:
     """Read a `.jsonl` file of `{"a": text, "b": text}` lines (an optional `"name"` is kept).
 
     Raises:
-        ValueError: a line that is not JSON or lacks `a`/`b`, or an empty file.
+        FileNotFoundError: no such file. TypeError: `path` is not a path. ValueError: a line that is not JSON or
+        lacks `a`/`b`, or an empty file.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a .jsonl file path, got {type(path).__name__}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such pairs file")
     pairs = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
