@@ -42,7 +42,7 @@ def test_lm_eval_refuses_code_tasks_without_both_opt_ins_before_loading(tasks, f
 def test_lm_eval_refuses_a_missing_model_folder(tmp_path, no_loading, capsys):
     assert main(["lm-eval", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'none'},dtype=float32",
                  "--tasks=offline_mmlu"]) == 2
-    assert f"pretrained={tmp_path / 'none'}: no such model folder" in capsys.readouterr().err
+    assert f"model folder (--model_args pretrained=) not found: {tmp_path / 'none'}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -20,3 +20,17 @@ def check_paths(name: str, value) -> list[str]:
     if not paths:
         raise ValueError(f"{name} needs at least one path")
     return [os.fspath(p) for p in paths]
+
+
+def check_fraction(name: str, value) -> float:
+    """`value` if it is a number strictly between 0 and 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{name} must be between 0 and 1, got {value!r}")
+    return value
+
+
+def check_model_source(path: str, what: str = "model folder") -> None:
+    """Raise `FileNotFoundError` unless `path` is an existing folder or reads as a Hub id (`owner/name`, loaded
+    from the local Hub cache when offline)."""
+    if not os.path.isdir(path) and (os.path.isabs(path) or path.startswith(".") or path.count("/") != 1):
+        raise FileNotFoundError(f"{what} not found: {path}")

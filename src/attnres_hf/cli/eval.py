@@ -180,6 +180,7 @@ def check_lm_eval_opt_in(argv: list[str]) -> None:
     """
     import os
 
+    from .._checks import check_model_source
     from ..eval.code_execution import OPT_IN_VARIABLE, CodeExecutionNotAllowed
     from ..eval.harness import BENCHMARKS
 
@@ -191,9 +192,8 @@ def check_lm_eval_opt_in(argv: list[str]) -> None:
         raise CodeExecutionNotAllowed(f"{', '.join(executing)} execute the code the model writes (untrusted; each "
                                       f"program runs in a sandboxed subprocess): to allow it, {' and '.join(missing)}")
     model_args = dict(item.split("=", 1) for item in (_option(argv, "--model_args") or "").split(",") if "=" in item)
-    pretrained = model_args.get("pretrained")
-    if pretrained and not Path(pretrained).is_dir() and (pretrained.startswith((".", "/")) or pretrained.count("/") != 1):
-        raise FileNotFoundError(f"--model_args pretrained={pretrained}: no such model folder")
+    if model_args.get("pretrained"):
+        check_model_source(model_args["pretrained"], "model folder (--model_args pretrained=)")
 
 
 def run_lm_eval(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 
-from .._checks import check_int, check_paths
+from .._checks import check_fraction, check_int, check_paths
 
 
 def _load_raw(path: Path, text_field: str) -> Dataset:
@@ -73,8 +73,7 @@ def packed_lm_dataset(
         the wrong type (`files` takes a path or a list of paths).
     """
     check_int("seq_len", seq_len, 2, "tokens")
-    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction!r}")
+    check_fraction("eval_fraction", eval_fraction)
     if not isinstance(text_field, str):
         raise TypeError(f"text_field must be a column name (str), got {text_field!r}")
     if not callable(tokenizer):

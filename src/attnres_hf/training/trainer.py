@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
-from .._checks import check_int, check_paths
+from .._checks import check_fraction, check_int, check_model_source, check_paths
 from .data import packed_lm_dataset
 from .recipes import METHODS, check_lora_settings, check_lora_targets, is_router_parameter, prepare_model
 
@@ -62,9 +62,7 @@ class AttnResArguments:
         for name, kind in (("text_field", str), ("resume", bool), ("trust_remote_code", bool)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be {kind.__name__}, got {getattr(self, name)!r}")
-        if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or not (
-                0 < self.eval_fraction < 1):
-            raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction!r}")
+        check_fraction("eval_fraction", self.eval_fraction)
         check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout)
         if self.lora_target_modules is not None:
             if isinstance(self.lora_target_modules, tuple):
@@ -149,9 +147,7 @@ def _count(model) -> tuple[int, int]:
 def _check_before_loading(args: AttnResArguments) -> None:
     """What can be checked from the folder and the config alone: files, the method against the model, LoRA targets
     (on a weightless `meta`-device copy of the model)."""
-    path = Path(args.model)
-    if not path.is_dir() and (path.is_absolute() or args.model.startswith(".") or args.model.count("/") != 1):
-        raise FileNotFoundError(f"model folder {args.model} not found")
+    check_model_source(args.model)
     for file in args.data:
         if not Path(file).exists():
             raise FileNotFoundError(f"data file not found: {file}")
