@@ -21,7 +21,8 @@ def bos_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
     from tokenizers import processors
 
     tokenizer = word_tokenizer()
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                               special_tokens=[("<s>", 1)])
     tokenizer.chat_template = chat_template
     return tokenizer
 

@@ -143,7 +143,8 @@ def plain_mean_step(state: DemoState) -> None:
 def perplexity_step(state: DemoState) -> None:
     """Perplexity of source and converted model on {settings.ppl_tokens} held-out tokens ..."""
     state.texts = demo_texts()
-    state.held_out_ids = state.tokenizer(state.texts.held_out, return_tensors="pt").input_ids[0, : state.settings.ppl_tokens]
+    held_out = state.tokenizer(state.texts.held_out, return_tensors="pt").input_ids[0]
+    state.held_out_ids = held_out[: state.settings.ppl_tokens]
     state.results["perplexity"] = {
         name: perplexity(state.models[name], state.held_out_ids, window=state.settings.window)
         for name in ("source", "converted")
@@ -210,7 +211,8 @@ def chat_step(state: DemoState) -> None:
     for name in ("converted", "router_trained"):
         if name in state.models:
             new = state.models[name].generate(**chat, max_new_tokens=state.settings.chat_tokens, do_sample=False)
-            answers[name] = state.tokenizer.decode(new[0, chat["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+            answer_ids = new[0, chat["input_ids"].shape[1] :]
+            answers[name] = state.tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
     state.results["chat"] = {"prompt": CHAT_PROMPT, "answers": answers}
 
 
@@ -241,7 +243,8 @@ def summary_rows(results: dict, source_folder: str | Path) -> list[tuple[str, st
     if training:
         rows += [
             ("  router-trained", f"{ppl['router_trained']['perplexity']:.4f} ({training['steps']} steps, "
-                                 f"{training['tokens_seen']:,} tokens, {training['trainable_parameters']:,} parameters, "
+                                 f"{training['tokens_seen']:,} tokens, "
+                                 f"{training['trainable_parameters']:,} parameters, "
                                  f"{training['wall_time_s']:.0f} s)"),
             ("depth entropy / uniform", f"{training['depth_entropy_ratio_after']:.4f} after training (1.0 at init)"),
         ]

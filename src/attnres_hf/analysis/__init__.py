@@ -3,7 +3,7 @@
 Never imported by `modeling/`: plots and hooks live here, outside what travels with a checkpoint.
 """
 
-from .compare import aligned_suffix, compare_pairs, load_pairs
+from .compare import aligned_suffix, compare_pairs, largest_shifts, load_pairs
 from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
 from .inputs import encode_text
 from .layout import block_layout, sublayer_names
@@ -16,6 +16,7 @@ __all__ = [
     "block_layout",
     "compare_pairs",
     "encode_text",
+    "largest_shifts",
     "layer_magnitudes",
     "load_pairs",
     "record_routing",

@@ -62,7 +62,9 @@ def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
     return suffix
 
 
-def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0, chat: bool = False) -> dict:
+def compare_pairs(
+    model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0, chat: bool = False
+) -> dict:
     """Shift of the depth weights (b minus a) after the difference, per router and source.
 
     Each text is encoded with `encode_text` (`chat=True`: as the user turn of the chat template). Returns `routers`,
@@ -113,3 +115,15 @@ def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, se
         "pairs_used": len(per_pair),
         "max_abs_shift": float(np.nanmax(np.abs(shift))),
     }
+
+
+def largest_shifts(result: dict) -> list[dict]:
+    """Per router of a `compare_pairs` result, the source whose weight shifted most: `{"router", "source", "shift",
+    "low", "high"}` (the shift b minus a and its 95% bootstrap interval)."""
+    rows = []
+    for r, router in enumerate(result["routers"]):
+        shift = result["shift"][r]
+        c = int(np.nanargmax(np.abs(shift)))
+        rows.append({"router": router, "source": result["sources"][c], "shift": float(shift[c]),
+                     "low": float(result["low"][r, c]), "high": float(result["high"][r, c])})
+    return rows

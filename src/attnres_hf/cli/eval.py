@@ -67,8 +67,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                          description="Token-level perplexity of MODEL on text files, sliding window.")
     parser.add_argument("model")
     parser.add_argument("--data", nargs="+", required=True, help=".txt / .jsonl files or datasets folders")
-    parser.add_argument("--window", type=positive_int, default=None, help="tokens per window (default: min(2048, context))")
-    parser.add_argument("--stride", type=positive_int, default=None, help="new tokens scored per window (default window-1)")
+    parser.add_argument("--window", type=positive_int, default=None,
+                        help="tokens per window (default: min(2048, context))")
+    parser.add_argument("--stride", type=positive_int, default=None,
+                        help="new tokens scored per window (default window-1)")
     parser.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens")
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--output", help="also write the result as JSON here")
@@ -82,7 +84,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..eval.harness import evaluate_pair
 
     report = evaluate_pair(
-        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=args.limit, num_fewshot=args.num_fewshot,
+        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=args.limit,
+        num_fewshot=args.num_fewshot,
         batch_size=args.batch_size, data_dir=args.data_dir, allow_code_execution=args.allow_code_execution,
         force=args.force, seed=args.seed, dtype=args.dtype, device=args.device,
         trust_remote_code=args.trust_remote_code, gen_kwargs=args.gen_kwargs, model_label=args.label,

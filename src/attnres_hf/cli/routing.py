@@ -1,4 +1,4 @@
-"""`attnres routing MODEL --text ...` (= `routing map`), `routing compare`, `routing dynamics`: read the depth routing."""
+"""`attnres routing MODEL --text ...` (= `routing map`), `routing compare`, `routing dynamics`: depth routing."""
 
 import argparse
 import json
@@ -110,9 +110,7 @@ def token_range(span: str | None, token: int | None, length: int) -> tuple[int, 
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from ..analysis import compare_pairs, load_pairs
+    from ..analysis import compare_pairs, largest_shifts, load_pairs
     from ..analysis.compare import EXAMPLE_PAIRS
     from ..analysis.plots import plot_shift
 
@@ -127,14 +125,10 @@ def run_compare(args: argparse.Namespace) -> int:
     width = max(len(source) for source in result["sources"])
     print(f"{result['pairs_used']} pairs; aligned tokens after the difference: {result['aligned_tokens']}")
     print(f"{'router':<20}{'largest shift':>14}  {'source':<{width}}  95% interval")
-    rows = []
-    for r, router in enumerate(result["routers"]):
-        shift = result["shift"][r]
-        c = int(np.nanargmax(np.abs(shift)))
-        low, high = result["low"][r, c], result["high"][r, c]
-        rows.append({"router": router, "source": result["sources"][c], "shift": float(shift[c]),
-                     "low": float(low), "high": float(high)})
-        print(f"{router:<20}{shift[c]:>+14.4f}  {result['sources'][c]:<{width}}  [{low:+.4f}, {high:+.4f}]")
+    rows = largest_shifts(result)
+    for row in rows:
+        interval = f"[{row['low']:+.4f}, {row['high']:+.4f}]"
+        print(f"{row['router']:<20}{row['shift']:>+14.4f}  {row['source']:<{width}}  {interval}")
     (out / "compare.json").write_text(json.dumps({"largest_shift_per_router": rows, "aligned_tokens":
                                                   result["aligned_tokens"], "max_abs_shift": result["max_abs_shift"]},
                                                  indent=2) + "\n")

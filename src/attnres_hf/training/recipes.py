@@ -43,7 +43,8 @@ def default_lora_targets(model: PreTrainedModel) -> list[str]:
     For a Llama-style model: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`. Depth
     routers hold no linear layer; they train in full beside the adapters."""
     head = model.get_output_embeddings()
-    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head]
+    linear = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and module is not head]
     return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear))
 
 
@@ -69,7 +70,8 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
         raise ValueError(f"lora_target_modules {targets!r} matches no module of this model; valid names: "
                          f"{', '.join(valid)}")
     if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
-        raise TypeError(f"lora_target_modules must be a list of module names or one regular expression, got {targets!r}")
+        raise TypeError(f"lora_target_modules must be a list of module names or one regular expression, "
+                        f"got {targets!r}")
     if not targets or not all(targets):
         raise ValueError(f"lora_target_modules must name at least one module (valid names: {', '.join(valid)}); "
                          f"got {list(targets)!r}")
@@ -130,8 +132,8 @@ def prepare_model(
 
 
 def check_lora_settings(lora_r: int, lora_alpha: float, lora_dropout: float) -> None:
-    """Raises TypeError/ValueError unless `lora_r` is a positive integer, `lora_alpha` a positive number and `lora_dropout` a
-    probability in [0, 1)."""
+    """Raises TypeError/ValueError unless `lora_r` is a positive integer, `lora_alpha` a positive number and
+    `lora_dropout` a probability in [0, 1)."""
     check_int("lora_r (the adapter rank)", lora_r, 1)
     if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
         raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")

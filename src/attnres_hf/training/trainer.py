@@ -166,8 +166,9 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     """Fine-tune `args.model` on `args.data` with `args.method`; returns the summary (also `train_summary.json`).
 
     `callbacks` are extra `TrainerCallback`s. The final model (or LoRA adapter with its routers) and the tokenizer
-    are saved to `training_args.output_dir`; checkpoints every `save_steps`. With `args.resume`, training continues from the last checkpoint there with its
-    optimizer, scheduler, RNG and data order, so the loss trajectory is that of an uninterrupted run.
+    are saved to `training_args.output_dir`; checkpoints every `save_steps`. With `args.resume`, training continues
+    from the last checkpoint there with its optimizer, scheduler, RNG and data order, so the loss trajectory is that
+    of an uninterrupted run.
 
     Every random draw (weights the checkpoint lacks, LoRA adapters, data order, dropout) comes after seeding with
     `training_args.seed` (`full_determinism` honoured), so two runs with the same settings give identical losses
@@ -203,7 +204,8 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     # Seed before the model exists: the Trainer seeds again in its __init__, too late for the LoRA adapters'
     # initial values (and any weight the checkpoint lacks).
     (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
+                                                 dtype=torch.float32)
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
 
     trainer = AttnResTrainer(
