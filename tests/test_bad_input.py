@@ -189,3 +189,21 @@ def test_read_texts_and_load_pairs_arguments(tmp_path):
         load_pairs(5)
     with pytest.raises(FileNotFoundError, match="no such pairs file"):
         load_pairs(tmp_path / "missing.jsonl")
+
+
+def test_analysis_helpers_name_their_argument_types():
+    from attnres_hf.analysis import DepthDynamicsCallback, aligned_suffix, block_layout, layer_magnitudes
+    from attnres_hf.modeling import AttnResConfig
+
+    with pytest.raises(TypeError, match="config must be an AttnResConfig"):
+        block_layout(LlamaConfig(**TINY))
+    assert block_layout(AttnResConfig(**TINY, attnres_block_size=4))[-1] == ["2.attn", "2.mlp"]
+    with pytest.raises(TypeError, match="two lists of token ids"):
+        aligned_suffix(torch.tensor([1, 2]), [1, 2])
+    for bad, error in ((torch.rand(2, 3), TypeError), ([[1, 2]], TypeError), (torch.tensor([1, 2]), ValueError)):
+        with pytest.raises(error, match="input_ids must be"):
+            layer_magnitudes(tiny_model(), bad)
+        with pytest.raises(error, match="input_ids must be"):
+            DepthDynamicsCallback(bad)
+    with pytest.raises(ValueError, match="every must be at least 1 steps"):
+        DepthDynamicsCallback(torch.tensor([[1, 2]]), every=0)

@@ -49,7 +49,14 @@ def load_pairs(path: str | Path) -> list[dict]:
 
 
 def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
-    """Length of the shared token suffix after the first difference (0 if the texts never re-align)."""
+    """Length of the shared token suffix after the first difference (0 if the texts never re-align).
+
+    Raises:
+        TypeError: the ids are not lists of integers.
+    """
+    for ids in (ids_a, ids_b):
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
+            raise TypeError("aligned_suffix takes two lists of token ids (tensor.tolist())")
     prefix = 0
     while prefix < min(len(ids_a), len(ids_b)) and ids_a[prefix] == ids_b[prefix]:
         prefix += 1

@@ -27,7 +27,9 @@ class DepthDynamicsCallback(TrainerCallback):
     """Record per-layer magnitudes during `Trainer` training; `history` is JSON-ready."""
 
     def __init__(self, probe_input_ids: torch.Tensor, every: int = 10):
+        _check_input_ids(probe_input_ids)
         self.probe = probe_input_ids
+        check_int("every", every, 1, "steps")
         self.every = every
         self.history = {"steps": [], "hidden_rms": [], "output_rms": [], "grad_norm": []}
         self._grads = None
@@ -56,13 +58,25 @@ def _layers(model):
     return inner.model.layers
 
 
+def _check_input_ids(input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"input_ids must be an integer torch.Tensor (batch, seq_len), got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, seq_len) tensor, got shape {tuple(input_ids.shape)}")
+
+
 def _rms(x: torch.Tensor) -> float:
     return float(x.float().pow(2).mean().sqrt())
 
 
 @torch.no_grad()
 def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[float]]:
-    """`(hidden_rms, output_rms)` per layer on `input_ids` (see the module docstring)."""
+    """`(hidden_rms, output_rms)` per layer on `input_ids` (`(batch, seq_len)` int64; see the module docstring).
+
+    Raises:
+        TypeError / ValueError: `input_ids` is not a non-empty integer tensor of shape `(batch, seq_len)`.
+    """
+    _check_input_ids(input_ids)
     outputs: dict[int, float] = {}
     final: list[float] = []
     inner = model.module if hasattr(model, "module") else model
