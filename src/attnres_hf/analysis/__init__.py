@@ -7,7 +7,7 @@ from .compare import aligned_suffix, compare_pairs, largest_shifts, load_pairs
 from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
 from .inputs import encode_text
 from .layout import block_layout, sublayer_names
-from .routing import RoutingRecord, record_routing, router_names, source_columns, source_names, summarize
+from .routing import RoutingRecord, record_routing, router_names, routing_maps, source_columns, source_names, summarize
 
 __all__ = [
     "DepthDynamicsCallback",
@@ -21,6 +21,7 @@ __all__ = [
     "load_pairs",
     "record_routing",
     "router_names",
+    "routing_maps",
     "run_dynamics",
     "source_columns",
     "source_names",

@@ -1,5 +1,7 @@
 """Where each sub-layer sits: names of the sub-layers and the blocks of Block AttnRes (paper Eq. 6)."""
 
+from ..modeling.mixing_base import sublayer_name
+
 
 def sublayer_names(config) -> list[str]:
     """Sub-layers in depth order: `["0.attn", "0.mlp", "1.attn", ...]`; sub-layer `2 i` is the attention of layer `i`
@@ -10,7 +12,7 @@ def sublayer_names(config) -> list[str]:
     """
     if not hasattr(config, "num_sublayers"):
         raise TypeError(f"config must be an AttnResConfig, got {type(config).__name__}")
-    return [f"{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(config.num_sublayers)]
+    return [sublayer_name(i) for i in range(config.num_sublayers)]
 
 
 def block_layout(config) -> list[list[str]]:
