@@ -101,12 +101,15 @@ class DemoState:
 
 
 def prepare_output_dir(output_dir: Path) -> None:
-    """Replace an earlier demo output at `output_dir`; refuse any other existing, non-empty folder."""
+    """Replace an earlier demo output at `output_dir` (finished or interrupted); refuse any other existing, non-empty
+    folder."""
     if output_dir.exists():
         if any(output_dir.iterdir()) and not (output_dir / "demo.json").is_file():
             raise FileExistsError(f"{output_dir} exists and is not an earlier demo output; choose another --output-dir")
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True)
+    # marks the folder as the demo's from the start, so that an interrupted run does not block the next one
+    (output_dir / "demo.json").write_text(json.dumps({"complete": False}) + "\n")
 
 
 def load_source_step(state: DemoState) -> None:
