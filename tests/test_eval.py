@@ -65,6 +65,7 @@ def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
         "triviaqa": {"validation": [{"question": f"Capital number {i}", "question_id": f"t{i}",
                                      "answer": {"aliases": ["Paris"], "normalized_aliases": ["paris"], "value": "Paris"}}
                                     for i in range(3)]},
+        "lambada": {"test": [{"text": f"She opened the door and saw the {w}"} for w in ("cat", "sea", "garden")]},
         "humaneval": {"test": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n",
                                 "canonical_solution": "    return a + b\n", "entry_point": "add",
                                 "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}]},
@@ -75,7 +76,7 @@ def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
 def data_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eval-data")
     for name, splits in offline_fixture_rows().items():
-        data._write_benchmark(folder, name, splits, force=False)
+        data.write_benchmark(folder, name, splits, force=False)
     for name, path in IMPORTS.items():
         data.import_benchmark(name, FIXTURES / path, folder)
     return folder
@@ -96,7 +97,9 @@ def test_the_pack_has_one_yaml_per_benchmark_and_lm_eval_knows_every_task(data_d
     manager = harness.task_manager(data_dir)
     loaded = manager.load([b.task for b in harness.BENCHMARKS.values()])
     assert set(loaded["tasks"]) == names
-    assert set(harness.PAPER_TABLE) == set(data.DATA) - {"arc_easy"}
+    assert harness.PAPER_TABLE == tuple(n for n, b in data.BENCHMARKS.items() if b.paper_table)
+    assert set(data.OFFLINE) == set(offline_fixture_rows()) and set(data.IMPORTED) == set(IMPORTS)
+    assert set(data.OFFLINE) | set(data.IMPORTED) == set(data.BENCHMARKS)
 
 
 def test_imports_read_the_real_release_formats(data_dir):
@@ -130,7 +133,7 @@ def test_bad_imports_are_refused_and_lose_nothing(data_dir, tmp_path):
 
 def test_every_task_runs_end_to_end_on_a_tiny_model(data_dir, model_dirs, tmp_path):
     report = harness.evaluate_pair(
-        model_dirs / "attnres", tasks="paper,arc_easy", output_dir=tmp_path / "out", limit=2, data_dir=data_dir,
+        model_dirs / "attnres", tasks=",".join(data.BENCHMARKS), output_dir=tmp_path / "out", limit=2, data_dir=data_dir,
         allow_code_execution=True, gen_kwargs="max_gen_toks=8",
     )
     assert {row["benchmark"] for row in report["rows"]} == set(harness.BENCHMARKS)
@@ -405,10 +408,11 @@ def test_prepare_offline_builds_the_real_benchmarks(tmp_path):
     cached = data.default_data_dir()
     data.prepare_offline(cached, progress=False)
     counts = {name: {split: sum(1 for _ in (cached / name / f"{split}.jsonl").open()) for split in spec.splits}
-              for name, spec in data.DATA.items() if spec.source == "offline"}
+              for name, spec in data.BENCHMARKS.items() if spec.source == "offline"}
     assert counts["mmlu"] == {"test": 14042, "dev": 285}
     assert counts["hellaswag"] == {"validation": 10042}
     assert counts["arc_challenge"]["test"] == 1172 and counts["gsm8k"]["test"] == 1319
+    assert counts["lambada"] == {"test": 5153}
     assert counts["humaneval"]["test"] == 164 and counts["math500"]["test"] == 500 and counts["mbpp"]["test"] == 500
     first = data.read_jsonl(cached / "mmlu" / "test.jsonl")[:57]
     assert len({row["subject"] for row in first}) == 57  # round-robin: a --limit covers every subject

@@ -13,48 +13,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from .._io import staged_folder
+from .benchmarks import BENCHMARKS, PAPER_TABLE, Benchmark, resolve_benchmarks
 from .code_execution import OPT_IN_VARIABLE, REFUSAL, CodeExecutionNotAllowed
-from .data import DATA, check_prepared, default_data_dir, fewshot_capacity
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    """One row of the paper's table: the pack's lm-eval task, the metric reported (lm-eval's `metric,filter` key)
-    and whether scoring executes model-written code."""
-
-    name: str
-    title: str
-    task: str
-    metric: str
-    executes_code: bool = False
-
-
-BENCHMARKS = {b.name: b for b in (
-    Benchmark("mmlu", "MMLU", "offline_mmlu", "acc,none"),
-    Benchmark("mmlu_pro", "MMLU-Pro", "offline_mmlu_pro", "exact_match,custom-extract"),
-    Benchmark("gpqa_diamond", "GPQA-Diamond", "offline_gpqa_diamond", "acc,none"),
-    Benchmark("bbh", "BBH", "offline_bbh", "exact_match,strict-match"),
-    Benchmark("arc_challenge", "ARC-Challenge", "offline_arc_challenge", "acc_norm,none"),
-    Benchmark("arc_easy", "ARC-Easy", "offline_arc_easy", "acc_norm,none"),
-    Benchmark("hellaswag", "HellaSwag", "offline_hellaswag", "acc_norm,none"),
-    Benchmark("triviaqa", "TriviaQA", "offline_triviaqa", "exact_match,remove_whitespace"),
-    Benchmark("gsm8k", "GSM8K", "offline_gsm8k", "exact_match,strict-match"),
-    Benchmark("mgsm", "MGSM", "offline_mgsm", "exact_match,flexible-extract"),
-    Benchmark("math500", "MATH-500", "offline_math500", "exact_match,none"),
-    Benchmark("cmath", "CMath", "offline_cmath", "accuracy,none"),
-    Benchmark("humaneval", "HumanEval", "offline_humaneval", "pass_at_1,create_test", executes_code=True),
-    Benchmark("mbpp", "MBPP", "offline_mbpp", "pass_at_1,none", executes_code=True),
-    Benchmark("cmmlu", "CMMLU", "offline_cmmlu", "acc,none"),
-    Benchmark("ceval", "C-Eval", "offline_ceval", "acc,none"),
-)}
-"""The paper's benchmarks (and ARC-Easy), in the order of its table."""
-
-PAPER_TABLE = tuple(name for name in BENCHMARKS if name != "arc_easy")
+from .local import check_prepared, default_data_dir, fewshot_capacity
 
 
 def task_dir() -> Path:
@@ -78,26 +43,6 @@ def task_manager(data_dir: str | os.PathLike | None = None):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(task_dir()), metadata={"data_dir": str(data_dir or default_data_dir())})
-
-
-def resolve_benchmarks(tasks: str | list[str]) -> list[Benchmark]:
-    """Benchmarks from a comma-separated list of names (`mmlu`, `offline_mmlu`, or `paper` for the whole table).
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
-    if not names:
-        raise ValueError("no tasks given")
-    chosen: list[Benchmark] = []
-    for name in names:
-        expanded = PAPER_TABLE if name == "paper" else (name.removeprefix("offline_"),)
-        for key in expanded:
-            if key not in BENCHMARKS:
-                raise ValueError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)} (or 'paper' for all)")
-            if BENCHMARKS[key] not in chosen:
-                chosen.append(BENCHMARKS[key])
-    return chosen
 
 
 def _model_folder(model) -> Path | None:
@@ -400,5 +345,5 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     return report
 
 
-__all__ = ["BENCHMARKS", "DATA", "PAPER_TABLE", "Benchmark", "evaluate_pair", "resolve_benchmarks", "run_lm_eval",
+__all__ = ["BENCHMARKS", "PAPER_TABLE", "Benchmark", "evaluate_pair", "resolve_benchmarks", "run_lm_eval",
            "task_dir", "task_manager"]

@@ -12,8 +12,8 @@ import re
 from lm_eval.api.samplers import ContextSampler
 
 from .code_execution import pass_at_1 as _pass_at_1
-from .data import LETTERS, last_boxed
-from .data import load_local as load  # noqa: F401  (custom_dataset of every task)
+from .local import load_local as load  # noqa: F401  (custom_dataset of every task)
+from .sources import LETTERS, last_boxed
 
 # --- few-shot samplers ----------------------------------------------------------------------------------------------
 
