@@ -100,6 +100,10 @@ def test_the_pack_has_one_yaml_per_benchmark_and_lm_eval_knows_every_task(data_d
     assert harness.PAPER_TABLE == tuple(n for n, b in data.BENCHMARKS.items() if b.paper_table)
     assert set(data.OFFLINE) == set(offline_fixture_rows()) and set(data.IMPORTED) == set(IMPORTS)
     assert set(data.OFFLINE) | set(data.IMPORTED) == set(data.BENCHMARKS)
+    for name, benchmark in data.BENCHMARKS.items():  # the YAML tag `offline_paper_table` agrees with the records
+        text = (harness.task_dir() / f"{benchmark.task}.yaml").read_text()
+        assert ("tag: [offline_paper_table]" in text) == benchmark.paper_table, name
+        assert f"benchmark: {name}\n" in text and ("unsafe_code: true" in text) == benchmark.executes_code, name
 
 
 def test_imports_read_the_real_release_formats(data_dir):
@@ -771,6 +775,10 @@ def test_without_npm_the_real_text_is_lambada_from_pip_alone(tmp_path, monkeypat
     assert len(held_passages) == 5153 - int(5153 * 0.9) and len(held_passages) + len(train_passages) == 5153
     assert not set(held_passages) & set(train_passages)
     assert len(assets.text_split("train", max_chars_per_book=1000)) == 18_000
+    from attnres_hf.demo import demo_texts
+
+    texts = demo_texts()  # what `make demo` reads
+    assert texts.held_out == held_out and "LAMBADA" in texts.description and len(texts.train) == 18 * 40_000
     with pytest.raises(ValueError, match="split must be"):
         assets.text_split("test")
 

@@ -8,6 +8,7 @@ checks the columns and answers before anything is written.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import tempfile
@@ -21,13 +22,8 @@ SUFFIXES = re.compile(r"\.(csv|tsv|json|jsonl|parquet)(\.gz)?$")
 SPLIT_NAMES = ("test", "val", "validation", "dev", "train")
 
 
-def read_table(path: Path) -> list[dict]:
-    """Rows of one .csv, .tsv (MGSM: question<TAB>answer, no header), .json (a list of rows, or BIG-Bench's object
-    with `examples`), .jsonl or .parquet file (optionally .gz), read with `datasets`; CSV/TSV cells stay strings.
-
-    Raises:
-        ValueError: an unsupported type, or a file the loader cannot parse (the message names the file).
-    """
+def _loader(path: Path) -> tuple[str, dict]:
+    """`(datasets builder, its options)` for one file; files with equal ones can be read in one call."""
     import datasets
 
     kind = SUFFIXES.search(path.name)
@@ -47,34 +43,79 @@ def read_table(path: Path) -> list[dict]:
                    "na_filter": False, "features": datasets.Features({"question": datasets.Value("string"),
                                                                       "answer": datasets.Value("string")})}
     elif kind == "json":
-        import json
-
         with open(path, encoding="utf-8") as handle:
             first = handle.read(4096).lstrip()[:1]
         if first == "{":
-            text = path.read_text(encoding="utf-8")
             try:
-                if "examples" in json.loads(text):  # BIG-Bench(-Hard) task file
+                if "examples" in json.loads(path.read_text(encoding="utf-8")):  # BIG-Bench(-Hard) task file
                     options = {"field": "examples"}
             except json.JSONDecodeError:
                 pass  # JSON lines in a .json file: the loader reads them
     elif kind not in ("jsonl", "parquet"):
         raise ValueError(f"{path}: unsupported file type {kind!r} (use .csv, .tsv, .json, .jsonl, .parquet or a "
                          "datasets folder)")
-    builder = {"tsv": "csv", "jsonl": "json"}.get(kind, kind)
+    return {"tsv": "csv", "jsonl": "json"}.get(kind, kind), options
+
+
+def read_tables(paths: list[Path]) -> dict[Path, list[dict]]:
+    """Rows of .csv, .tsv (MGSM: question<TAB>answer, no header), .json (a list of rows, or BIG-Bench's object with
+    `examples`), .jsonl and .parquet files (optionally .gz), read with `datasets`' loaders, one call per group of
+    files with the same columns (one split per file); CSV/TSV cells stay strings.
+
+    Raises:
+        ValueError: an unsupported type, or a file the loader cannot parse (the message names the file).
+    """
+    import datasets
+
+    groups: dict[str, list[Path]] = defaultdict(list)
+    settings = {}
+    for path in paths:
+        builder, options = _loader(path)
+        key = builder + repr(sorted((k, repr(v)) for k, v in options.items()))
+        groups[key].append(path)
+        settings[key] = (builder, options)
+    rows: dict[Path, list[dict]] = {}
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        for key, files in groups.items():
+            builder, options = settings[key]
+            try:
+                rows |= _load(builder, options, files)
+            except ValueError:
+                if len(files) == 1:
+                    raise
+                for file in files:  # name the file that fails
+                    rows |= _load(builder, options, [file])
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
+    for path in paths:
+        if path.name.endswith((".tsv", ".tsv.gz")):
+            for number, row in enumerate(rows[path], 1):
+                if not row["answer"]:
+                    raise ValueError(f"{path}:{number}: expected question<TAB>answer, got 1 field")
+    return rows
+
+
+def _load(builder: str, options: dict, files: list[Path]) -> dict[Path, list[dict]]:
+    import datasets
+
     try:
         with tempfile.TemporaryDirectory() as cache:
-            loaded = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache, **options)
-            rows = loaded.to_list()
+            loaded = datasets.load_dataset(builder, data_files={f"file{i}": str(f) for i, f in enumerate(files)},
+                                           cache_dir=cache, **options)
+            return {file: loaded[f"file{i}"].to_list() for i, file in enumerate(files)}
     except Exception as error:  # datasets wraps parser errors in several types; name the file and the cause
         cause = error.__cause__ or error
-        raise ValueError(f"{path} could not be read ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") \
+        where = files[0] if len(files) == 1 else f"one of {len(files)} files in {files[0].parent}"
+        raise ValueError(f"{where} could not be read ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") \
             from None
-    if kind == "tsv":
-        for number, row in enumerate(rows, 1):
-            if not row["answer"]:
-                raise ValueError(f"{path}:{number}: expected question<TAB>answer, got 1 field")
-    return rows
+
+
+def read_table(path: Path) -> list[dict]:
+    """Rows of one file (see `read_tables`)."""
+    return read_tables([path])[path]
 
 
 def read_source(path: Path) -> dict[str, list[tuple[str, dict]]]:
@@ -100,6 +141,7 @@ def read_source(path: Path) -> dict[str, list[tuple[str, dict]]]:
     if not files:
         raise ValueError(f"{path}: no .csv, .tsv, .json, .jsonl or .parquet files")
     out: dict[str, list[tuple[str, dict]]] = defaultdict(list)
+    tables = read_tables(files)
     for file in files:
         stem = file.name.split(".")[0]
         split = file.parent.name if file.parent != path and path.is_dir() else None
@@ -108,7 +150,7 @@ def read_source(path: Path) -> dict[str, list[tuple[str, dict]]]:
             split = split or stem
         elif match:
             stem, split = match.group(1), split or match.group(2)
-        for row in read_table(file):
+        for row in tables[file]:
             out[split or "test"].append((stem, row))
     return dict(out)
 
