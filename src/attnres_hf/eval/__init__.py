@@ -1,9 +1,12 @@
-"""Evaluation: lm-eval-harness on the offline task pack (`evaluate_pair`, `task_dir`), the local benchmark data
-(`prepare_offline`, `import_benchmark`), and sliding-window perplexity."""
+"""Evaluation: lm-eval-harness on the offline task pack (`evaluate_pair`, `run_lm_eval`, `task_dir`), one record per
+benchmark (`BENCHMARKS`), the local benchmark data (`prepare_offline`, `import_benchmark`), answer scoring
+(`scoring`), and sliding-window perplexity."""
 
-from .data import import_benchmark, prepare_offline
-from .harness import BENCHMARKS, PAPER_TABLE, evaluate_pair, run_lm_eval, task_dir, task_manager
+from .benchmarks import BENCHMARKS, IMPORTED, OFFLINE, PAPER_TABLE, Benchmark, resolve_benchmarks
+from .harness import evaluate_pair, run_lm_eval, task_dir, task_manager
+from .imports import import_benchmark
+from .offline import prepare_offline
 from .perplexity import perplexity
 
-__all__ = ["BENCHMARKS", "PAPER_TABLE", "evaluate_pair", "import_benchmark", "perplexity", "prepare_offline",
-           "run_lm_eval", "task_dir", "task_manager"]
+__all__ = ["BENCHMARKS", "IMPORTED", "OFFLINE", "PAPER_TABLE", "Benchmark", "evaluate_pair", "import_benchmark",
+           "perplexity", "prepare_offline", "resolve_benchmarks", "run_lm_eval", "task_dir", "task_manager"]

@@ -5,9 +5,14 @@ that `evaluate`'s `code_eval` metric uses; `attnres eval --allow-code-execution`
 `--confirm_run_unsafe_code`). Each program then runs in its own `python -I` process (isolated mode: no user site,
 no `PYTHON*` variables) in an empty temporary folder, with a minimal environment, no stdin, output to files in that
 folder, a wall-clock time limit, and POSIX resource limits on CPU time, address space, file size, open files and
-core dumps. Afterwards its process group, and any process it started that still carries the run's marker variable
-(even in a new session), is killed. A program passes only if its tests ran to the end: it prints a random token
-after the tests, so exiting early (`sys.exit(0)`, `os._exit(0)`) counts as a failure.
+core dumps. It runs under a small supervisor process (`_supervisor.py`) that is a Linux child subreaper: every process
+the program starts, however it detaches (a new session, a double fork, a replaced environment, an exec), stays the
+supervisor's descendant, and all of them are killed and reaped before `run_program` returns. Where the kernel allows
+it (root with `CAP_SYS_ADMIN`) the program also runs in its own PID namespace, so that it cannot signal the
+supervisor either; without one, a program that kills its own supervisor leaves its detached processes to a weaker
+backstop (its process group, and processes still carrying the run's marker variable). A program passes only if its
+tests ran to the end: it prints a random token after the tests, so exiting early (`sys.exit(0)`, `os._exit(0)`)
+counts as a failure.
 
 This bounds accidents (runaway loops, memory blow-ups, stray processes, floods of output); it is not a security
 boundary against hostile code: the program runs as the evaluating user, can read and write that user's files and
@@ -25,6 +30,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+SUPERVISOR = Path(__file__).with_name("_supervisor.py")
 
 OPT_IN_VARIABLE = "HF_ALLOW_CODE_EVAL"
 REFUSAL = (
@@ -49,18 +56,6 @@ class ExecutionResult:
     detail: str = ""
 
 
-def _limits(cpu_seconds: int, memory_bytes: int) -> None:  # runs in the child before exec
-    import resource
-
-    os.setsid()
-    for limit, value in ((resource.RLIMIT_CPU, cpu_seconds), (resource.RLIMIT_AS, memory_bytes),
-                         (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
-        try:
-            resource.setrlimit(limit, (value, value))
-        except (ValueError, OSError):  # a limit the platform does not allow lowering to this value
-            pass
-
-
 def _kill_marked(marker: str) -> None:
     """SIGKILL every process whose environment holds `ATTNRES_SANDBOX=<marker>` (Linux `/proc`)."""
     needle = f"ATTNRES_SANDBOX={marker}".encode()
@@ -78,12 +73,15 @@ def _tail(path: Path, size: int = 4096) -> str:
         return handle.read().decode("utf-8", "replace")
 
 
-def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048) -> ExecutionResult:
+def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048,
+                pid_namespace: bool = True) -> ExecutionResult:
     """Run `program` (Python source) in a sandboxed subprocess; it passes when it runs to its end and exits with 0.
 
     Args:
         timeout: wall-clock seconds before the process group is killed (CPU time is limited to the same, rounded up).
         memory_mb: address-space limit in MiB.
+        pid_namespace: also run the program in its own PID namespace where the kernel allows it (the subreaper
+            alone already kills every descendant; False tests that path).
 
     Raises:
         CodeExecutionNotAllowed: `HF_ALLOW_CODE_EVAL=1` is not set.
@@ -94,24 +92,28 @@ def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048) -> E
     with tempfile.TemporaryDirectory(prefix="attnres-code-") as temp:
         folder = Path(temp)
         (folder / "program.py").write_text(f"{program}\n\nimport os as _os\n_os.write(1, {token!r}.encode())\n")
+        status_file = folder / ".status"
+        command = [sys.executable, "-I", str(SUPERVISOR), str(timeout), str(int(timeout) + 1), str(memory_mb << 20),
+                   str(status_file), "auto" if pid_namespace else "subreaper", "--", sys.executable, "-I", "program.py"]
         with (folder / "stdout").open("wb") as out, (folder / "stderr").open("wb") as err:
             process = subprocess.Popen(
-                [sys.executable, "-I", "program.py"], cwd=folder, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                command, cwd=folder, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                 env={"PATH": "/usr/bin:/bin", "HOME": temp, "PYTHONHASHSEED": "0", "ATTNRES_SANDBOX": marker},
-                preexec_fn=lambda: _limits(int(timeout) + 1, memory_mb << 20),  # noqa: PLW1509  (setrlimit only)
             )
             try:
-                process.wait(timeout=timeout)
-                timed_out = False
+                process.wait(timeout=timeout + 30)  # the supervisor enforces `timeout`; this is a backstop
             except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
+                process.kill()
+                process.wait()
+            status = status_file.read_text().split() if status_file.is_file() else []
+            if status[:1] not in (["finished"], ["timed"]):
+                # the supervisor itself was killed (e.g. by the program): kill what can still be found
                 try:
                     os.killpg(process.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
                 _kill_marked(marker)
-                process.wait()
+        timed_out = status[:2] == ["timed", "out"]
         finished = _tail(folder / "stdout", len(token)).endswith(token)
         last = _tail(folder / "stderr").strip().splitlines()[-1:]
     if timed_out:

@@ -13,48 +13,14 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from .._io import staged_folder
-from .code_execution import OPT_IN_VARIABLE, REFUSAL, CodeExecutionNotAllowed
-from .data import DATA, check_prepared, default_data_dir, fewshot_capacity
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    """One row of the paper's table: the pack's lm-eval task, the metric reported (lm-eval's `metric,filter` key)
-    and whether scoring executes model-written code."""
-
-    name: str
-    title: str
-    task: str
-    metric: str
-    executes_code: bool = False
-
-
-BENCHMARKS = {b.name: b for b in (
-    Benchmark("mmlu", "MMLU", "offline_mmlu", "acc,none"),
-    Benchmark("mmlu_pro", "MMLU-Pro", "offline_mmlu_pro", "exact_match,custom-extract"),
-    Benchmark("gpqa_diamond", "GPQA-Diamond", "offline_gpqa_diamond", "acc,none"),
-    Benchmark("bbh", "BBH", "offline_bbh", "exact_match,strict-match"),
-    Benchmark("arc_challenge", "ARC-Challenge", "offline_arc_challenge", "acc_norm,none"),
-    Benchmark("arc_easy", "ARC-Easy", "offline_arc_easy", "acc_norm,none"),
-    Benchmark("hellaswag", "HellaSwag", "offline_hellaswag", "acc_norm,none"),
-    Benchmark("triviaqa", "TriviaQA", "offline_triviaqa", "exact_match,remove_whitespace"),
-    Benchmark("gsm8k", "GSM8K", "offline_gsm8k", "exact_match,strict-match"),
-    Benchmark("mgsm", "MGSM", "offline_mgsm", "exact_match,flexible-extract"),
-    Benchmark("math500", "MATH-500", "offline_math500", "exact_match,none"),
-    Benchmark("cmath", "CMath", "offline_cmath", "accuracy,none"),
-    Benchmark("humaneval", "HumanEval", "offline_humaneval", "pass_at_1,create_test", executes_code=True),
-    Benchmark("mbpp", "MBPP", "offline_mbpp", "pass_at_1,none", executes_code=True),
-    Benchmark("cmmlu", "CMMLU", "offline_cmmlu", "acc,none"),
-    Benchmark("ceval", "C-Eval", "offline_ceval", "acc,none"),
-)}
-"""The paper's benchmarks (and ARC-Easy), in the order of its table."""
-
-PAPER_TABLE = tuple(name for name in BENCHMARKS if name != "arc_easy")
+from .benchmarks import BENCHMARKS, PAPER_TABLE, Benchmark, resolve_benchmarks
+from .checks import _model_folder, check_run_settings, check_type, preflight
+from .code_execution import OPT_IN_VARIABLE
+from .local import default_data_dir
 
 
 def task_dir() -> Path:
@@ -78,76 +44,6 @@ def task_manager(data_dir: str | os.PathLike | None = None):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(task_dir()), metadata={"data_dir": str(data_dir or default_data_dir())})
-
-
-def resolve_benchmarks(tasks: str | list[str]) -> list[Benchmark]:
-    """Benchmarks from a comma-separated list of names (`mmlu`, `offline_mmlu`, or `paper` for the whole table).
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
-    if not names:
-        raise ValueError("no tasks given")
-    chosen: list[Benchmark] = []
-    for name in names:
-        expanded = PAPER_TABLE if name == "paper" else (name.removeprefix("offline_"),)
-        for key in expanded:
-            if key not in BENCHMARKS:
-                raise ValueError(f"unknown task {name!r}; known: {', '.join(BENCHMARKS)} (or 'paper' for all)")
-            if BENCHMARKS[key] not in chosen:
-                chosen.append(BENCHMARKS[key])
-    return chosen
-
-
-def _model_folder(model) -> Path | None:
-    return Path(model) if isinstance(model, (str, os.PathLike)) else None
-
-
-def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir: str | os.PathLike | None,
-              models=(), output_dir: str | os.PathLike | None = None, limit: float | None = None,
-              num_fewshot: int | None = None, batch_size: int = 1) -> None:
-    """Checks made before any model is loaded: task settings, the code-execution opt-in, the local data (parsed and
-    counted), the model folders, and that the output folder would not replace a model folder.
-
-    Raises:
-        CodeExecutionNotAllowed: a benchmark executes generated code and there is no opt-in.
-        MissingBenchmarkData: a benchmark's local data is not prepared (names the command that prepares it).
-        ValueError: a bad limit, few-shot count or batch size, malformed local data, or an output folder that is,
-            or holds, a model folder.
-        FileNotFoundError: a model folder (or its config.json) does not exist.
-    """
-    if limit is not None and not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1):
-        raise ValueError(f"--limit must be a whole number of questions (>= 1) or a fraction in (0, 1), got {limit}")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
-    if num_fewshot is not None and num_fewshot < 0:
-        raise ValueError(f"--num-fewshot must be at least 0, got {num_fewshot}")
-    executing = [b.title for b in benchmarks if b.executes_code]
-    if executing and not allow_code_execution:
-        raise CodeExecutionNotAllowed(f"refusing to run {', '.join(executing)} without --allow-code-execution: "
-                                      + REFUSAL)
-    for benchmark in benchmarks:
-        check_prepared(benchmark.name, data_dir, validate=True)
-        if num_fewshot:
-            capacity = fewshot_capacity(benchmark.name, data_dir)
-            if capacity is None:
-                raise ValueError(f"{benchmark.title} is evaluated 0-shot (as lm-eval's version); drop --num-fewshot "
-                                 "or run it separately")
-            if num_fewshot > capacity:
-                raise ValueError(f"--num-fewshot {num_fewshot}: {benchmark.title} has at most {capacity} few-shot "
-                                 "examples for some of its questions")
-    for model in models:
-        folder = _model_folder(model)
-        if folder is not None and not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} is not a model folder (no config.json); runs are offline, so models "
-                                    "are local folders")
-    if output_dir is not None:
-        out = Path(output_dir).resolve()
-        for model in models:
-            folder = _model_folder(model)
-            if folder is not None and (out == folder.resolve() or out in folder.resolve().parents):
-                raise ValueError(f"--output-dir {output_dir} is or holds the model folder {folder}; choose another")
 
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -184,12 +80,25 @@ def restore_environment(saved: dict) -> None:
     datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved["datasets"]
 
 
-def run_lm_eval(model, benchmarks: list[Benchmark], *, tokenizer=None, num_fewshot: int | None = None,
+def run_lm_eval(model, benchmarks: list[Benchmark] | str, *, tokenizer=None, num_fewshot: int | None = None,
                 limit: float | None = None, batch_size: int = 1, data_dir=None, allow_code_execution=False,
                 seed: int = 1234, dtype: str = "float32", device: str | None = None, trust_remote_code=False,
                 gen_kwargs: str | dict | None = None) -> dict:
-    """lm-eval's `simple_evaluate` of one model (a folder, or a `PreTrainedModel` with `tokenizer`) on `benchmarks`,
-    with per-sample logs. Seeds: python/numpy/torch and few-shot sampling all `seed`."""
+    """lm-eval's `simple_evaluate` of one model (a folder, or a `PreTrainedModel` with `tokenizer`) on `benchmarks`
+    (records, or names as `resolve_benchmarks` takes them), with per-sample logs. Seeds: python/numpy/torch and
+    few-shot sampling all `seed`. Settings, opt-ins and local data are checked before the model loads (`preflight`).
+
+    Raises:
+        TypeError, ValueError, FileNotFoundError, CodeExecutionNotAllowed, MissingBenchmarkData: see `preflight`
+        and `check_run_settings`; all before loading.
+    """
+    if isinstance(benchmarks, (str, list, tuple)) and not all(isinstance(b, Benchmark) for b in benchmarks):
+        benchmarks = resolve_benchmarks(benchmarks)
+    check_run_settings(model, tokenizer, seed=seed, dtype=dtype, device=device, gen_kwargs=gen_kwargs,
+                       trust_remote_code=trust_remote_code)
+    preflight(benchmarks, allow_code_execution, data_dir, [model], None, limit, num_fewshot, batch_size)
+    if limit is not None and limit >= 1:
+        limit = int(limit)
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -338,11 +247,20 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     Raises:
         ValueError: unknown task; CodeExecutionNotAllowed: HumanEval/MBPP without `allow_code_execution`;
         MissingBenchmarkData: data not prepared; FileExistsError: `output_dir` exists and `force` is false.
-        FileNotFoundError: a model folder does not exist. All of these are raised before a model is loaded.
+        FileNotFoundError: a model folder does not exist; TypeError: an argument of the wrong type. All of these are
+        raised before a model is loaded.
     """
     import lm_eval
 
     benchmarks = resolve_benchmarks(tasks)
+    for target, tok in ((model, tokenizer), (baseline, baseline_tokenizer)):
+        if target is not None:
+            check_run_settings(target, tok, seed=seed, dtype=dtype, device=device, gen_kwargs=gen_kwargs,
+                               trust_remote_code=trust_remote_code)
+    check_type("output_dir", output_dir, (str, os.PathLike))
+    check_type("force", force, bool)
+    for name, value in (("model_label", model_label), ("baseline_label", baseline_label)):
+        check_type(name, value, str, optional=True)
     output_dir = Path(output_dir)
     preflight(benchmarks, allow_code_execution, data_dir, [m for m in (model, baseline) if m is not None],
               output_dir, limit, num_fewshot, batch_size)
@@ -400,5 +318,5 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     return report
 
 
-__all__ = ["BENCHMARKS", "DATA", "PAPER_TABLE", "Benchmark", "evaluate_pair", "resolve_benchmarks", "run_lm_eval",
+__all__ = ["BENCHMARKS", "PAPER_TABLE", "Benchmark", "evaluate_pair", "resolve_benchmarks", "run_lm_eval",
            "task_dir", "task_manager"]

@@ -37,10 +37,24 @@ def perplexity(
         cross-entropy summed in fp32.
 
     Raises:
-        ValueError: if there are fewer than 2 tokens, or `stride` is out of range.
+        TypeError: `model` is not a torch module, `input_ids` not an integer tensor, `window`/`stride` not integers.
+        ValueError: fewer than 2 tokens, `input_ids` with more than one sequence, `window` below 2, or `stride` out
+            of range (0 included).
     """
+    from .checks import check_type
+
+    check_type("model", model, torch.nn.Module)
+    check_type("input_ids", input_ids, torch.Tensor)
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    check_type("window", window, int)
+    check_type("stride", stride, int, optional=True)
+    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"input_ids must be one sequence, (seq_len,) or (1, seq_len), got shape {tuple(input_ids.shape)}")
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
     input_ids = input_ids.reshape(-1)
-    stride = stride or window - 1
+    stride = window - 1 if stride is None else stride
     if input_ids.numel() < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     if not 1 <= stride <= window - 1:

@@ -12,8 +12,10 @@ import re
 from lm_eval.api.samplers import ContextSampler
 
 from .code_execution import pass_at_1 as _pass_at_1
-from .data import LETTERS, last_boxed
-from .data import load_local as load  # noqa: F401  (custom_dataset of every task)
+from .local import load_local as load  # noqa: F401  (custom_dataset of every task)
+from .scoring import _clean as _clean_dashes
+from .scoring import parse_number
+from .sources import LETTERS, last_boxed
 
 # --- few-shot samplers ----------------------------------------------------------------------------------------------
 
@@ -126,8 +128,9 @@ def normalize_math_answer(answer: str) -> str:
     lm-eval's `minerva_math` uses (Lewkowycz et al. 2022, App. D.1): unwrap `\\boxed{}`, `\\text{}` and similar,
     drop units, dollar and percent signs, `\\left`/`\\right`, spaces and a trailing period; `dfrac`/`tfrac` become
     `frac` and `\\frac12` becomes `\\frac{1}{2}`; a lone `x = ...` keeps its right side; an option letter loses its
-    parentheses; a plain number is written canonically (`0.50` -> `0.5`, `1,000` -> `1000`, `2.0` -> `2`)."""
-    text = answer.strip()
+    parentheses; a plain number is written canonically (`0.50` -> `0.5`, `1,000` -> `1000`, `2.0` -> `2`); a Unicode
+    minus is a minus."""
+    text = _clean_dashes(answer).strip()
     for command in _WRAPPERS:
         text = _unwrap(text, command)
     for token in _REMOVED:
@@ -156,16 +159,22 @@ def normalize_math_answer(answer: str) -> str:
 def extract_math_answer(generation: str) -> str | None:
     """The final answer of a MATH solution: "Final Answer: The final answer is X." (Minerva style, on its own
     line), else the last `\\boxed{}`, else None."""
-    match = re.search(r"[Ff]inal [Aa]nswer: The final answer is (.*?)(?:\. I hope it is correct|\.?\s*$)",
-                      generation, flags=re.MULTILINE)
+    match = re.search(r"final answer: the final answer is (.*?)(?:\. I hope it is correct|\.?\s*$)",
+                      generation, flags=re.MULTILINE | re.IGNORECASE)
     if match:
         return match.group(1).strip()
     return last_boxed(generation)
 
 
 def process_math(doc, results) -> dict:
+    """exact_match: the extracted answer equals the gold one after `normalize_math_answer`, or both are numbers of
+    equal value (`29.00` is `29`)."""
     answer = extract_math_answer(results[0])
-    return {"exact_match": int(answer is not None and normalize_math_answer(answer) == normalize_math_answer(doc["answer"]))}
+    if answer is None:
+        return {"exact_match": 0}
+    predicted, gold = normalize_math_answer(answer), normalize_math_answer(doc["answer"])
+    same_number = parse_number(predicted) is not None and parse_number(predicted) == parse_number(gold)
+    return {"exact_match": int(predicted == gold or same_number)}
 
 
 def _numbers(text: str) -> list[str]:
@@ -195,8 +204,8 @@ def process_cmath(doc, results) -> dict:
     """CMath (Wei et al. 2023): the answer equals the gold answer `golden` within 1e-4 relative tolerance (fractions,
     mixed numbers and percentages allowed), as the CMath paper's checker compares numbers, not strings. The answer
     is the first number after an answer marker ("答案", "答：", "answer is"), else the last number."""
-    text = results[0]
-    marker = max((text.rfind(m) for m in ("答案", "答：", "答:", "answer is", "Answer:")), default=-1)
+    text = _clean_dashes(results[0])
+    marker = max((text.lower().rfind(m) for m in ("答案", "答：", "答:", "answer is", "answer:")), default=-1)
     found = _numbers(text[marker:]) if marker >= 0 and _numbers(text[marker:]) else _numbers(text)[-1:]
     predicted = _as_float(found[0]) if found else None
     gold_text = str(doc["golden"]).strip()

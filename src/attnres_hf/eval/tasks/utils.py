@@ -14,3 +14,4 @@ from attnres_hf.eval.task_utils import (  # noqa: F401
     process_hellaswag,
     process_math,
 )
+from attnres_hf.eval.scoring import bbh_filter, letter_filter, numeric_filter, numeric_match  # noqa: F401

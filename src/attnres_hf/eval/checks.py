@@ -1,0 +1,162 @@
+"""Checks made before any model is loaded, for `attnres eval`, `attnres lm-eval` and the Python API: argument types
+and values, the code-execution opt-ins, the local data, the model and output folders. Each failure is one line that
+names the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from .benchmarks import BENCHMARKS, PAPER_TABLE, Benchmark
+from .code_execution import OPT_IN_VARIABLE, REFUSAL, CodeExecutionNotAllowed
+from .local import check_prepared, fewshot_capacity
+
+PAPER_TAG = "offline_paper_table"  # the `tag:` of the pack's paper-table tasks (their YAML files)
+
+
+def check_type(name: str, value, types, optional: bool = False) -> None:
+    """TypeError naming `name` and the expected type(s) unless `value` is an instance (None allowed if `optional`).
+    A bool is not accepted as a number."""
+    types = types if isinstance(types, tuple) else (types,)
+    if value is None and optional:
+        return
+    numeric = any(t in (int, float) for t in types)
+    if not isinstance(value, types) or (numeric and bool not in types and isinstance(value, bool)):
+        expected = " or ".join(getattr(t, "__name__", str(t)) for t in types) + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def _model_folder(model) -> Path | None:
+    return Path(model) if isinstance(model, (str, os.PathLike)) else None
+
+
+def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir: str | os.PathLike | None,
+              models=(), output_dir: str | os.PathLike | None = None, limit: float | None = None,
+              num_fewshot: int | None = None, batch_size: int = 1) -> None:
+    """Checks made before any model is loaded: task settings, the code-execution opt-in, the local data (parsed and
+    counted), the model folders, and that the output folder would not replace a model folder.
+
+    Raises:
+        CodeExecutionNotAllowed: a benchmark executes generated code and there is no opt-in.
+        MissingBenchmarkData: a benchmark's local data is not prepared (names the command that prepares it).
+        ValueError: a bad limit, few-shot count or batch size, malformed local data, or an output folder that is,
+            or holds, a model folder.
+        FileNotFoundError: a model folder (or its config.json) does not exist.
+        TypeError: an argument of the wrong type.
+    """
+    check_type("limit", limit, (int, float), optional=True)
+    check_type("num_fewshot", num_fewshot, int, optional=True)
+    check_type("batch_size", batch_size, int)
+    check_type("allow_code_execution", allow_code_execution, bool)
+    check_type("data_dir", data_dir, (str, os.PathLike), optional=True)
+    check_type("output_dir", output_dir, (str, os.PathLike), optional=True)
+    if not all(isinstance(b, Benchmark) for b in benchmarks):
+        raise TypeError("benchmarks must be records from attnres_hf.eval.BENCHMARKS (see resolve_benchmarks)")
+    if limit is not None and not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1):
+        raise ValueError(f"--limit must be a whole number of questions (>= 1) or a fraction in (0, 1), got {limit}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be at least 0, got {num_fewshot}")
+    executing = [b.title for b in benchmarks if b.executes_code]
+    if executing and not allow_code_execution:
+        raise CodeExecutionNotAllowed(f"refusing to run {', '.join(executing)} without --allow-code-execution: "
+                                      + REFUSAL)
+    for benchmark in benchmarks:
+        check_prepared(benchmark.name, data_dir, validate=True)
+        if num_fewshot:
+            capacity = fewshot_capacity(benchmark.name, data_dir)
+            if capacity is None:
+                raise ValueError(f"{benchmark.title} is evaluated 0-shot (as lm-eval's version); drop --num-fewshot "
+                                 "or run it separately")
+            if num_fewshot > capacity:
+                raise ValueError(f"--num-fewshot {num_fewshot}: {benchmark.title} has at most {capacity} few-shot "
+                                 "examples for some of its questions")
+    for model in models:
+        folder = _model_folder(model)
+        if folder is not None and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} is not a model folder (no config.json); runs are offline, so models "
+                                    "are local folders")
+    if output_dir is not None:
+        out = Path(output_dir).resolve()
+        for model in models:
+            folder = _model_folder(model)
+            if folder is not None and (out == folder.resolve() or out in folder.resolve().parents):
+                raise ValueError(f"--output-dir {output_dir} is or holds the model folder {folder}; choose another")
+
+
+def _argument(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in an argv (`--flag value` or `--flag=value`), the last one given; None if absent."""
+    value = None
+    for index, item in enumerate(argv):
+        if item == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif item.startswith(flag + "="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+def code_executing_tasks(tasks: str | Sequence[str]) -> list[Benchmark]:
+    """The pack's benchmarks among lm-eval task names (`offline_humaneval`, the `offline_paper_table` tag) whose
+    scoring executes model-written code."""
+    names = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    chosen = []
+    for name in (n.strip() for n in names):
+        if name == PAPER_TAG:
+            chosen += [BENCHMARKS[n] for n in PAPER_TABLE]
+        elif name.startswith("offline_") and name.removeprefix("offline_") in BENCHMARKS:
+            chosen.append(BENCHMARKS[name.removeprefix("offline_")])
+    return [b for b in dict.fromkeys(chosen) if b.executes_code]
+
+
+def check_lm_eval_arguments(argv: Sequence[str] | str) -> None:
+    """Checks `attnres lm-eval` makes on lm-eval's own arguments before lm-eval loads a model: a pack task that
+    executes generated code (HumanEval, MBPP) needs both lm-eval's `--confirm_run_unsafe_code` and
+    `HF_ALLOW_CODE_EVAL=1` in the environment (lm-eval itself refuses the first only after loading the model, and
+    the second only after generating every completion).
+
+    Raises:
+        CodeExecutionNotAllowed: an opt-in is missing (the message names it).
+    """
+    argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
+    tasks = _argument(argv, "--tasks")
+    executing = code_executing_tasks(tasks) if tasks else []
+    if not executing:
+        return
+    titles = ", ".join(b.title for b in executing)
+    if "--confirm_run_unsafe_code" not in argv:
+        raise CodeExecutionNotAllowed(f"refusing to run {titles}: pass --confirm_run_unsafe_code (and set "
+                                      f"{OPT_IN_VARIABLE}=1) to execute model-written code. " + REFUSAL)
+    if os.environ.get(OPT_IN_VARIABLE) != "1":
+        raise CodeExecutionNotAllowed(f"refusing to run {titles}: set {OPT_IN_VARIABLE}=1 in the environment as well "
+                                      "as passing --confirm_run_unsafe_code (the sandbox executes a program only "
+                                      "with both)")
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def check_run_settings(model, tokenizer=None, *, seed=1234, dtype="float32", device=None, gen_kwargs=None,
+                       trust_remote_code=False) -> None:
+    """Types and values of one lm-eval run's settings (`run_lm_eval`, `evaluate_pair`), before any model loads.
+
+    Raises:
+        TypeError: `model` is neither a folder path nor a loaded `PreTrainedModel`, or a setting has the wrong type.
+        ValueError: a loaded model without its `tokenizer`, or an unknown `dtype`.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, (str, os.PathLike, PreTrainedModel)):
+        raise TypeError(f"model must be a model folder path or a loaded PreTrainedModel, got {type(model).__name__}")
+    if isinstance(model, PreTrainedModel) and tokenizer is None:
+        raise ValueError("a loaded model needs its tokenizer: pass tokenizer= (or give the model folder instead)")
+    check_type("seed", seed, int)
+    check_type("dtype", dtype, str)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_type("device", device, str, optional=True)
+    check_type("gen_kwargs", gen_kwargs, (str, dict), optional=True)
+    check_type("trust_remote_code", trust_remote_code, bool)
