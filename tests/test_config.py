@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from attnres_hf import AttnResConfig, default_attnres_block_size
@@ -12,7 +14,7 @@ from utils import tiny_config
         pytest.param(dict(attnres_block_size=-2), "attnres_block_size must be 1", id="block-size-negative"),
         pytest.param(dict(num_key_value_heads=8), "num_key_value_heads (8) must not exceed num_attention_heads (4)", id="more-kv-heads"),
         pytest.param(dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads", id="kv-heads-not-dividing"),
-        pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres', 'denseformer', 'muddformer', 'dca', 'mhc'), got 'hyper'", id="unknown-depth-mixing"),
+        pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres', 'denseformer', 'muddformer', 'dca', 'mhc'), got hyper", id="unknown-depth-mixing"),
         pytest.param(dict(hidden_size=30), "must be a multiple of num_attention_heads", id="hidden-not-divisible"),
         pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),
         pytest.param(dict(layer_types=["sliding_attention"] * 3), "sliding_window must be set", id="sliding-without-window"),
@@ -64,3 +66,24 @@ def test_rules_are_checked_again_when_a_model_is_built(tmp_path):
     AttnResForCausalLM(tiny_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="attnres_block_size must be 1"):
         AttnResForCausalLM.from_pretrained(tmp_path, attnres_block_size=3)
+
+
+@pytest.mark.parametrize("name, value, rule", [
+    ("attnres_num_heads", 0, "attnres_num_heads must be greater or equal to 1, got 0"),
+    ("depth_mixing", "hyper", "depth_mixing must be one of"),
+    ("attnres_score_fn", "tanh", "attnres_score_fn must be one of ('softmax', 'sigmoid'), got tanh"),
+    ("hidden_size", 32.0, "hidden_size must be int, got float"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps must be greater or equal to 0.0"),
+])
+def test_declared_field_rules_hold_at_construction_assignment_and_loading(name, value, rule, tmp_path):
+    """Types, choices and ranges are declared on the fields (huggingface_hub `@strict`, as `LlamaConfig`) and every
+    way a value arrives reports the rule as a one-line `ValueError`."""
+    with pytest.raises(ValueError) as error:
+        tiny_config(**{name: value})
+    assert rule in str(error.value) and "\n" not in str(error.value)
+    config = tiny_config()
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        setattr(config, name, value)
+    tiny_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        AttnResConfig.from_pretrained(tmp_path, **{name: value})

@@ -3,26 +3,27 @@
 Field names follow `LlamaConfig` / `Qwen2Config` / `Qwen3Config` so that a checkpoint of those families maps onto
 this config field by field. New fields are prefixed (`depth_mixing`, `attnres_*`).
 
-Travels with checkpoints as remote code (`auto_map`): imports only `transformers`.
+Travels with checkpoints as remote code (`auto_map`): imports only `transformers` and its sibling `depth_mixing`
+(the method records).
 """
+
+import functools
+import re
+from typing import Literal
+
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.utils.type_validators import interval
+
+from .depth_mixing import DEPTH_MIXING
 
 
-DEPTH_MIXING_METHODS = ("residual", "attnres", "denseformer", "muddformer", "dca", "mhc")
-"""Values accepted by `AttnResConfig.depth_mixing`; the family grows by adding a state and its mixing modules."""
-
-ATTNRES_KNOB_DEFAULTS = {
-    "attnres_score_fn": "softmax",
-    "attnres_key_norm": True,
-    "attnres_window": None,
-    "attnres_query": "static",
-    "attnres_num_heads": 1,
-    "attnres_scalar_weights": False,
-}
-"""The paper's Table 4 ablation knobs of `depth_mixing="attnres"` at their defaults (the paper's AttnRes)."""
+DEPTH_MIXING_METHODS = tuple(DEPTH_MIXING)
+"""Values accepted by `AttnResConfig.depth_mixing`, read from the method records (`depth_mixing.DEPTH_MIXING`)."""
 
 
 def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> int:
@@ -34,6 +35,7 @@ def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> i
     return max(2, 2 * round(num_hidden_layers / num_blocks))
 
 
+@strict
 class AttnResConfig(PreTrainedConfig):
     r"""
     Configuration of [`AttnResModel`] and [`AttnResForCausalLM`]: a pre-norm Llama/Qwen decoder with Attention
@@ -137,17 +139,19 @@ class AttnResConfig(PreTrainedConfig):
         "layers.*.mlp.down_proj": "rowwise",
     }
 
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
+    # Field types, choices (`Literal`) and ranges (`interval`) are checked by huggingface_hub's `@strict`, as for
+    # `LlamaConfig`; rules across fields are in `validate_architecture`. Both raise `ValueError` (see the end).
+    vocab_size: int = interval(min=1)(default=32000)
+    hidden_size: int = interval(min=1)(default=4096)
+    intermediate_size: int = interval(min=1)(default=11008)
+    num_hidden_layers: int = interval(min=1)(default=32)
+    num_attention_heads: int = interval(min=1)(default=32)
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = interval(min=1)(default=2048)
+    initializer_range: float = interval(min=0.0)(default=0.02)
+    rms_norm_eps: float = interval(min=0.0)(default=1e-6)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -156,24 +160,24 @@ class AttnResConfig(PreTrainedConfig):
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
     attention_out_bias: bool | None = None
-    attention_dropout: float | int = 0.0
+    attention_dropout: float | int = interval(min=0.0, max=1.0)(default=0.0)
     mlp_bias: bool = False
     use_qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None
-    depth_mixing: str = "attnres"
+    depth_mixing: Literal[DEPTH_MIXING_METHODS] = "attnres"
     attnres_block_size: int | None = None
     attnres_rescale_output: bool = False
-    attnres_score_fn: str = "softmax"
+    attnres_score_fn: Literal["softmax", "sigmoid"] = "softmax"
     attnres_key_norm: bool = True
     attnres_window: int | None = None
-    attnres_query: str = "static"
-    attnres_num_heads: int = 1
+    attnres_query: Literal["static", "input_dependent"] = "static"
+    attnres_num_heads: int = interval(min=1)(default=1)
     attnres_scalar_weights: bool = False
-    denseformer_dilation: int = 1
-    denseformer_period: int = 1
-    mhc_num_streams: int = 4
-    mhc_sinkhorn_iterations: int = 20
+    denseformer_dilation: int = interval(min=1)(default=1)
+    denseformer_period: int = interval(min=1)(default=1)
+    mhc_num_streams: int = interval(min=2)(default=4)  # one stream cannot hold a doubly-stochastic mix of anything
+    mhc_sinkhorn_iterations: int = interval(min=1)(default=20)
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -192,18 +196,15 @@ class AttnResConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Check the rules of the architecture; raises `ValueError` naming the rule that is broken."""
-        if self.depth_mixing not in DEPTH_MIXING_METHODS:
-            raise ValueError(f"depth_mixing must be one of {DEPTH_MIXING_METHODS}, got {self.depth_mixing!r}")
         self._validate_depth_knobs()
         size = self.attnres_block_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or (size != 1 and size % 2):
+        if size < 1 or (size != 1 and size % 2):
             raise ValueError(
                 "attnres_block_size must be 1 (Full AttnRes) or a positive even number of sub-layers "
                 f"(so every block starts at an attention sub-layer), got {size!r}"
             )
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_key_value_heads < 1:
+            raise ValueError(f"num_key_value_heads must be a positive integer, got {self.num_key_value_heads!r}")
         if self.num_key_value_heads > self.num_attention_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_key_value_heads}) must not exceed num_attention_heads "
@@ -219,7 +220,7 @@ class AttnResConfig(PreTrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                 f"({self.num_attention_heads}) unless head_dim is given"
             )
-        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+        if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim must be a positive even integer (rotary pairs), got {self.head_dim!r}")
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"hidden_act must be one of transformers' activations (e.g. 'silu'), got {self.hidden_act!r}")
@@ -228,7 +229,7 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError(
                 f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, got {rope_type!r}"
             )
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+        if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
@@ -241,36 +242,20 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
 
     def _validate_depth_knobs(self):
-        def positive_int(name, minimum=1):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-        positive_int("denseformer_dilation")
-        positive_int("denseformer_period")
-        positive_int("mhc_num_streams", 2)  # one stream cannot hold a doubly-stochastic mix of anything
-        positive_int("mhc_sinkhorn_iterations")
-        positive_int("attnres_num_heads")
-        if self.attnres_window is not None:
-            positive_int("attnres_window")
-        if self.attnres_score_fn not in ("softmax", "sigmoid"):
-            raise ValueError(f"attnres_score_fn must be 'softmax' or 'sigmoid', got {self.attnres_score_fn!r}")
-        if self.attnres_query not in ("static", "input_dependent"):
-            raise ValueError(f"attnres_query must be 'static' or 'input_dependent', got {self.attnres_query!r}")
+        if self.attnres_window is not None and self.attnres_window < 1:
+            raise ValueError(f"attnres_window must be a positive number of sources or None, got {self.attnres_window!r}")
         if self.hidden_size % self.attnres_num_heads:
             raise ValueError(
                 f"attnres_num_heads ({self.attnres_num_heads}) must divide hidden_size ({self.hidden_size})"
             )
-        owners = {"attnres": ATTNRES_KNOB_DEFAULTS,
-                  "denseformer": {"denseformer_dilation": 1, "denseformer_period": 1},
-                  "mhc": {"mhc_num_streams": 4, "mhc_sinkhorn_iterations": 20}}
-        for method, defaults in owners.items():
-            if self.depth_mixing == method:
+        defaults = self.__dataclass_fields__
+        for method in DEPTH_MIXING.values():
+            if method.name == self.depth_mixing:
                 continue
-            changed = [name for name, default in defaults.items() if getattr(self, name) != default]
+            changed = [name for name in method.config_fields if getattr(self, name) != defaults[name].default]
             if changed:
                 raise ValueError(
-                    f"{', '.join(changed)} only apply to depth_mixing={method!r}, "
+                    f"{', '.join(changed)} only apply to depth_mixing={method.name!r}, "
                     f"but depth_mixing is {self.depth_mixing!r}"
                 )
         if self.attnres_scalar_weights:
@@ -291,5 +276,33 @@ class AttnResConfig(PreTrainedConfig):
         """Number of blocks `N` of Block AttnRes (the last one may be partial); `2 L` for Full AttnRes."""
         return -(-self.num_sublayers // self.attnres_block_size)
 
+
+def _raise_value_errors(method):
+    """Re-raise `@strict`'s validation errors as one-line `ValueError`s naming the field and the rule (the type users
+    and the tests rely on), e.g. `attnres_num_heads must be greater or equal to 1, got 0.`"""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except StrictDataclassError as error:
+            cause = error.__cause__ if error.__cause__ is not None else error
+            field = re.match(r"Validation error for field '(\w+)'", str(error))
+            message = str(cause)
+            if field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
+                message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
+                message = message.replace("must be must be", "must be")
+            raise ValueError(" ".join(message.split())) from None
+
+    return wrapper
+
+
+# AttnRes: after `@strict` wrapped them; assignments after construction are validated (and reported) the same way.
+AttnResConfig.__init__ = _raise_value_errors(AttnResConfig.__init__)
+AttnResConfig.__setattr__ = _raise_value_errors(AttnResConfig.__setattr__)
+
+ATTNRES_KNOB_DEFAULTS = {name: AttnResConfig.__dataclass_fields__[name].default
+                         for name in DEPTH_MIXING["attnres"].config_fields}
+"""The paper's Table 4 ablation knobs of `depth_mixing="attnres"` at their defaults (the paper's AttnRes)."""
 
 __all__ = ["AttnResConfig", "default_attnres_block_size", "DEPTH_MIXING_METHODS", "ATTNRES_KNOB_DEFAULTS"]

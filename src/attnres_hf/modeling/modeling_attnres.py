@@ -8,8 +8,8 @@ is a learned pseudo-query. Block AttnRes (Eq. 6) uses as sources the embedding, 
 
 The classes follow `transformers`' `modeling_llama.py` in data-flow order; departures from Llama carry an
 `# AttnRes:` comment. The depth-mixing family (`depth_mixing`: residual, AttnRes, DenseFormer, MUDDFormer, DCA, mHC)
-is in the sibling `depth_mixing.py`. This file travels with checkpoints as remote code: it imports only torch,
-transformers and its siblings `configuration_attnres` and `depth_mixing`.
+is in the sibling `depth_mixing.py` (one record per method) and its `mixing_*.py` siblings. This file travels with
+checkpoints as remote code: it imports only torch, transformers and those siblings.
 """
 
 import functools
@@ -20,204 +20,44 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .backbones import AttnResAttention, AttnResMLP, AttnResRotaryEmbedding
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState, naive_attnres
+from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState, naive_attnres,
+                           num_depth_mixing_parameters, register_modules, registered_modules)
 
 logger = logging.get_logger(__name__)
 
 
-# AttnRes: depth mixing (residual, AttnRes and its family) lives in `depth_mixing.py`, a sibling that travels with
-# this file as remote code.
-
-# ---------------------------------------------------------------------------------------------------------------
-# Backbone: Llama blocks (with Qwen2 q/k/v bias, Qwen3 q/k norm and Mistral/Qwen sliding windows).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class AttnResRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Llama's, incl. scaled variants such as `rope_type="llama3"`)."""
-
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        self.config = config
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config: AttnResConfig, **kwargs) -> tuple[torch.Tensor, float]:
-        base = config.rope_parameters["rope_theta"]
-        dim = config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, 1.0
-
-    @dynamic_rope_update
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
-class AttnResMLP(nn.Module):
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(batch, num_key_value_heads, seq_len, head_dim) -> (batch, num_attention_heads, seq_len, head_dim)"""
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
-
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Unpack[TransformersKwargs],
-):
-    key_states = repeat_kv(key, module.num_key_value_groups)
-    value_states = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value_states)
-    return attn_output.transpose(1, 2).contiguous(), attn_weights
-
-
-class AttnResAttention(nn.Module):
-    """Multi-head attention with grouped-query heads (Llama), optional q/k/v bias (Qwen2), q/k norm (Qwen3) and
-    sliding window (Mistral, Qwen2/3), dispatched through transformers' attention interface."""
-
-    def __init__(self, config: AttnResConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
-        if config.use_qk_norm:
-            self.q_norm = AttnResRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = AttnResRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if is_sliding else None
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None = None,
-        key_value_states: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`key_value_states`: separate (normed) inputs of `k_proj` and `v_proj`, `(batch, seq_len, hidden_size)`
-        each (MUDDFormer, DCA); `None` projects `hidden_states` for all three, as Llama."""
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        # AttnRes: MUDDFormer and DCA route a different depth mix into each of q, k and v.
-        key_input, value_input = key_value_states if key_value_states is not None else (hidden_states, hidden_states)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, nh, hd)
-        key_states = self.k_proj(key_input).view(hidden_shape)  # (B, T, nkv, hd)
-        value_states = self.v_proj(value_input).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
-        if self.config.use_qk_norm:
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
-
+# AttnRes: the backbone blocks (Llama's, with the Qwen/Mistral options) are in `backbones.py` and the depth mixing
+# (residual, AttnRes and its family) in `depth_mixing.py`: siblings that travel with this file as remote code.
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`) that read their inputs from, and write
-    their outputs to, the depth state of `config.depth_mixing` instead of the residual sum. The mixing modules are
-    attributes named by the method (`attn_res`/`mlp_res`, `dwa`, `mudd`, `dca`, `attn_mhc`/`mlp_mhc`)."""
+    their outputs to, the depth state of `config.depth_mixing` instead of the residual sum. The method's record builds
+    its mixing modules (`record.layer_modules`), registered under their names (`attn_res`/`mlp_res`, `dwa`, ...)."""
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.block_size = config.attnres_block_size
         self.self_attn = AttnResAttention(config=config, layer_idx=layer_idx)
         self.mlp = AttnResMLP(config)
         self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        for name, module in DEPTH_MIXING[config.depth_mixing].layer_modules(config, layer_idx).items():
-            setattr(self, name, module)
+        # AttnRes: the depth-mixing modules of this layer (paper Eq. 1-4, 6 for AttnRes).
+        self._mixing_type = DEPTH_MIXING[config.depth_mixing].layer_modules
+        register_modules(self, self._mixing_type.build(config, layer_idx))
 
     def forward(
         self,
@@ -231,13 +71,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         """Returns the new depth state, this layer's attention (query) input `(batch, seq_len, hidden_size)` (its
         entry in `hidden_states`) and the tuple of depth weights its mixing computed (empty for the residual)."""
-        # AttnRes: the attention input(s) come from the depth state (Eq. 1-4, 6 for AttnRes), not the residual sum.
-        state, (layer_input, key_input, value_input), attn_depth_weights = state.read_attn(self)
+        mixing = registered_modules(self, self._mixing_type)
+        # AttnRes: the attention input(s) come from the depth state, not the residual sum.
+        attn_read = state.read_attn(mixing)
         key_value_states = None
-        if key_input is not None:  # one pre-norm per sub-layer, applied to each routed stream
-            key_value_states = (self.input_layernorm(key_input), self.input_layernorm(value_input))
+        if attn_read.key_value is not None:  # one pre-norm per sub-layer, applied to each routed stream
+            key_value_states = tuple(self.input_layernorm(x) for x in attn_read.key_value)
         hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(layer_input),
+            hidden_states=self.input_layernorm(attn_read.hidden),
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
@@ -246,12 +87,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             key_value_states=key_value_states,
             **kwargs,
         )
-        state = state.write_attn(self, hidden_states)
+        attn_write = attn_read.state.write_attn(mixing, hidden_states)
 
-        state, hidden_states, mlp_depth_weights = state.read_mlp(self)
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        state, output_depth_weights = state.write_mlp(self, hidden_states)
-        return state, layer_input, (*attn_depth_weights, *mlp_depth_weights, *output_depth_weights)
+        mlp_read = attn_write.state.read_mlp(mixing)
+        hidden_states = self.mlp(self.post_attention_layernorm(mlp_read.hidden))
+        mlp_write = mlp_read.state.write_mlp(mixing, hidden_states)
+        weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
+                   *mlp_write.depth_weights)
+        return mlp_write.state, attn_read.hidden, weights
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -297,6 +140,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
             }
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def num_depth_mixing_parameters(self) -> int:
+        """Number of depth-mixing parameters this model holds (AttnRes: router queries, key norms, `query_proj` or
+        scalar logits; the family: DWAs, MUDD connections, GRN-v3s, hyper-connections), counted on the modules."""
+        return num_depth_mixing_parameters(self)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -308,12 +156,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
 @dataclass
 class AttnResModelOutputWithPast(BaseModelOutputWithPast):
-    """`BaseModelOutputWithPast` plus `depth_weights`, fp32 tensors in depth order when `output_depth_weights=True`:
-    AttnRes: one `(batch, seq_len, n_sources)` per router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`;
-    `(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA
-    (static alphas, broadcast); MUDDFormer: one `(batch, seq_len, C, n)` per layer (`C = 4` streams q, k, v, r; 1 after
-    the last layer); DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN (`C = 3` per layer, 1 for `final_dca`);
-    mHC: `H_res`, `(batch, seq_len, n_streams, n_streams)`, per sub-layer. `None` for the residual baseline."""
+    """`BaseModelOutputWithPast` plus `depth_weights`, fp32 tensors in depth order when `output_depth_weights=True`,
+    as the method's record says (`DEPTH_MIXING[name].depth_weights`): AttnRes: one `(batch, seq_len, n_sources)` per
+    router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`; `(batch, seq_len, heads, n_sources)` with
+    `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA; MUDDFormer: one `(batch, seq_len, C, n)`
+    per layer; DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN; mHC: `H_res`, `(batch, seq_len, n_streams,
+    n_streams)`, per sub-layer. `None` for the residual baseline."""
 
     depth_weights: tuple[torch.Tensor, ...] | None = None
 
@@ -335,8 +183,8 @@ class AttnResModel(AttnResPreTrainedModel):
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         # AttnRes: the method's final mixing (AttnRes: `final_res`, DCA: `final_dca`) builds the last norm's input.
-        for name, module in DEPTH_MIXING[config.depth_mixing].final_modules(config).items():
-            setattr(self, name, module)
+        self._mixing_type = DEPTH_MIXING[config.depth_mixing].final_modules
+        register_modules(self, self._mixing_type.build(config))
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -396,7 +244,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        state = DEPTH_MIXING[self.config.depth_mixing].start(inputs_embeds, self.config, bool(output_depth_weights))
+        state = DEPTH_MIXING[self.config.depth_mixing].state.start(inputs_embeds, self.config, bool(output_depth_weights))
         hidden_states, depth_weights = [], []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             state, layer_input, layer_depth_weights = decoder_layer(
@@ -411,9 +259,9 @@ class AttnResModel(AttnResPreTrainedModel):
             hidden_states.append(layer_input)
             depth_weights += layer_depth_weights
 
-        last_hidden_state, final_depth_weights = state.read_final(self)
-        last_hidden_state = self.norm(last_hidden_state)
-        depth_weights += final_depth_weights
+        final = state.read_final(registered_modules(self, self._mixing_type))
+        last_hidden_state = self.norm(final.hidden)
+        depth_weights += final.depth_weights
         return AttnResModelOutputWithPast(
             last_hidden_state=last_hidden_state,
             cache=cache,

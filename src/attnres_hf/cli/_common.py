@@ -1,0 +1,72 @@
+"""What the command modules share: building (sub-)commands and loading a model folder."""
+
+import argparse
+
+
+def add_command(commands: argparse._SubParsersAction, name: str, func, **kwargs) -> argparse.ArgumentParser:
+    """Add the sub-command `name`, run by `func(args) -> exit code`."""
+    parser = commands.add_parser(name, **kwargs)
+    parser.set_defaults(func=func, parser=parser)
+    return parser
+
+
+def add_family(commands: argparse._SubParsersAction, name: str, default: str, **kwargs):
+    """Add `name` with sub-commands of its own, where `attnres NAME ARGS...` with no sub-command name means
+    `attnres NAME DEFAULT ARGS...` (`attnres routing MODEL` = `attnres routing map MODEL`).
+
+    Returns the sub-command collection of the new command.
+    """
+    family = commands.add_parser(name, **kwargs)
+    family.set_defaults(parser=family)
+    family.default_subcommand = default
+    family.subcommands = family.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
+    return family.subcommands
+
+
+def with_default_subcommand(commands: argparse._SubParsersAction, argv: list[str]) -> list[str]:
+    """`argv` with the default sub-command name inserted where a family's arguments start without one."""
+    family = commands.choices.get(argv[0]) if argv else None
+    default = getattr(family, "default_subcommand", None)
+    if default is None or len(argv) < 2 or argv[1] in family.subcommands.choices or argv[1] in ("-h", "--help"):
+        return argv
+    return [argv[0], default, *argv[1:]]
+
+
+def load_model_and_tokenizer(path: str):
+    """`(model in eval mode, tokenizer)` from a model folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_model_folder(path: str, attnres: bool = False) -> None:
+    """Raise before anything loads unless `path` is a model folder (with config.json); with `attnres`, one whose
+    model has depth routers (`depth_mixing="attnres"`).
+
+    Raises:
+        FileNotFoundError: no folder or no config.json there. ValueError: not an AttnRes model with routers.
+    """
+    import json
+    from pathlib import Path
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} is not a model folder (no config.json there)")
+    if attnres:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        depth_mixing = None
+        if model_type == "attnres":
+            from ..modeling import AttnResConfig
+
+            depth_mixing = AttnResConfig.from_pretrained(path).depth_mixing
+        if depth_mixing != "attnres":
+            raise ValueError(f"{path} has no depth routers (model_type {model_type!r}, depth_mixing {depth_mixing!r}): "
+                             "routing maps read an AttnRes model; `attnres convert SOURCE OUT` makes one")
