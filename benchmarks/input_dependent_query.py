@@ -1,12 +1,12 @@
 """Why the input-dependent query (the paper's best Table 4 ablation) trains worst in `ablation.py`: a diagnosis.
 
 Trains the `ablation.py` model (same preset, data, backbone and batches per seed) with Full AttnRes and with the
-input-dependent query (`attnres_query="input_dependent"`: `q_l = w_l + W_l RMSNorm(v_last)`, `W_l` a zero-initialised
-`d x d` matrix per router), under several learning-rate settings, and records per parameter group the gradient norm
+input-dependent query (`attnres_query="input_dependent"`: `q_l = w_l + W_l RMSNorm(v_last) / d`, `W_l` a
+zero-initialised `d x d` matrix per router), with and without the `1/d` and under several learning-rate settings, and records per parameter group the gradient norm
 and the size of each AdamW update, and per router the mean max depth weight (1/n: uniform, 1: one source) and the
 largest logit spread. The arithmetic it checks: Adam moves every entry by about `lr` per step whatever its gradient,
 so one step changes a logit `q . k` (keys of unit RMS) by up to `lr * d` through the `d` entries of `w_l` but by up to
-`lr * d^2` through the `d^2` entries of `W_l`: at the shared rate the projection is `d` times "hotter" than the query.
+`lr * d^2` through the `d^2` entries of `W_l`: without the `1/d` the projection is `d` times "hotter" than the query.
 
     python benchmarks/input_dependent_query.py --preset cpu --seeds 2 --output idq.json
 """
@@ -30,13 +30,17 @@ IDQ = ablation.VARIANTS["AttnRes input-dependent query"].overrides
 
 
 def settings(hidden_size: int) -> dict:
-    """name -> (config overrides, learning-rate multiplier of the projections `W_l`, global lr multiplier)."""
+    """name -> (config overrides, learning-rate multiplier of the projections `W_l`, global lr multiplier).
+
+    The model computes `W_l RMSNorm(v_last) / d`. Under Adam (zero init, no weight decay) a forward multiplier `c` on
+    a parameter is the same as multiplying its learning rate by `c`, so `W_l lr x d` reproduces the projection
+    without the `1/d` (the parameterisation before the fix), and `x sqrt(d)` a `1/sqrt(d)` multiplier."""
     return {
         "Full AttnRes": (FULL, 1.0, 1.0),
-        "input-dependent (shared lr)": (IDQ, 1.0, 1.0),
-        "input-dependent (W_l lr / d)": (IDQ, 1.0 / hidden_size, 1.0),
-        "input-dependent (W_l lr / sqrt(d))": (IDQ, 1.0 / math.sqrt(hidden_size), 1.0),
-        "input-dependent (global lr / 3)": (IDQ, 1.0, 1.0 / 3),
+        "input-dependent (W_l / d)": (IDQ, 1.0, 1.0),
+        "input-dependent (W_l / sqrt(d))": (IDQ, math.sqrt(hidden_size), 1.0),
+        "input-dependent (no 1/d, as before)": (IDQ, float(hidden_size), 1.0),
+        "input-dependent (no 1/d, global lr / 3)": (IDQ, float(hidden_size), 1.0 / 3),
     }
 
 
