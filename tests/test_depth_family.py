@@ -387,7 +387,7 @@ def attnres_reference(model, input_ids):
             keys = rms(values) * router.key_norm.weight if config.attnres_key_norm else values
             query = router.query
             if config.attnres_query == "input_dependent":
-                query = query + rms(visible[-1]) @ router.query_proj.T  # (B, T, D)
+                query = query + rms(visible[-1]) @ router.query_proj.T / config.hidden_size  # (B, T, D)
             heads = config.attnres_num_heads
             query = query.unflatten(-1, (heads, -1)).expand(*values.shape[:2], heads, -1)  # (B, T, H, D/H)
             logits = torch.einsum("btnhe,bthe->bthn", keys.unflatten(-1, (heads, -1)), query)

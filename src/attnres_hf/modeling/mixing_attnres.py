@@ -183,7 +183,8 @@ class AttnResRouter(nn.Module):
 
     Knobs: `attnres_score_fn="sigmoid"` (alpha_i = sigmoid(logit_i), unnormalised); `attnres_key_norm=False`
     (logit_i = w_l . v_i); `attnres_window=W` (embedding + the W most recent sources); `attnres_query=
-    "input_dependent"` (w_l + W_l RMSNorm(v_last), `query_proj` zero-initialised); `attnres_num_heads=H` (H slices of
+    "input_dependent"` (w_l + W_l RMSNorm(v_last) / d, `query_proj` zero-initialised; the 1/d keeps Adam's step on
+    the `d x d` entries of `W_l` from moving the logits `d` times faster than the pseudo-query's); `attnres_num_heads=H` (H slices of
     the hidden axis, each with its slice of the query and its own weights over depth); `attnres_scalar_weights`
     (logit_i = s_{i->l}, a learned scalar per source: input-independent).
 
@@ -225,7 +226,11 @@ class AttnResRouter(nn.Module):
         query = self.query.float()  # (D,)
         if self.query_proj is not None:  # Table 4 "input-dependent query": a projection of the latest source
             last, last_inv = (partial, partial_inv) if partial is not None else (sources[..., -1, :], inv_rms[..., -1])
-            query = query + (last.float() * last_inv.unsqueeze(-1)) @ self.query_proj.float().T  # (B, T, D)
+            # AttnRes: W_l / d. Adam moves each of the d^2 entries of W_l by ~lr per step, which moves a logit by up
+            # to lr * d^2 (lr * d through w_l): without the 1/d the projection trains d times "hotter" than the
+            # pseudo-query and the routing collapses onto one source (benchmarks/input_dependent_query.py).
+            projected = (last.float() * last_inv.unsqueeze(-1)) @ self.query_proj.float().T  # (B, T, D)
+            query = query + projected / self.query_proj.shape[-1]
         if self.key_norm is not None:
             # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
             # statistics (`inv_rms`) are shared by every router of a block.
