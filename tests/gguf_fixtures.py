@@ -85,3 +85,29 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama_cpp_split(text: str, regexes) -> list[str]:
+    """llama.cpp's `unicode_regex_split`, written again with the `regex` package: each regex cuts every piece the
+    previous ones left into its matches and the text between them."""
+    import regex
+
+    pieces = [text]
+    for pattern in regexes:
+        cut = []
+        for piece in pieces:
+            start = 0
+            for match in regex.finditer(pattern, piece):
+                cut += [piece[start:match.start()]] if match.start() > start else []
+                cut += [match.group()] if match.end() > match.start() else []
+                start = match.end()
+            cut += [piece[start:]] if start < len(piece) else []
+        pieces = cut
+    return pieces
+
+
+def byte_level(text: str) -> str:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    return "".join(spelling[b] for b in text.encode("utf-8"))

@@ -10,13 +10,13 @@ import torch
 import importlib
 import re
 
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from attnres_hf.cli import main
-from attnres_hf.conversion import check_against_gguf, load_source_config, retrofit
+from attnres_hf.conversion import GGUF_PRE_TOKENIZERS, check_against_gguf, load_gguf_tokenizer, load_source_config, retrofit
 from utils import TINY
-from gguf_fixtures import write_gguf
+from gguf_fixtures import byte_level, llama_cpp_split, write_gguf
 from test_save_load import REMOTE_SCRIPT
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -274,3 +274,107 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert_module.convert(tmp_path / "source", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+# --- the tokenizer a GGUF file declares (tokenizer.ggml.pre) ---
+
+SPLIT_TEXTS = ["x  5", "In 2024, 12345 apples cost $3.50!", "٣٤٥ and ²³ and Ⅻ", "a\n\n  b   c\t\n", "don't  I'LL go"]
+
+
+def tiny_vocab_gguf(path, pre):
+    """A tiny Llama whose GGUF carries a byte-level BPE vocabulary (256 bytes + 3 merges) declaring `pre`."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + ["ĠĠ", "12", "Ġ5"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": len(tokens), "bos_token_id": 0,
+                                            "eos_token_id": 1, "pad_token_id": None})).eval()
+    return write_gguf(model, path, vocab=(tokens, ["Ġ Ġ", "1 2", "Ġ 5"], pre))
+
+
+# pieces derived by hand from each family's pre-tokenizer (digits one by one, in threes, or with GPT-2's runs)
+HAND_SPLITS = {
+    ("smollm", "x  5"): ["x", "ĠĠ", "5"],
+    ("smollm", "1234 ٣٤"): ["1", "2", "3", "4", "Ġ", "Ù£", "Ù¤"],
+    ("llama-bpe", "12345 apples"): ["123", "45", "Ġapples"],
+    ("qwen2", "x  5"): ["x", "Ġ", "Ġ", "5"],
+    ("gpt-2", "x  5"): ["x", "Ġ", "Ġ5"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(GGUF_PRE_TOKENIZERS))
+def test_gguf_tokenizer_splits_text_as_its_declared_pre_tokenizer(pre, tmp_path):
+    tokenizer = load_gguf_tokenizer(tiny_vocab_gguf(tmp_path / "v.gguf", pre))
+    split = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str
+    for text in SPLIT_TEXTS + [t for (p, t) in HAND_SPLITS if p == pre]:
+        expected = [byte_level(piece) for piece in llama_cpp_split(text, GGUF_PRE_TOKENIZERS[pre])]
+        assert [piece for piece, _ in split(text)] == expected, text
+    for (p, text), pieces in HAND_SPLITS.items():
+        if p == pre:
+            assert [piece for piece, _ in split(text)] == pieces, text
+
+
+def test_smollm_gguf_tokenizer_ids_and_converted_folder(tmp_path):
+    """The issue's example on a tiny vocabulary: "x  5" is x, two spaces, 5 (not x, space, " 5"); the converted
+    folder ships that tokenizer."""
+    gguf_path = tiny_vocab_gguf(tmp_path / "v.gguf", "smollm")
+    tokenizer = load_gguf_tokenizer(gguf_path)
+    vocab = tokenizer.get_vocab()
+    assert tokenizer("x  5", add_special_tokens=False).input_ids == [vocab["x"], vocab["ĠĠ"], vocab["5"]]
+    assert tokenizer("12", add_special_tokens=False).input_ids == [vocab["1"], vocab["2"]]  # no "12" merge across digits
+    assert run_cli(gguf_path, tmp_path / "out") == 0
+    shipped = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in SPLIT_TEXTS:
+        assert shipped(text).input_ids == tokenizer(text).input_ids, text
+
+
+def test_unknown_gguf_pre_tokenizer_is_refused(tmp_path, capsys, monkeypatch):
+    gguf_path = tiny_vocab_gguf(tmp_path / "v.gguf", "jais-special")
+    with pytest.raises(ValueError, match="declares pre-tokenizer 'jais-special', which attnres-hf does not know"):
+        load_gguf_tokenizer(gguf_path)
+    retrofit_module = importlib.import_module("attnres_hf.conversion.retrofit")
+    monkeypatch.setattr(retrofit_module.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights were loaded"))
+    assert "'jais-special'" in _bad_input_error(capsys, gguf_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+CONVERT_BAD_ARGUMENTS = {  # convert(source folder, out, **kwargs) -> (error type, what the message says)
+    "output-dir-int": (dict(output_dir=5), TypeError, "output_dir must be a non-empty path"),
+    "block-size-str": (dict(attnres_block_size="2"), TypeError, "attnres_block_size must be an int"),
+    "block-size-odd": (dict(attnres_block_size=5), ValueError, "attnres_block_size must be 1 (Full AttnRes)"),
+    "block-size-negative": (dict(attnres_block_size=-2), ValueError, "attnres_block_size must be 1 (Full AttnRes)"),
+    "force-str": (dict(force="yes"), TypeError, "force must be True or False"),
+    "empty-probe": (dict(probe_text="  "), ValueError, "probe_text must be a non-empty string"),
+    "shard-size": (dict(max_shard_size="lots"), ValueError, "max_shard_size must be a size such as '5GB'"),
+    "dtype": (dict(dtype="float99"), ValueError, "dtype must be a floating point torch dtype"),
+    "misspelled-override": (dict(attnres_rescale_outptu=False), ValueError, "did you mean 'attnres_rescale_output'"),
+    "gguf-file-type": (dict(gguf_file=3), TypeError, "gguf_file must be a file name"),
+    "tokenizer-type": (dict(tokenizer="gpt2"), TypeError, "tokenizer must be a transformers tokenizer"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONVERT_BAD_ARGUMENTS))
+def test_convert_checks_its_arguments_before_loading(kind, tmp_path, monkeypatch):
+    kwargs, error, says = CONVERT_BAD_ARGUMENTS[kind]
+    tiny_source("llama").save_pretrained(tmp_path / "source")
+    convert_module = importlib.import_module("attnres_hf.conversion.convert")
+    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    kwargs = {"output_dir": tmp_path / "out", **kwargs}
+    with pytest.raises(error, match=re.escape(says)):
+        convert_module.convert(tmp_path / "source", **kwargs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_cli_refuses_bad_files_in_one_line(tmp_path, capsys):
+    assert "does not exist" in _bad_input_error(capsys, tmp_path / "nowhere", tmp_path / "out")
+    assert "GGUF file not found" in _bad_input_error(capsys, tmp_path / "nowhere.gguf", tmp_path / "out")
+    tiny_source("llama").save_pretrained(tmp_path / "source")
+    data = (tmp_path / "source" / "model.safetensors").read_bytes()
+    (tmp_path / "source" / "model.safetensors").write_bytes(data[:-100])
+    assert "truncated or corrupt safetensors" in _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
+    (tmp_path / "source" / "config.json").write_text("")
+    assert "config.json is not valid JSON" in _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
+    (tmp_path / "file.txt").write_text("hello")
+    assert "neither a model folder nor a .gguf file" in _bad_input_error(capsys, tmp_path / "file.txt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
