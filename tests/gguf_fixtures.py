@@ -26,10 +26,12 @@ def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(
-    model: torch.nn.Module, path: Path, file_type: str = "F32", extra_tensors: dict | None = None, vocab=None
+    model: torch.nn.Module, path: Path, file_type: str = "F32", extra_tensors: dict | None = None, vocab=None,
+    key_length: bool = True,
 ) -> Path:
     """Write `model` (an HF causal LM) as llama.cpp would; `extra_tensors` adds `{gguf name: array}`; `vocab` is
-    `(tokens, merges, pre)` for a byte-level BPE tokenizer."""
+    `(tokens, merges, pre)` for a byte-level BPE tokenizer; `key_length=False` leaves out `attention.key_length` /
+    `value_length` (as older converters did)."""
     config = model.config
     arch_name = ARCHES[config.model_type]
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
@@ -43,8 +45,9 @@ def write_gguf(
     writer.add_block_count(config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if key_length:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)

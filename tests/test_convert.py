@@ -108,6 +108,13 @@ def test_q8_0_gguf_holds_the_files_dequantised_tensors(name, tmp_path):
     assert (logits(model) - logits(source)).abs().max().item() < 0.05  # the 8-bit rounding, not a dropped tensor
 
 
+def test_gguf_head_dim_comes_from_the_key_tensor_without_key_length(tmp_path):
+    source = gguf_source("qwen3-head-dim-16")
+    model = retrofit(write_gguf(source, tmp_path / "q3.gguf", key_length=False))
+    assert model.config.head_dim == 16
+    assert (logits(model) - logits(source)).abs().max().item() <= 1e-5
+
+
 EXTRA_TENSORS = {  # tensor added to a Llama-layout file -> what the one-line error says
     "unknown-name": ("blk.1.attn_gizmo.weight", "has tensors the conversion would drop (no llama parameter"),
     "moe-router": ("blk.0.ffn_gate_inp.weight", "has tensors the conversion would drop (no llama parameter"),

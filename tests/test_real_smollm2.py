@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres_hf import assets
-from attnres_hf.conversion import convert, load_source, retrofit
+from attnres_hf.conversion import check_against_gguf, convert, load_source, retrofit
 from attnres_hf.demo import smollm2_hf_folder
 from attnres_hf.eval import perplexity
 from gguf_fixtures import byte_level, llama_cpp_split
@@ -109,3 +109,11 @@ def test_smollm2_tokenizer_follows_the_pre_tokenizer_its_gguf_declares(smollm2):
     assert tokenizer("x  5", add_special_tokens=False).input_ids == [104, 256, 37]  # x, two spaces, 5
     digits = tokenizer("2024", add_special_tokens=False).input_ids
     assert len(digits) == 4 and tokenizer.decode(digits) == "2024"  # one token per digit, as SmolLM2's own tokenizer
+
+
+def test_the_cached_hf_copy_holds_every_tensor_of_the_gguf_file(smollm2):
+    """The demo's source is the file itself: all 272 tensors of the Q4_1 GGUF (30 layers x 9, embedding, final norm;
+    the head is tied), dequantised by the `gguf` package, equal the HF copy's weights exactly."""
+    _, source, _, _ = smollm2
+    check = check_against_gguf(source, assets.smollm2_gguf(), complete=True)
+    assert check == {"gguf_tensors_checked": 272, "gguf_max_abs_delta": 0.0}

@@ -60,8 +60,7 @@ def gguf_config_fields(path: str | os.PathLike, config) -> dict:
     if hasattr(config, "attention_bias"):
         fields["attention_bias"] = any(name.endswith(".attn_q.bias") for name in names)
     if hasattr(config, "mlp_bias"):
-        fields["mlp_bias"] = any(name.split(".")[-2:] in (["ffn_gate", "bias"], ["ffn_up", "bias"],
-                                                          ["ffn_down", "bias"]) for name in names)
+        fields["mlp_bias"] = any(name.endswith((".ffn_gate.bias", ".ffn_up.bias", ".ffn_down.bias")) for name in names)
     return fields
 
 
