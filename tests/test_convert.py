@@ -86,6 +86,8 @@ def test_gguf_file_converts_to_the_hf_originals_logits(name, file_type, tmp_path
     tied = source.config.tie_word_embeddings
     assert verification["gguf_tensors_checked"] == len(source.state_dict()) - tied
     assert verification["gguf_max_abs_delta"] == 0.0
+    assert f"| GGUF tensors equal to the file's (dequantised) | {len(source.state_dict()) - tied}, max abs delta 0 |" in (
+        tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name", ["llama-attn-mlp-bias", "qwen3-head-dim-16"])
@@ -385,3 +387,13 @@ def test_cli_refuses_bad_files_in_one_line(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("hello")
     assert "neither a model folder nor a .gguf file" in _bad_input_error(capsys, tmp_path / "file.txt", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_byte_level_gguf_naming_no_pre_tokenizer_warns_and_splits_as_llama_cpp(tmp_path):
+    from attnres_hf.conversion import gguf_pre_tokenizer
+
+    with pytest.warns(UserWarning, match="names no tokenizer.ggml.pre"):
+        missing = gguf_pre_tokenizer(None)
+    pieces = [piece for piece, _ in missing.pre_tokenize_str("x 12345!")]
+    assert pieces == [byte_level(p) for p in llama_cpp_split("x 12345!", GGUF_PRE_TOKENIZERS["default"])]
+    assert pieces == ["x", "Ġ", "123", "45", "!"]  # llama.cpp's fallback: punctuation runs, then digits in threes

@@ -81,6 +81,12 @@ def model_card(report: dict) -> ModelCard:
             "under which\n  the method is the residual model, so at conversion time the model computes the source's "
             "function. Training\n  the mixing parameters makes it depart from the source."
         )
+    gguf_row = (
+        f"| GGUF tensors equal to the file's (dequantised) | {verification['gguf_tensors_checked']}, max abs delta "
+        f"{verification['gguf_max_abs_delta']:.3g} |\n"
+        if "gguf_tensors_checked" in verification
+        else ""
+    )
     body = f"""
 # {Path(report["output_dir"]).name}
 
@@ -100,7 +106,7 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retro
 | mean abs logit delta | {verification["mean_abs_logit_delta"]:.3g} |
 | top-1 agreement | {verification["argmax_agreement"]:.4f} |
 | {verification["greedy_new_tokens"]}-token greedy continuation identical | {verification["greedy_match"]} |
-
+{gguf_row}
 ## Use
 
 ```python

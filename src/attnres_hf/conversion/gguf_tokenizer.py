@@ -11,6 +11,7 @@ vocabulary (`"llama"`) has no split regex in llama.cpp, so its `tokenizer.ggml.p
 """
 
 import os
+import warnings
 
 from tokenizers import Regex, pre_tokenizers
 
@@ -54,8 +55,12 @@ families attnres-hf converts."""
 def gguf_pre_tokenizer(pre: str | None):
     """The `tokenizers` pre-tokenizer for a byte-level GGUF vocabulary declaring `tokenizer.ggml.pre = pre`.
 
-    A missing `pre` is llama.cpp's `"default"`. Raises `ValueError` for a name not in `GGUF_PRE_TOKENIZERS`.
+    A missing `pre` is llama.cpp's `"default"`, with a `UserWarning`. Raises `ValueError` for a name not in
+    `GGUF_PRE_TOKENIZERS`.
     """
+    if not pre:  # llama.cpp warns the same way ("missing pre-tokenizer type, using: 'default'")
+        warnings.warn("the GGUF tokenizer names no tokenizer.ggml.pre; using llama.cpp's 'default' split, so its token "
+                      "ids may differ from the model's own tokenizer", UserWarning, stacklevel=2)
     name = pre or "default"
     if name not in GGUF_PRE_TOKENIZERS:
         raise ValueError(
