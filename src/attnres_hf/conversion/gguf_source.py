@@ -29,8 +29,10 @@ def _reader(path: str | os.PathLike):
 
 
 def _field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    from transformers.modeling_gguf_pytorch_utils import read_field  # decodes every gguf version's field layout
+
+    values = read_field(reader, key)
+    return values[0] if len(values) == 1 else values or None
 
 
 def gguf_architecture(reader) -> str:

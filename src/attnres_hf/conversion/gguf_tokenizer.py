@@ -12,8 +12,10 @@ vocabulary (`"llama"`) has no split regex in llama.cpp, so its `tokenizer.ggml.p
 
 import os
 import warnings
+from pathlib import Path
 
 from tokenizers import Regex, pre_tokenizers
+from transformers import AutoTokenizer
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # The original regexes of the models' tokenizer.json files (llama.cpp spells the case-insensitive group out).
@@ -74,11 +76,13 @@ def gguf_pre_tokenizer(pre: str | None):
 def gguf_tokenizer_kind(path: str | os.PathLike) -> tuple[str | None, str | None]:
     """`(tokenizer.ggml.model, tokenizer.ggml.pre)` of a GGUF file (each `None` when absent)."""
     from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
 
-    fields = GGUFReader(path).fields
+    reader = GGUFReader(path)
 
     def value(key):
-        return str(fields[key].contents()) if key in fields else None
+        values = read_field(reader, key)
+        return str(values[0]) if values else None
 
     return value("tokenizer.ggml.model"), value("tokenizer.ggml.pre")
 
@@ -89,10 +93,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     Returns `None` if the file holds no tokenizer. Raises `ValueError` for a byte-level vocabulary whose
     `tokenizer.ggml.pre` is unknown (before the slow vocabulary conversion).
     """
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
     path = Path(path)
     model, pre = gguf_tokenizer_kind(path)
     if model is None:
