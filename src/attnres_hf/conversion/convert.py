@@ -16,6 +16,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .. import __version__
+from ..modeling.depth_mixing import DEPTH_MIXING
 from .._io import staged_folder
 from .gguf_source import check_against_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
@@ -52,15 +53,8 @@ def model_card(report: dict) -> ModelCard:
         base_model=source["name"] if source["name"] and not Path(source["name"]).exists() else None,
         tags=["attnres", "attention-residuals", "depth-mixing", "retrofit"],
     )
-    family = {
-        "residual": "standard residual (`depth_mixing=\"residual\"`, the baseline)",
-        "denseformer": "DenseFormer Depth-Weighted Averages (`depth_mixing=\"denseformer\"`)",
-        "muddformer": "MUDDFormer multiway dynamic dense connections (`depth_mixing=\"muddformer\"`)",
-        "dca": "DeepCrossAttention GRN-v3 (`depth_mixing=\"dca\"`)",
-        "mhc": "manifold-constrained hyper-connections (`depth_mixing=\"mhc\"`)",
-    }
-    if config["depth_mixing"] in family:
-        method = family[config["depth_mixing"]]
+    if config["depth_mixing"] != "attnres":
+        method = DEPTH_MIXING[config["depth_mixing"]].card.rstrip(".") + f' (`depth_mixing="{config["depth_mixing"]}"`)'
     elif config["attnres_block_size"] == 1:
         method = "Full Attention Residuals (every sub-layer output is a depth source)"
     else:
