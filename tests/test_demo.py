@@ -49,13 +49,28 @@ def test_demo_runs_its_steps_in_order_and_writes_the_summary(tiny_source, tmp_pa
     assert (out / "routing_average.png").is_file() and not (out / "train_text.txt").exists()
 
 
-def test_demo_without_training_skips_its_steps_and_replaces_only_an_earlier_demo(tiny_source, tmp_path, capsys):
+def test_demo_without_training_skips_its_steps_and_replaces_only_an_earlier_demo(tiny_source, tmp_path, capsys,
+                                                                                monkeypatch):
     out = tmp_path / "demo"
     for _ in range(2):  # the second run replaces the first
         results = demo.run_demo(out, ppl_tokens=100, window=32, chat_tokens=2, train_steps=0, eval_questions=0)
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert progress[-1].startswith("[5/5] Chat") and results["router_training"] is None
     assert "router-trained" not in (out / "summary.md").read_text()
+    def interrupted(state):
+        """Interrupted ..."""
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "plain_mean_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(out, train_steps=0, eval_questions=0)
+    assert json.loads((out / "demo.json").read_text()) == {"complete": False}
+    monkeypatch.undo()
+    monkeypatch.setattr(demo, "smollm2_hf_folder", lambda: tiny_source)
+    monkeypatch.setattr(demo, "demo_texts", lambda: demo.DemoTexts(counting_text(40, seed=1), counting_text(200), "c"))
+    monkeypatch.setattr(demo, "CHAT_PROMPT", "w5 w6 w7")
+    demo.run_demo(out, ppl_tokens=100, window=32, chat_tokens=2, train_steps=0, eval_questions=0)  # replaces it
+    assert "complete" not in json.loads((out / "demo.json").read_text())
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="is not an earlier demo output"):
@@ -84,3 +99,20 @@ def test_summary_renderer_reports_a_failed_check_loudly():
     assert "30.0 -> 25.0; per-sample scores DIFFERENT on 90/100" in text
     assert "WARNING: the per-sample scores differ" in text and "## lm-eval at conversion time" in markdown
     assert "> line one\n> line two" in markdown
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"attnres_block_size": 3}, ValueError, "attnres_block_size must be 1"),
+    ({"ppl_tokens": "4096"}, TypeError, "ppl_tokens must be an integer"),
+    ({"window": 1}, ValueError, "window must be at least 2"),
+    ({"eval_questions": -1}, ValueError, "eval_questions must be at least 0"),
+    ({"output_dir": 5}, TypeError, "output_dir must be a folder path"),
+], ids=["block-size-3", "ppl-tokens-text", "window-1", "eval-questions-negative", "output-dir-number"])
+def test_demo_settings_are_checked_before_anything_loads(kwargs, error, message, tmp_path, monkeypatch):
+    def refuse():
+        raise AssertionError("the source was fetched")
+
+    monkeypatch.setattr(demo, "smollm2_hf_folder", refuse)
+    with pytest.raises(error, match=message):
+        demo.run_demo(**{"output_dir": tmp_path / "demo"} | kwargs)
+    assert not (tmp_path / "demo").exists()

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArgument
 from attnres_hf.cli import main
 from attnres_hf.training import AttnResArguments, AttnResTrainer, packed_lm_dataset, prepare_model, train
 from attnres_hf.training.recipes import is_router_parameter, merge_lora
-from utils import TINY, tiny_model, word_tokenizer
+from utils import TINY, counting_text, tiny_model, word_tokenizer
 
 COMMON = ["--seq-len", "64", "--per_device_train_batch_size", "8", "--disable_tqdm", "true", "--seed", "0",
           "--train_sampling_strategy", "sequential", "--logging_steps", "1"]
@@ -162,3 +162,89 @@ def test_data_files_jsonl_and_dataset_folders(tmp_path):
         packed_lm_dataset([tmp_path / "x.csv"], tokenizer)
     with pytest.raises(ValueError, match="at least 2 blocks"):
         packed_lm_dataset([tmp_path / "a.jsonl"], tokenizer, seq_len=4096)
+
+
+class LossRecorder(TrainerCallback):
+    def __init__(self):
+        self.losses = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+@pytest.mark.parametrize("method", ["routers", "lora", "full"])
+def test_two_runs_with_the_same_seed_are_bit_identical(method, tmp_path):
+    """Adapter init, data order and dropout (LoRA and attention dropout) all come after seeding."""
+    model_dir = tmp_path / "model"
+    tiny_model(routers=False, attnres_block_size=2, attention_dropout=0.2).save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    (tmp_path / "train.txt").write_text(counting_text())
+
+    def run(out):
+        ours = AttnResArguments(model=str(model_dir), data=[str(tmp_path / "train.txt")], method=method, seq_len=32,
+                                lora_r=4, lora_dropout=0.2, entropy_batches=0)
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, logging_steps=1, eval_strategy="no", save_strategy="no", seed=0,
+                                 disable_tqdm=True, report_to="none")
+        recorder = LossRecorder()
+        train(ours, args, callbacks=[recorder])
+        assert len(recorder.losses) == 3
+        return recorder.losses, load_file(next((tmp_path / out).glob("*model.safetensors")))
+
+    torch.manual_seed(123)  # whatever the global random state before each run
+    losses_a, weights_a = run("a")
+    torch.rand(7)
+    losses_b, weights_b = run("b")
+    assert losses_a == losses_b
+    assert set(weights_a) == set(weights_b) and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.parametrize("targets, unmatched", [
+    (["q_proj", "gate_prj"], "gate_prj"),
+    (["qproj", "v_proj"], "qproj"),
+    (["input_layernorm"], "input_layernorm"),  # exists, but LoRA cannot wrap a norm
+    (["mlp_res", "q_proj"], "mlp_res"),  # routers train in full, never through LoRA
+], ids=["typo", "typo-first", "norm", "router"])
+def test_a_lora_target_that_matches_nothing_stops_before_training(targets, unmatched, tiny_model_dir, capsys,
+                                                                  monkeypatch):
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    out = tiny_model_dir / "lora"
+    assert run_train(tiny_model_dir, out, "--method", "lora", "--max-steps", "1", "--lora_target_modules", *targets) == 2
+    err = capsys.readouterr().err
+    assert f"lora_target_modules not found in this model: {unmatched};" in err
+    assert "valid names: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in err
+    assert not out.exists()
+
+
+def test_lora_targets_default_to_the_models_linear_layers_and_match_as_peft_does():
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnres_hf.training import check_lora_targets, default_lora_targets
+
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert default_lora_targets(tiny_model()) == projections
+    assert default_lora_targets(LlamaForCausalLM(LlamaConfig(**TINY))) == projections
+    model = tiny_model()
+    assert check_lora_targets(model, ["self_attn.q_proj", "lm_head"]) == ["self_attn.q_proj", "lm_head"]
+    assert check_lora_targets(model, r".*\.1\.mlp\.up_proj") == r".*\.1\.mlp\.up_proj"
+    with pytest.raises(ValueError, match="'.*nothing' matches no module"):
+        check_lora_targets(model, r".*nothing")
+    with pytest.raises(ValueError, match="at least one module"):
+        check_lora_targets(model, [])
+    for bad in (5, ["q_proj", 3], {"q_proj": 1}):
+        with pytest.raises(TypeError, match="list of module names or one regular expression"):
+            check_lora_targets(model, bad)
+    wrapped = prepare_model(tiny_model(), "lora", lora_r=2, lora_target_modules=["self_attn.q_proj"])
+    assert isinstance(wrapped, PeftModel)
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in wrapped.named_parameters() if "lora_A" in name}
+    assert adapted == {"q_proj"}
+    with pytest.warns(FutureWarning, match="default_lora_targets"):
+        from attnres_hf.training import DEFAULT_LORA_TARGETS
+    assert list(DEFAULT_LORA_TARGETS) == projections

@@ -9,14 +9,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .modeling import (
-    AttnResConfig,
-    AttnResForCausalLM,
-    AttnResModel,
-    AttnResPreTrainedModel,
-    default_attnres_block_size,
-    naive_attnres,
-)
+from . import modeling
+from .modeling import *  # noqa: F403  (the public API is the model's)
+from .modeling import AttnResConfig, AttnResForCausalLM, AttnResModel
 
 try:
     __version__ = version("attnres-hf")
@@ -30,11 +25,4 @@ AttnResConfig.register_for_auto_class("AutoConfig")
 AttnResModel.register_for_auto_class("AutoModel")
 AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = [
-    "AttnResConfig",
-    "AttnResForCausalLM",
-    "AttnResModel",
-    "AttnResPreTrainedModel",
-    "default_attnres_block_size",
-    "naive_attnres",
-]
+__all__ = list(modeling.__all__)

@@ -10,6 +10,7 @@ existing folder is refused): the converted model folder, `demo.json` and `summar
 """
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import assets
+from ._checks import check_int
 from ._io import staged_folder
 from .conversion import PROBE_TEXT, convert, load_source, load_tokenizer, retrofit, serializable_copy, verify_conversion
 from .eval import perplexity
@@ -74,6 +76,16 @@ class DemoSettings:
     train_seq_len: int = 256
     eval_questions: int = 100
 
+    def __post_init__(self):
+        minimum = {"ppl_tokens": 2, "window": 2, "chat_tokens": 1, "train_steps": 0, "train_seq_len": 2,
+                   "eval_questions": 0}
+        for name, low in minimum.items():
+            check_int(name, getattr(self, name), low)
+        if self.attnres_block_size is not None:
+            from .modeling import AttnResConfig
+
+            AttnResConfig(attnres_block_size=self.attnres_block_size)  # the config's own rule, before any loading
+
 
 @dataclass
 class DemoState:
@@ -90,12 +102,15 @@ class DemoState:
 
 
 def prepare_output_dir(output_dir: Path) -> None:
-    """Replace an earlier demo output at `output_dir`; refuse any other existing, non-empty folder."""
+    """Replace an earlier demo output at `output_dir` (finished or interrupted); refuse any other existing, non-empty
+    folder."""
     if output_dir.exists():
         if any(output_dir.iterdir()) and not (output_dir / "demo.json").is_file():
             raise FileExistsError(f"{output_dir} exists and is not an earlier demo output; choose another --output-dir")
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True)
+    # marks the folder as the demo's from the start, so that an interrupted run does not block the next one
+    (output_dir / "demo.json").write_text(json.dumps({"complete": False}) + "\n")
 
 
 def load_source_step(state: DemoState) -> None:
@@ -132,7 +147,8 @@ def plain_mean_step(state: DemoState) -> None:
 def perplexity_step(state: DemoState) -> None:
     """Perplexity of source and converted model on {settings.ppl_tokens} held-out tokens ..."""
     state.texts = demo_texts()
-    state.held_out_ids = state.tokenizer(state.texts.held_out, return_tensors="pt").input_ids[0, : state.settings.ppl_tokens]
+    held_out = state.tokenizer(state.texts.held_out, return_tensors="pt").input_ids[0]
+    state.held_out_ids = held_out[: state.settings.ppl_tokens]
     state.results["perplexity"] = {
         name: perplexity(state.models[name], state.held_out_ids, window=state.settings.window)
         for name in ("source", "converted")
@@ -199,7 +215,8 @@ def chat_step(state: DemoState) -> None:
     for name in ("converted", "router_trained"):
         if name in state.models:
             new = state.models[name].generate(**chat, max_new_tokens=state.settings.chat_tokens, do_sample=False)
-            answers[name] = state.tokenizer.decode(new[0, chat["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+            answer_ids = new[0, chat["input_ids"].shape[1] :]
+            answers[name] = state.tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
     state.results["chat"] = {"prompt": CHAT_PROMPT, "answers": answers}
 
 
@@ -230,7 +247,8 @@ def summary_rows(results: dict, source_folder: str | Path) -> list[tuple[str, st
     if training:
         rows += [
             ("  router-trained", f"{ppl['router_trained']['perplexity']:.4f} ({training['steps']} steps, "
-                                 f"{training['tokens_seen']:,} tokens, {training['trainable_parameters']:,} parameters, "
+                                 f"{training['tokens_seen']:,} tokens, "
+                                 f"{training['trainable_parameters']:,} parameters, "
                                  f"{training['wall_time_s']:.0f} s)"),
             ("depth entropy / uniform", f"{training['depth_entropy_ratio_after']:.4f} after training (1.0 at init)"),
         ]
@@ -279,10 +297,14 @@ def run_demo(
             model, which must score identically; 0 skips the evaluation.
 
     Raises:
-        FileExistsError: `output_dir` is an existing folder that is not an earlier demo output.
+        FileExistsError: `output_dir` is an existing folder that is not an earlier demo output. TypeError /
+        ValueError: a setting of the wrong type or out of range (a block size the config refuses), before anything
+        loads.
     """
     started = time.perf_counter()
     torch.manual_seed(0)
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise TypeError(f"output_dir must be a folder path, got {type(output_dir).__name__}")
     settings = DemoSettings(Path(output_dir), attnres_block_size, ppl_tokens, window, chat_tokens, train_steps,
                             train_seq_len, eval_questions)
     prepare_output_dir(settings.output_dir)

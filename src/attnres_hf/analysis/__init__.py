@@ -3,8 +3,9 @@
 Never imported by `modeling/`: plots and hooks live here, outside what travels with a checkpoint.
 """
 
-from .compare import aligned_suffix, compare_pairs, load_pairs
+from .compare import aligned_suffix, compare_pairs, largest_shifts, load_pairs
 from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
+from .inputs import encode_text
 from .layout import block_layout, sublayer_names
 from .routing import RoutingRecord, record_routing, router_names, routing_maps, source_columns, source_names, summarize
 
@@ -14,6 +15,8 @@ __all__ = [
     "aligned_suffix",
     "block_layout",
     "compare_pairs",
+    "encode_text",
+    "largest_shifts",
     "layer_magnitudes",
     "load_pairs",
     "record_routing",

@@ -7,10 +7,13 @@ interval over pairs.
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
+from .._checks import check_int
+from .inputs import encode_text
 from .routing import record_routing
 
 EXAMPLE_PAIRS = Path(__file__).parent / "data" / "routing_pairs.jsonl"
@@ -22,8 +25,13 @@ def load_pairs(path: str | Path) -> list[dict]:
     """Read a `.jsonl` file of `{"a": text, "b": text}` lines (an optional `"name"` is kept).
 
     Raises:
-        ValueError: a line that is not JSON or lacks `a`/`b`, or an empty file.
+        FileNotFoundError: no such file. TypeError: `path` is not a path. ValueError: a line that is not JSON or
+        lacks `a`/`b`, or an empty file.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a .jsonl file path, got {type(path).__name__}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such pairs file")
     pairs = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -41,7 +49,14 @@ def load_pairs(path: str | Path) -> list[dict]:
 
 
 def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
-    """Length of the shared token suffix after the first difference (0 if the texts never re-align)."""
+    """Length of the shared token suffix after the first difference (0 if the texts never re-align).
+
+    Raises:
+        TypeError: the ids are not lists of integers.
+    """
+    for ids in (ids_a, ids_b):
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
+            raise TypeError("aligned_suffix takes two lists of token ids (tensor.tolist())")
     prefix = 0
     while prefix < min(len(ids_a), len(ids_b)) and ids_a[prefix] == ids_b[prefix]:
         prefix += 1
@@ -54,19 +69,33 @@ def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
     return suffix
 
 
-def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0) -> dict:
+def compare_pairs(
+    model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0, chat: bool = False
+) -> dict:
     """Shift of the depth weights (b minus a) after the difference, per router and source.
 
-    Returns `routers`, `sources`, `shift` (`(n_routers, n_sources)`, NaN where a router cannot read a source),
-    `low`/`high` (95% bootstrap interval over pairs), `aligned_tokens` per pair, and `max_abs_shift`.
+    Each text is encoded with `encode_text` (`chat=True`: as the user turn of the chat template). Returns `routers`,
+    `sources`, `shift` (`(n_routers, n_sources)`, NaN where a router cannot read a source), `low`/`high` (95%
+    bootstrap interval over pairs), `aligned_tokens` per pair, `pairs_used` and `max_abs_shift`.
 
     Raises:
-        ValueError: if no pair has aligned tokens after its difference.
+        TypeError: `pairs` is not a list of `{"a": str, "b": str}` dicts, or `bootstrap`/`seed` not integers.
+        ValueError: no pairs, `bootstrap < 1`, or no pair with aligned tokens after its difference (and the errors
+            of `record_routing` for a model without routers).
     """
+    if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, dict) and isinstance(p.get("a"), str) and isinstance(p.get("b"), str) for p in pairs):
+        raise TypeError('pairs must be a list of {"a": text, "b": text} dicts (load_pairs reads a .jsonl file)')
+    if not pairs:
+        raise ValueError("pairs is empty")
+    check_int("bootstrap", bootstrap, 1, "resample")
+    check_int("seed", seed)
+    if getattr(model.config, "depth_mixing", None) != "attnres":
+        raise ValueError("routing maps need an AttnRes model (depth_mixing='attnres'); this one has no routers")
     per_pair, aligned, record = [], [], None
     for pair in pairs:
-        ids_a = tokenizer(pair["a"], return_tensors="pt").input_ids[0]
-        ids_b = tokenizer(pair["b"], return_tensors="pt").input_ids[0]
+        ids_a = encode_text(tokenizer, pair["a"], chat=chat)
+        ids_b = encode_text(tokenizer, pair["b"], chat=chat)
         suffix = aligned_suffix(ids_a.tolist(), ids_b.tolist())
         aligned.append(suffix)
         if suffix == 0:
@@ -93,3 +122,15 @@ def compare_pairs(model, tokenizer, pairs: list[dict], bootstrap: int = 2000, se
         "pairs_used": len(per_pair),
         "max_abs_shift": float(np.nanmax(np.abs(shift))),
     }
+
+
+def largest_shifts(result: dict) -> list[dict]:
+    """Per router of a `compare_pairs` result, the source whose weight shifted most: `{"router", "source", "shift",
+    "low", "high"}` (the shift b minus a and its 95% bootstrap interval)."""
+    rows = []
+    for r, router in enumerate(result["routers"]):
+        shift = result["shift"][r]
+        c = int(np.nanargmax(np.abs(shift)))
+        rows.append({"router": router, "source": result["sources"][c], "shift": float(shift[c]),
+                     "low": float(result["low"][r, c]), "high": float(result["high"][r, c])})
+    return rows

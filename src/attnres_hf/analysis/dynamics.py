@@ -13,11 +13,13 @@ the same data and plots both.
 """
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from .._checks import check_int, check_paths
 from ..modeling import AttnResConfig, AttnResForCausalLM
 
 
@@ -25,7 +27,9 @@ class DepthDynamicsCallback(TrainerCallback):
     """Record per-layer magnitudes during `Trainer` training; `history` is JSON-ready."""
 
     def __init__(self, probe_input_ids: torch.Tensor, every: int = 10):
+        _check_input_ids(probe_input_ids)
         self.probe = probe_input_ids
+        check_int("every", every, 1, "steps")
         self.every = every
         self.history = {"steps": [], "hidden_rms": [], "output_rms": [], "grad_norm": []}
         self._grads = None
@@ -54,13 +58,25 @@ def _layers(model):
     return inner.model.layers
 
 
+def _check_input_ids(input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"input_ids must be an integer torch.Tensor (batch, seq_len), got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, seq_len) tensor, got shape {tuple(input_ids.shape)}")
+
+
 def _rms(x: torch.Tensor) -> float:
     return float(x.float().pow(2).mean().sqrt())
 
 
 @torch.no_grad()
 def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[float]]:
-    """`(hidden_rms, output_rms)` per layer on `input_ids` (see the module docstring)."""
+    """`(hidden_rms, output_rms)` per layer on `input_ids` (`(batch, seq_len)` int64; see the module docstring).
+
+    Raises:
+        TypeError / ValueError: `input_ids` is not a non-empty integer tensor of shape `(batch, seq_len)`.
+    """
+    _check_input_ids(input_ids)
     outputs: dict[int, float] = {}
     final: list[float] = []
     inner = model.module if hasattr(model, "module") else model
@@ -83,7 +99,7 @@ def layer_magnitudes(model, input_ids: torch.Tensor) -> tuple[list[float], list[
 
 
 def run_dynamics(
-    data: list[str],
+    data: list[str | os.PathLike],
     tokenizer,
     output_dir: str | Path,
     steps: int = 300,
@@ -96,9 +112,24 @@ def run_dynamics(
     seed: int = 0,
 ) -> dict:
     """Train a baseline and a Block AttnRes model (same shape, same data, same seed) from scratch and record their
-    depth dynamics. Writes `dynamics.json` and `dynamics.png` to `output_dir`; returns the histories."""
+    depth dynamics. Writes `dynamics.json` and `dynamics.png` to `output_dir`; returns the histories.
+
+    Raises:
+        TypeError: a setting of the wrong type (`data` takes a path or a list of paths). ValueError: a count below 1,
+        a non-positive learning rate (and the data errors of `packed_lm_dataset`), before any model is built.
+    """
     from ..training import AttnResTrainer, packed_lm_dataset
 
+    data = check_paths("data", data)
+    if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
+        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise TypeError(f"output_dir must be a folder path, got {type(output_dir).__name__}")
+    for name, value in (("steps", steps), ("num_hidden_layers", num_hidden_layers), ("hidden_size", hidden_size),
+                        ("seq_len", seq_len), ("batch_size", batch_size), ("every", every)):
+        check_int(name, value, 1)
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     output_dir = Path(output_dir)
     dataset = packed_lm_dataset(data, tokenizer, seq_len=seq_len, eval_fraction=0.02)
     probe = torch.tensor(dataset["eval"][: min(4, len(dataset["eval"]))]["input_ids"])

@@ -37,3 +37,36 @@ def load_model_and_tokenizer(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_model_folder(path: str, attnres: bool = False) -> None:
+    """Raise before anything loads unless `path` is a model folder (with config.json); with `attnres`, one whose
+    model has depth routers (`depth_mixing="attnres"`).
+
+    Raises:
+        FileNotFoundError: no folder or no config.json there. ValueError: not an AttnRes model with routers.
+    """
+    import json
+    from pathlib import Path
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} is not a model folder (no config.json there)")
+    if attnres:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        depth_mixing = None
+        if model_type == "attnres":
+            from ..modeling import AttnResConfig
+
+            depth_mixing = AttnResConfig.from_pretrained(path).depth_mixing
+        if depth_mixing != "attnres":
+            raise ValueError(f"{path} has no depth routers (model_type {model_type!r}, depth_mixing {depth_mixing!r}): "
+                             "routing maps read an AttnRes model; `attnres convert SOURCE OUT` makes one")

@@ -2,7 +2,7 @@
 
 import argparse
 
-from ._common import add_command
+from ._common import add_command, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -14,7 +14,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
     parser.add_argument("--gguf-file", help="GGUF file name inside SOURCE when SOURCE is a folder")
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--block-size", type=int, help="sub-layers per block (even; default about 8 blocks)")
+    size.add_argument("--block-size", type=positive_int, help="sub-layers per block (even; default about 8 blocks)")
     size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
     parser.add_argument("--depth-mixing", default="attnres", choices=list(DEPTH_MIXING_METHODS),
                         help="the method; every one starts exactly as the source (default: attnres)")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import add_command, add_family, load_model_and_tokenizer
+from ._common import add_command, add_family, check_model_folder, load_model_and_tokenizer, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -67,9 +67,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                          description="Token-level perplexity of MODEL on text files, sliding window.")
     parser.add_argument("model")
     parser.add_argument("--data", nargs="+", required=True, help=".txt / .jsonl files or datasets folders")
-    parser.add_argument("--window", type=int, default=None, help="tokens per window (default: min(2048, context))")
-    parser.add_argument("--stride", type=int, default=None, help="new tokens scored per window (default window-1)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    parser.add_argument("--window", type=positive_int, default=None,
+                        help="tokens per window (default: min(2048, context))")
+    parser.add_argument("--stride", type=positive_int, default=None,
+                        help="new tokens scored per window (default window-1)")
+    parser.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens")
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--output", help="also write the result as JSON here")
 
@@ -82,7 +84,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..eval.harness import evaluate_pair
 
     report = evaluate_pair(
-        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=args.limit, num_fewshot=args.num_fewshot,
+        args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=args.limit,
+        num_fewshot=args.num_fewshot,
         batch_size=args.batch_size, data_dir=args.data_dir, allow_code_execution=args.allow_code_execution,
         force=args.force, seed=args.seed, dtype=args.dtype, device=args.device,
         trust_remote_code=args.trust_remote_code, gen_kwargs=args.gen_kwargs, model_label=args.label,
@@ -139,8 +142,13 @@ def run_perplexity(args: argparse.Namespace) -> int:
     from ..eval import perplexity
     from ..training.data import read_texts
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    check_model_folder(args.model)
+    if args.window is not None and args.window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {args.window}")
+    if args.stride is not None and args.window is not None and args.stride >= args.window:
+        raise ValueError(f"--stride must be below --window ({args.window}), got {args.stride}")
     text = "\n\n".join(read_texts(args.data, args.text_field))
+    model, tokenizer = load_model_and_tokenizer(args.model)
     input_ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if args.max_tokens:
         input_ids = input_ids[: args.max_tokens]
@@ -156,6 +164,41 @@ def run_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in lm-eval's arguments."""
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check_lm_eval_opt_in(argv: list[str]) -> None:
+    """Refuse, before lm-eval loads a model, the pack's code-executing tasks without both opt-ins lm-eval needs
+    (`--confirm_run_unsafe_code` and `HF_ALLOW_CODE_EVAL=1`), and a `pretrained=` model folder that does not exist.
+
+    Raises:
+        CodeExecutionNotAllowed: an opt-in is missing (the message names both). FileNotFoundError: a missing folder.
+    """
+    import os
+
+    from .._checks import check_model_source
+    from ..eval.code_execution import OPT_IN_VARIABLE, CodeExecutionNotAllowed
+    from ..eval.harness import BENCHMARKS
+
+    tasks = set((_option(argv, "--tasks") or "").split(","))
+    executing = [b.title for b in BENCHMARKS.values() if b.executes_code and (b.task in tasks or b.name in tasks)]
+    missing = ([] if "--confirm_run_unsafe_code" in argv else ["pass --confirm_run_unsafe_code"]) + (
+        [] if os.environ.get(OPT_IN_VARIABLE) == "1" else [f"set {OPT_IN_VARIABLE}=1"])
+    if executing and missing:
+        raise CodeExecutionNotAllowed(f"{', '.join(executing)} execute the code the model writes (untrusted; each "
+                                      f"program runs in a sandboxed subprocess): to allow it, {' and '.join(missing)}")
+    model_args = dict(item.split("=", 1) for item in (_option(argv, "--model_args") or "").split(",") if "=" in item)
+    if model_args.get("pretrained"):
+        check_model_source(model_args["pretrained"], "model folder (--model_args pretrained=)")
+
+
 def run_lm_eval(args: argparse.Namespace) -> int:
     """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
     import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
@@ -163,6 +206,7 @@ def run_lm_eval(args: argparse.Namespace) -> int:
     from ..eval.harness import offline_environment, task_dir
 
     argv = list(args.rest)
+    check_lm_eval_opt_in(argv)
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(task_dir())]
     if "--model_args" in argv:  # lm-eval does not know the registered model type; tell it the backend

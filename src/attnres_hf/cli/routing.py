@@ -1,10 +1,10 @@
-"""`attnres routing MODEL --text ...` (= `routing map`), `routing compare`, `routing dynamics`: read the depth routing."""
+"""`attnres routing MODEL --text ...` (= `routing map`), `routing compare`, `routing dynamics`: depth routing."""
 
 import argparse
 import json
 from pathlib import Path
 
-from ._common import add_command, add_family, load_model_and_tokenizer
+from ._common import add_command, add_family, check_model_folder, load_model_and_tokenizer, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -19,7 +19,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--text", help="the input text")
     text.add_argument("--data", help="a text file (its first --max-tokens tokens are used)")
-    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--chat", action="store_true",
+                        help="read the text as a user turn of the model's chat template (one BOS), as in chat use")
+    parser.add_argument("--max-tokens", type=positive_int, default=512)
     parser.add_argument("--token", type=int, default=None, help="token index for the per-token map (default: last)")
     parser.add_argument("--span", default=None, help="token span START:END for the per-token map (mean over it)")
     parser.add_argument("--output-dir", default="outputs/routing")
@@ -29,7 +31,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("model")
     parser.add_argument("--pairs", required=True,
                         help='.jsonl of {"a": text, "b": text}; "example" uses the shipped contradiction pairs')
-    parser.add_argument("--bootstrap", type=int, default=2000)
+    parser.add_argument("--chat", action="store_true", help="read each text as a user turn of the chat template")
+    parser.add_argument("--bootstrap", type=positive_int, default=2000)
     parser.add_argument("--output-dir", default="outputs/routing-compare")
 
     parser = add_command(
@@ -39,29 +42,28 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--data", nargs="+", required=True, help=".txt / .jsonl files or datasets folders")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the cached SmolLM2 one)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--hidden-size", type=positive_int, default=128)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--every", type=positive_int, default=25)
     parser.add_argument("--output-dir", default="outputs/dynamics")
 
 
 def run_map(args: argparse.Namespace) -> int:
     import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..analysis import record_routing, summarize
+    from ..analysis import encode_text, record_routing, summarize
     from ..analysis.plots import plot_average_routing, plot_token_routing
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
-    text = args.text if args.text is not None else Path(args.data).read_text(encoding="utf-8", errors="replace")
-    input_ids = tokenizer(text, return_tensors="pt").input_ids[0, : args.max_tokens]
+    check_model_folder(args.model, attnres=True)
+    text = args.text if args.text is not None else read_text_file(args.data)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    input_ids = encode_text(tokenizer, text, chat=args.chat, max_tokens=args.max_tokens)
+    start, end = token_range(args.span, args.token, len(input_ids))
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     record = record_routing(model, input_ids, tokenizer)
-    if args.span:
-        start, end = (int(x) for x in args.span.split(":"))
-    else:
-        start = len(record.tokens) - 1 if args.token is None else args.token
-        end = start + 1
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).name
@@ -81,16 +83,41 @@ def run_map(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    import numpy as np
+def read_text_file(path: str) -> str:
+    """The text of `path` (undecodable bytes replaced)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--data: no file {path}")
+    return Path(path).read_text(encoding="utf-8", errors="replace")
 
-    from ..analysis import compare_pairs, load_pairs
+
+def token_range(span: str | None, token: int | None, length: int) -> tuple[int, int]:
+    """`[start, end)` of the per-token map from `--span START:END` or `--token I` (negative: from the end; default
+    the last token), checked against the `length` tokens of the input."""
+    if span is not None:
+        start, sep, end = span.partition(":")
+        try:
+            start, end = int(start), int(end)
+        except ValueError:
+            raise ValueError(f"--span takes START:END token indices, e.g. 10:14; got {span!r}") from None
+        if not sep or not 0 <= start < end <= length:
+            raise ValueError(f"--span {span}: need 0 <= START < END <= {length} (the input has {length} tokens)")
+        return start, end
+    index = length - 1 if token is None else token
+    if not -length <= index < length:
+        raise ValueError(f"--token {token}: the input has {length} tokens (indices 0 to {length - 1}, or negative)")
+    index %= length
+    return index, index + 1
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from ..analysis import compare_pairs, largest_shifts, load_pairs
     from ..analysis.compare import EXAMPLE_PAIRS
     from ..analysis.plots import plot_shift
 
+    check_model_folder(args.model, attnres=True)
     pairs = load_pairs(EXAMPLE_PAIRS if args.pairs == "example" else args.pairs)
     model, tokenizer = load_model_and_tokenizer(args.model)
-    result = compare_pairs(model, tokenizer, pairs, bootstrap=args.bootstrap)
+    result = compare_pairs(model, tokenizer, pairs, bootstrap=args.bootstrap, chat=args.chat)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_shift(result["routers"], result["sources"], result["shift"], out / "shift.png",
@@ -98,14 +125,10 @@ def run_compare(args: argparse.Namespace) -> int:
     width = max(len(source) for source in result["sources"])
     print(f"{result['pairs_used']} pairs; aligned tokens after the difference: {result['aligned_tokens']}")
     print(f"{'router':<20}{'largest shift':>14}  {'source':<{width}}  95% interval")
-    rows = []
-    for r, router in enumerate(result["routers"]):
-        shift = result["shift"][r]
-        c = int(np.nanargmax(np.abs(shift)))
-        low, high = result["low"][r, c], result["high"][r, c]
-        rows.append({"router": router, "source": result["sources"][c], "shift": float(shift[c]),
-                     "low": float(low), "high": float(high)})
-        print(f"{router:<20}{shift[c]:>+14.4f}  {result['sources'][c]:<{width}}  [{low:+.4f}, {high:+.4f}]")
+    rows = largest_shifts(result)
+    for row in rows:
+        interval = f"[{row['low']:+.4f}, {row['high']:+.4f}]"
+        print(f"{row['router']:<20}{row['shift']:>+14.4f}  {row['source']:<{width}}  {interval}")
     (out / "compare.json").write_text(json.dumps({"largest_shift_per_router": rows, "aligned_tokens":
                                                   result["aligned_tokens"], "max_abs_shift": result["max_abs_shift"]},
                                                  indent=2) + "\n")
@@ -118,6 +141,9 @@ def run_dynamics(args: argparse.Namespace) -> int:
 
     from ..analysis import run_dynamics
 
+    for file in args.data:
+        if not Path(file).exists():
+            raise FileNotFoundError(f"--data: no file or folder {file}")
     if args.tokenizer is None:
         from ..demo import smollm2_hf_folder
 

@@ -47,7 +47,10 @@ def run_train(args: argparse.Namespace) -> int:
     for name, value in TRAIN_DEFAULTS.items():
         if name not in given:
             argv += [f"--{name}", value]
-    ours, training_args = parser.parse_args_into_dataclasses(["--model", args.model, *argv])
+    ours, training_args, unknown = parser.parse_args_into_dataclasses(["--model", args.model, *argv],
+                                                                      return_remaining_strings=True)
+    if unknown:
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)} (attnres train --help lists every option)")
     if "learning_rate" not in given:
         training_args.learning_rate = DEFAULT_LEARNING_RATES[ours.method]
     train(ours, training_args)

@@ -1,19 +1,38 @@
 """Training recipes on `transformers.Trainer` and PEFT: router-only, LoRA (+ routers) and full fine-tuning."""
 
 from .data import packed_lm_dataset
-from .recipes import DEFAULT_LEARNING_RATES, DEFAULT_LORA_TARGETS, METHODS, ROUTER_MODULES, merge_lora, prepare_model
+from .recipes import (
+    DEFAULT_LEARNING_RATES,
+    METHODS,
+    ROUTER_MODULES,
+    check_lora_targets,
+    default_lora_targets,
+    lora_module_names,
+    merge_lora,
+    prepare_model,
+)
 from .trainer import AttnResArguments, AttnResTrainer, depth_entropy, train
 
 __all__ = [
     "AttnResArguments",
     "AttnResTrainer",
     "DEFAULT_LEARNING_RATES",
-    "DEFAULT_LORA_TARGETS",
     "METHODS",
     "ROUTER_MODULES",
+    "check_lora_targets",
+    "default_lora_targets",
     "depth_entropy",
+    "lora_module_names",
     "merge_lora",
     "packed_lm_dataset",
     "prepare_model",
     "train",
 ]
+
+
+def __getattr__(name: str):
+    if name == "DEFAULT_LORA_TARGETS":  # deprecated; recipes warns
+        from . import recipes
+
+        return recipes.DEFAULT_LORA_TARGETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 
+from .._checks import check_fraction, check_int, check_paths
+
 
 def _load_raw(path: Path, text_field: str) -> Dataset:
     if path.is_dir():
@@ -39,6 +41,9 @@ def read_texts(files: list[str | os.PathLike], text_field: str = "text") -> list
     Raises:
         FileNotFoundError: a path does not exist. ValueError: unsupported, empty or malformed file, missing column.
     """
+    files = check_paths("files", files)
+    if not isinstance(text_field, str):
+        raise TypeError(f"text_field must be a column name (str), got {text_field!r}")
     texts = []
     for file in files:
         path = Path(file)
@@ -64,13 +69,16 @@ def packed_lm_dataset(
 
     Raises:
         FileNotFoundError: a missing file. ValueError: an unsupported file type, an empty or malformed `.jsonl`, a
-        missing or non-string text column, `seq_len < 2`, or too little text for two blocks.
+        missing or non-string text column, `seq_len < 2`, or too little text for two blocks. TypeError: a setting of
+        the wrong type (`files` takes a path or a list of paths).
     """
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2 tokens, got {seq_len}")
-    if not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}")
-    paths = [Path(f) for f in files]
+    check_int("seq_len", seq_len, 2, "tokens")
+    check_fraction("eval_fraction", eval_fraction)
+    if not isinstance(text_field, str):
+        raise TypeError(f"text_field must be a column name (str), got {text_field!r}")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    paths = [Path(f) for f in check_paths("files", files)]
     for path in paths:
         if not path.exists():
             raise FileNotFoundError(f"data file not found: {path}")

@@ -1,10 +1,12 @@
 """What trains: the depth routers only, LoRA adapters plus the routers, or everything."""
 
 import os
+import warnings
 
 import torch
 from transformers import PreTrainedModel
 
+from .._checks import check_int
 from ..modeling.depth_mixing import MIXING_MODULE_NAMES, is_depth_mixing_parameter
 
 ROUTER_MODULES = MIXING_MODULE_NAMES
@@ -12,9 +14,6 @@ ROUTER_MODULES = MIXING_MODULE_NAMES
 AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`, `model.final_res`) and the rest of the family's
 (DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC `attn_mhc` / `mlp_mhc`). `--method routers` trains
 exactly these."""
-
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""LoRA targets for `model_type="attnres"` (PEFT ships none for it): every attention and MLP projection."""
 
 METHODS = ("routers", "lora", "full")
 DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "full": 5e-5}
@@ -28,24 +27,86 @@ def is_router_parameter(name: str) -> bool:
     return is_depth_mixing_parameter(name)
 
 
+def lora_module_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Modules PEFT's LoRA can wrap in `model` (linear, embedding and convolution layers), by their last name
+    component: `{"q_proj": ["model.layers.0.self_attn.q_proj", ...], ..., "lm_head": ["lm_head"]}`."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    names: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, kinds):
+            names.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    return dict(sorted(names.items()))
+
+
+def default_lora_targets(model: PreTrainedModel) -> list[str]:
+    """LoRA targets when none are given: every linear layer but the output head (PEFT's `all-linear`), by name.
+    For a Llama-style model: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`. Depth
+    routers hold no linear layer; they train in full beside the adapters."""
+    head = model.get_output_embeddings()
+    linear = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and module is not head]
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear))
+
+
+def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list[str] | str:
+    """`targets` if each one names at least one module LoRA can wrap in `model`, matched as PEFT matches them (a name
+    equals the module path or ends it after a dot; a single string is a regular expression over whole paths, or
+    `"all-linear"`).
+
+    Raises:
+        ValueError: a target that matches nothing (a misspelling would otherwise be skipped silently), naming the
+            unmatched ones and the valid names of this model; an empty list. TypeError: `targets` is not a string or a
+            list of strings.
+    """
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    valid = lora_module_names(model)
+    paths = [path for group in valid.values() for path in group]
+    if isinstance(targets, str):
+        if targets == "all-linear" or any(check_target_module_exists(LoraConfig(target_modules=targets), p)
+                                         for p in paths):
+            return targets
+        raise ValueError(f"lora_target_modules {targets!r} matches no module of this model; valid names: "
+                         f"{', '.join(valid)}")
+    if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+        raise TypeError(f"lora_target_modules must be a list of module names or one regular expression, "
+                        f"got {targets!r}")
+    if not targets or not all(targets):
+        raise ValueError(f"lora_target_modules must name at least one module (valid names: {', '.join(valid)}); "
+                         f"got {list(targets)!r}")
+    unmatched = [t for t in targets
+                 if not any(check_target_module_exists(LoraConfig(target_modules=[t]), p) for p in paths)]
+    if unmatched:
+        raise ValueError(f"lora_target_modules not found in this model: {', '.join(unmatched)}; valid names: "
+                         f"{', '.join(valid)}")
+    return list(targets)
+
+
 def prepare_model(
     model: PreTrainedModel,
     method: str,
     lora_r: int = 16,
     lora_alpha: int = 32,
     lora_dropout: float = 0.0,
-    lora_target_modules: list[str] | None = None,
+    lora_target_modules: list[str] | str | None = None,
 ):
     """Set which parameters train, for `method` in `METHODS`.
 
     - `routers`: only router pseudo-queries and key norms; every other parameter is frozen.
-    - `lora`: PEFT LoRA on `lora_target_modules` (default `DEFAULT_LORA_TARGETS`), with the routers trained in full
-      and saved with the adapter (`modules_to_save`). Returns the `PeftModel`.
+    - `lora`: PEFT LoRA on `lora_target_modules` (default `default_lora_targets(model)`: every linear layer but the
+      head), with the routers trained in full and saved with the adapter (`modules_to_save`). Returns the
+      `PeftModel`. The adapters' initial values are random: seed first (`transformers.set_seed`) for repeatable runs.
     - `full`: everything.
 
     Raises:
-        ValueError: an unknown method, or `routers` on a model without routers.
+        ValueError: an unknown method, `routers` on a model without routers, a LoRA target that matches no module
+            (see `check_lora_targets`), or LoRA settings out of range. TypeError: `model` is not a `PreTrainedModel`.
     """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "full":
@@ -54,12 +115,14 @@ def prepare_model(
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
+        check_lora_settings(lora_r, lora_alpha, lora_dropout)
+        targets = default_lora_targets(model) if lora_target_modules is None else lora_target_modules
         config = LoraConfig(
             task_type="CAUSAL_LM",
             r=lora_r,
             lora_alpha=lora_alpha,
             lora_dropout=lora_dropout,
-            target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS),
+            target_modules=check_lora_targets(model, targets),
             modules_to_save=list(ROUTER_MODULES) if _has_router_parameters(model) else None,
         )
         return get_peft_model(model, config)
@@ -70,19 +133,52 @@ def prepare_model(
     return model
 
 
+def check_lora_settings(lora_r: int, lora_alpha: float, lora_dropout: float) -> None:
+    """Raises TypeError/ValueError unless `lora_r` is a positive integer, `lora_alpha` a positive number and
+    `lora_dropout` a probability in [0, 1)."""
+    check_int("lora_r (the adapter rank)", lora_r, 1)
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or lora_alpha <= 0:
+        raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+        raise ValueError(f"lora_dropout must be a probability in [0, 1), got {lora_dropout!r}")
+
+
 def _has_router_parameters(model: torch.nn.Module) -> bool:
     return any(is_router_parameter(name) for name, _ in model.named_parameters())
 
 
 def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str | os.PathLike, output_dir=None):
     """Merge a LoRA adapter (with its trained routers) into its base model; return the plain AttnRes model, and
-    save it to `output_dir` when given."""
+    save it to `output_dir` when given.
+
+    Raises:
+        TypeError: `base_model` is neither a folder path nor a `PreTrainedModel`, or a path of the wrong type.
+        FileNotFoundError: no `adapter_config.json` in `adapter_dir`, or no base model folder (checked before loading).
+    """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    if not isinstance(base_model, (str, os.PathLike, PreTrainedModel)):
+        raise TypeError(f"base_model must be a model folder or a PreTrainedModel, got {type(base_model).__name__}")
+    for name, path in (("adapter_dir", adapter_dir), ("output_dir", output_dir)):
+        if not isinstance(path, (str, os.PathLike)) and (path is not None or name == "adapter_dir"):
+            raise TypeError(f"{name} must be a folder path, got {type(path).__name__}")
+    if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+        raise FileNotFoundError(f"{adapter_dir} holds no LoRA adapter (adapter_config.json); `attnres train --method "
+                                "lora` writes one to its --output-dir")
+    if not isinstance(base_model, PreTrainedModel) and not os.path.isfile(os.path.join(base_model, "config.json")):
+        raise FileNotFoundError(f"{base_model} is not a model folder (no config.json there)")
     if not isinstance(base_model, PreTrainedModel):
         base_model = AutoModelForCausalLM.from_pretrained(base_model)
     merged = PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()
     if output_dir is not None:
         merged.save_pretrained(output_dir)
     return merged
+
+
+def __getattr__(name: str):
+    if name == "DEFAULT_LORA_TARGETS":  # deprecated: the targets come from the model
+        warnings.warn("DEFAULT_LORA_TARGETS is deprecated; the default LoRA targets come from the model: "
+                      "default_lora_targets(model)", FutureWarning, stacklevel=2)
+        return ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,35 +2,75 @@
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    enable_full_determinism,
+    set_seed,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
+from .._checks import check_fraction, check_int, check_model_source, check_paths
 from .data import packed_lm_dataset
-from .recipes import METHODS, is_router_parameter, prepare_model
+from .recipes import METHODS, check_lora_settings, check_lora_targets, is_router_parameter, prepare_model
 
 
 @dataclass
 class AttnResArguments:
-    """What to train on and how; the optimisation itself is `transformers.TrainingArguments`."""
+    """What to train on and how; the optimisation itself is `transformers.TrainingArguments`.
+
+    Raises (at construction):
+        TypeError: a field of the wrong type (`data` takes a path or a list of paths). ValueError: a value out of
+            range (an unknown `method`, `seq_len < 2`, `eval_fraction` outside (0, 1), bad LoRA settings).
+    """
 
     model: str = field(metadata={"help": "AttnRes model folder (or any causal LM folder for lora/full)"})
     data: list[str] = field(metadata={"help": ".txt / .jsonl files or datasets folders (save_to_disk)"})
-    method: str = field(default="routers", metadata={"help": f"what trains: one of {', '.join(METHODS)}"})
+    method: Literal[METHODS] = field(default="routers", metadata={"help": "what trains"})
     seq_len: int = field(default=512, metadata={"help": "tokens per packed training block"})
     eval_fraction: float = field(default=0.05, metadata={"help": "held-out tail of the blocks, for eval"})
     text_field: str = field(default="text", metadata={"help": "text column of .jsonl files and datasets"})
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
-    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "default: all projections"})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "module names (default: every linear layer but the head); each must exist"})
     entropy_batches: int = field(default=4, metadata={"help": "eval batches used for the depth-weight entropy"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
     trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a model folder path, got {type(self.model).__name__}")
+        self.model = str(self.model)
+        self.data = check_paths("data", self.data)
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        check_int("seq_len", self.seq_len, 2, "tokens")
+        check_int("entropy_batches", self.entropy_batches, 0)
+        for name, kind in (("text_field", str), ("resume", bool), ("trust_remote_code", bool)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be {kind.__name__}, got {getattr(self, name)!r}")
+        check_fraction("eval_fraction", self.eval_fraction)
+        check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout)
+        if self.lora_target_modules is not None:
+            if isinstance(self.lora_target_modules, tuple):
+                self.lora_target_modules = list(self.lora_target_modules)
+            if not isinstance(self.lora_target_modules, (list, str)) or not all(
+                    isinstance(t, str) for t in self.lora_target_modules):
+                raise TypeError("lora_target_modules must be a list of module names or one regular expression, got "
+                                f"{self.lora_target_modules!r}")
 
 
 def depth_entropy(model, batches) -> dict:
@@ -109,17 +149,48 @@ def _count(model) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
+def _check_before_loading(args: AttnResArguments) -> None:
+    """What can be checked from the folder and the config alone: files, the method against the model, LoRA targets
+    (on a weightless `meta`-device copy of the model)."""
+    check_model_source(args.model)
+    for file in args.data:
+        if not Path(file).exists():
+            raise FileNotFoundError(f"data file not found: {file}")
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    if args.method == "routers" and getattr(config, "depth_mixing", "residual") == "residual":
+        raise ValueError(f"method 'routers' needs depth routers: {args.model} has none (model_type "
+                         f"{config.model_type!r}, depth_mixing {getattr(config, 'depth_mixing', None)!r}); convert it "
+                         "with `attnres convert`, or train with --method lora or full")
+    if args.method == "lora" and args.lora_target_modules is not None:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+        check_lora_targets(skeleton, args.lora_target_modules)
+
+
 def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: list | None = None) -> dict:
     """Fine-tune `args.model` on `args.data` with `args.method`; returns the summary (also `train_summary.json`).
 
     `callbacks` are extra `TrainerCallback`s. The final model (or LoRA adapter with its routers) and the tokenizer
-    are saved to `training_args.output_dir`; checkpoints every `save_steps`. With `args.resume`, training continues from the last checkpoint there with its
-    optimizer, scheduler, RNG and data order, so the loss trajectory is that of an uninterrupted run.
+    are saved to `training_args.output_dir`; checkpoints every `save_steps`. With `args.resume`, training continues
+    from the last checkpoint there with its optimizer, scheduler, RNG and data order, so the loss trajectory is that
+    of an uninterrupted run.
+
+    Every random draw (weights the checkpoint lacks, LoRA adapters, data order, dropout) comes after seeding with
+    `training_args.seed` (`full_determinism` honoured), so two runs with the same settings give identical losses
+    and weights.
 
     Raises:
-        FileNotFoundError: missing data, or `resume` without a checkpoint. FileExistsError: checkpoints of an
-        earlier run in `output_dir` without `resume`. ValueError: bad method or data.
+        TypeError: `args` / `training_args` of the wrong class. FileNotFoundError: a missing model folder or data
+        file, or `resume` without a checkpoint. FileExistsError: checkpoints of an earlier run in `output_dir`
+        without `resume`. ValueError: bad data, `method="routers"` on a model without depth routers, or a LoRA target
+        that matches no module. All of these are raised before the model's weights load.
     """
+    if not isinstance(args, AttnResArguments):
+        raise TypeError(f"args must be AttnResArguments, got {type(args).__name__}")
+    if not isinstance(training_args, TrainingArguments):
+        raise TypeError(f"training_args must be transformers.TrainingArguments, got {type(training_args).__name__}")
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks must be a list of TrainerCallback, got {type(callbacks).__name__}")
     started = time.perf_counter()
     existing = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
     if args.resume and existing is None:
@@ -130,11 +201,16 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
             "continue it, or choose another --output-dir"
         )
     checkpoint = existing if args.resume else None
+    _check_before_loading(args)
     if checkpoint is not None and training_args.process_index == 0:
         print(f"Resuming from {checkpoint}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     data = packed_lm_dataset(args.data, tokenizer, args.seq_len, args.eval_fraction, args.text_field)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32)
+    # Seed before the model exists: the Trainer seeds again in its __init__, too late for the LoRA adapters'
+    # initial values (and any weight the checkpoint lacks).
+    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
+                                                 dtype=torch.float32)
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
 
     trainer = AttnResTrainer(
