@@ -1,5 +1,7 @@
-"""Write tiny HF Llama / Qwen2 models to GGUF the way llama.cpp's `convert_hf_to_gguf.py` does, with the `gguf`
-package's writer: llama.cpp tensor names, Llama's q/k rows permuted for its rope layout, biases kept."""
+"""Write tiny HF Llama / Mistral / Qwen2 / Qwen3 models to GGUF the way llama.cpp's `convert_hf_to_gguf.py` does,
+with the `gguf` package's writer: llama.cpp tensor names, Llama's q/k rows (weights and biases) permuted for its
+rope layout, biases kept, 1-D tensors in F32, `key_length` / `rope.dimension_count` from `head_dim`; and tiny
+byte-level BPE vocabularies with a declared `tokenizer.ggml.pre`."""
 
 from pathlib import Path
 
@@ -7,7 +9,13 @@ import gguf
 import numpy as np
 import torch
 
-ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
+# HF model_type -> llama.cpp architecture (llama.cpp writes Mistral 7B as "llama", naming it in general.name)
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+FILE_TYPES = {
+    "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
 
 
 def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -17,40 +25,92 @@ def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(model: torch.nn.Module, path: Path, dtype=np.float32) -> Path:
+def write_gguf(
+    model: torch.nn.Module, path: Path, file_type: str = "F32", extra_tensors: dict | None = None, vocab=None,
+    key_length: bool = True,
+) -> Path:
+    """Write `model` (an HF causal LM) as llama.cpp would; `extra_tensors` adds `{gguf name: array}`; `vocab` is
+    `(tokens, merges, pre)` for a byte-level BPE tokenizer; `key_length=False` leaves out `attention.key_length` /
+    `value_length` (as older converters did)."""
     config = model.config
-    arch_name = config.model_type
-    arch = ARCHES[arch_name]
+    arch_name = ARCHES[config.model_type]
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
+    qtype, ftype = FILE_TYPES[file_type]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch_name)
-    writer.add_name(f"tiny-{arch_name}")
+    writer.add_name(f"tiny-{config.model_type}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    if key_length:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if arch_name == "llama":
-        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_file_type(ftype)
+    if vocab is not None:
+        tokens, merges, pre = vocab
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+        writer.add_token_merges(merges)
 
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy()
-        if arch_name == "llama" and key.endswith("q_proj.weight"):
+        if arch_name == "llama" and ".q_proj." in key:  # weights and biases alike (convert_hf_to_gguf.py)
             data = _llama_cpp_permute(data, config.num_attention_heads)
-        elif arch_name == "llama" and key.endswith("k_proj.weight"):
+        elif arch_name == "llama" and ".k_proj." in key:
             data = _llama_cpp_permute(data, config.num_key_value_heads)
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
-        # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the file type
-        writer.add_tensor(name, data.astype(dtype if data.ndim > 1 else np.float32))
+        tensors[name] = data
+    tensors.update(extra_tensors or {})
+    for name, data in tensors.items():
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # llama.cpp keeps 1-D tensors in F32
+            writer.add_tensor(name, data.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama_cpp_split(text: str, regexes) -> list[str]:
+    """llama.cpp's `unicode_regex_split`, written again with the `regex` package: each regex cuts every piece the
+    previous ones left into its matches and the text between them."""
+    import regex
+
+    pieces = [text]
+    for pattern in regexes:
+        cut = []
+        for piece in pieces:
+            start = 0
+            for match in regex.finditer(pattern, piece):
+                cut += [piece[start:match.start()]] if match.start() > start else []
+                cut += [match.group()] if match.end() > match.start() else []
+                start = match.end()
+            cut += [piece[start:]] if start < len(piece) else []
+        pieces = cut
+    return pieces
+
+
+def byte_level(text: str) -> str:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    return "".join(spelling[b] for b in text.encode("utf-8"))

@@ -7,29 +7,52 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
 import importlib
+import re
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
 from attnres_hf.cli import main
+from attnres_hf.conversion import GGUF_PRE_TOKENIZERS, check_against_gguf, load_gguf_tokenizer, load_source_config, retrofit
 from utils import TINY
-from gguf_fixtures import write_gguf
+from gguf_fixtures import byte_level, llama_cpp_split, write_gguf
 from test_save_load import REMOTE_SCRIPT
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# the GGUF kinds: what transformers' GGUF config mapping leaves out is each source's point
+GGUF_SOURCES = {
+    "llama-attn-mlp-bias": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
+    "llama-head-dim-16": (LlamaConfig, LlamaForCausalLM, dict(head_dim=16)),
+    "mistral": (MistralConfig, MistralForCausalLM, {}),
+    "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3-head-dim-16": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)),
+}
+
+
+def _randomize(model, fp16_exact=False):
+    with torch.no_grad():  # random biases and norms, so that a dropped one shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+            if fp16_exact:  # so that an F16 file holds exactly these weights
+                param.copy_(param.half().float())
+    return model
 
 
 def tiny_source(family, tie=False, fp16_exact=False):
     config_class, model_class = FAMILIES[family]
     torch.manual_seed(0)
-    model = model_class(config_class(**TINY, tie_word_embeddings=tie)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            if fp16_exact:  # so that an F16 file holds exactly these weights
-                param.copy_(param.half().float())
-    return model
+    return _randomize(model_class(config_class(**TINY, tie_word_embeddings=tie)).eval(), fp16_exact)
+
+
+def gguf_source(name, tie=False, fp16_exact=False):
+    config_class, model_class, extra = GGUF_SOURCES[name]
+    torch.manual_seed(0)
+    config = config_class(**TINY, **extra, tie_word_embeddings=tie)
+    if name == "mistral":
+        config.sliding_window = None  # llama.cpp's Llama layout stores no window
+    return _randomize(model_class(config).eval(), fp16_exact)
 
 
 def logits(model, seed=1):
@@ -42,18 +65,103 @@ def run_cli(*args):
     return main(["convert", *map(str, args)])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["F32", "F16"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_gguf_file_converts_to_the_hf_originals_logits(family, dtype, tmp_path):
-    """Catches the q/k permutation and dropped-bias faults of GGUF conversions."""
-    source = tiny_source(family, fp16_exact=dtype == np.float16)
-    gguf_path = write_gguf(source, tmp_path / f"tiny-{family}.gguf", dtype)
+def _report(folder):
+    return json.loads((folder / "conversion_report.json").read_text())
+
+
+@pytest.mark.parametrize("file_type", ["F32", "F16"])
+@pytest.mark.parametrize("name", list(GGUF_SOURCES))
+def test_gguf_file_converts_to_the_hf_originals_logits(name, file_type, tmp_path):
+    """Every tensor of the file reaches the model: biases (q/k permuted like the weights), head_dim != hidden/heads
+    (transformers' mapping reads neither), tied and untied heads; the report checks the file's own tensors."""
+    source = gguf_source(name, tie=name.startswith("qwen"), fp16_exact=file_type == "F16")
+    gguf_path = write_gguf(source, tmp_path / f"tiny-{name}.gguf", file_type)
     assert run_cli(gguf_path, tmp_path / "out", "--block-size", "2") == 0
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert converted.config.attnres_block_size == 2
+    assert converted.config.head_dim == getattr(source.config, "head_dim", 8)
     assert (logits(converted) - logits(source)).abs().max().item() <= 1e-5
-    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
-    assert report["verification"]["greedy_match"] and report["verification"]["max_abs_logit_delta"] <= 1e-5
+    verification = _report(tmp_path / "out")["verification"]
+    assert verification["greedy_match"] and verification["max_abs_logit_delta"] <= 1e-5
+    tied = source.config.tie_word_embeddings
+    assert verification["gguf_tensors_checked"] == len(source.state_dict()) - tied
+    assert verification["gguf_max_abs_delta"] == 0.0
+    assert f"| GGUF tensors equal to the file's (dequantised) | {len(source.state_dict()) - tied}, max abs delta 0 |" in (
+        tmp_path / "out" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["llama-attn-mlp-bias", "qwen3-head-dim-16"])
+def test_q8_0_gguf_holds_the_files_dequantised_tensors(name, tmp_path):
+    """A quantised file converts to its own dequantised weights (not to the fp32 original, which it no longer holds)."""
+    import gguf
+
+    source = gguf_source(name)
+    gguf_path = write_gguf(source, tmp_path / "q8.gguf", "Q8_0")
+    model = retrofit(gguf_path, attnres_block_size=2)
+    reader = gguf.GGUFReader(gguf_path)
+    assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F32"}
+    state = model.state_dict()
+    norm = next(t for t in reader.tensors if t.name == "blk.1.attn_norm.weight")  # 1-D tensors stay F32
+    torch.testing.assert_close(state["model.layers.1.input_layernorm.weight"], torch.tensor(norm.data), atol=0, rtol=0)
+    down = next(t for t in reader.tensors if t.name == "blk.2.ffn_down.weight")  # no q/k permutation to undo here
+    expected = torch.tensor(gguf.dequantize(down.data, down.tensor_type))
+    torch.testing.assert_close(state["model.layers.2.mlp.down_proj.weight"], expected, atol=0, rtol=0)
+    assert check_against_gguf(model, gguf_path, source_config=source.config)["gguf_max_abs_delta"] == 0.0
+    assert (logits(model) - logits(source)).abs().max().item() < 0.05  # the 8-bit rounding, not a dropped tensor
+
+
+def test_gguf_head_dim_comes_from_the_key_tensor_without_key_length(tmp_path):
+    source = gguf_source("qwen3-head-dim-16")
+    model = retrofit(write_gguf(source, tmp_path / "q3.gguf", key_length=False))
+    assert model.config.head_dim == 16
+    assert (logits(model) - logits(source)).abs().max().item() <= 1e-5
+
+
+EXTRA_TENSORS = {  # tensor added to a Llama-layout file -> what the one-line error says
+    "unknown-name": ("blk.1.attn_gizmo.weight", "has tensors the conversion would drop (no llama parameter"),
+    "moe-router": ("blk.0.ffn_gate_inp.weight", "has tensors the conversion would drop (no llama parameter"),
+    "rope-freqs": ("rope_freqs.weight", "has tensors the conversion would drop (rope frequency factors"),
+    "q-bias-alone": ("blk.2.attn_q.bias", "holds no tensor for the llama model's model.layers.0.self_attn.k_proj.bias"),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXTRA_TENSORS))
+def test_a_gguf_tensor_the_model_has_no_place_for_stops_the_conversion(kind, tmp_path, capsys, monkeypatch):
+    tensor, says = EXTRA_TENSORS[kind]
+    gguf_path = write_gguf(gguf_source("mistral"), tmp_path / "extra.gguf", extra_tensors={tensor: np.ones(32, np.float32)})
+    retrofit_module = importlib.import_module("attnres_hf.conversion.retrofit")
+    monkeypatch.setattr(retrofit_module.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights were loaded"))
+    error = _bad_input_error(capsys, gguf_path, tmp_path / "out")
+    assert "extra.gguf" in error and says in error and (tensor in error or kind == "q-bias-alone"), error
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=re.escape(says)):
+        retrofit(gguf_path)
+
+
+def test_verification_compares_the_weights_with_the_files_tensors(tmp_path, monkeypatch):
+    """A loader that drops or alters a tensor is caught against the file itself, whatever the logits say."""
+    source = gguf_source("llama-attn-mlp-bias")
+    gguf_path = write_gguf(source, tmp_path / "tiny.gguf")
+    model, config = retrofit(gguf_path), load_source_config(gguf_path)
+    assert check_against_gguf(model, gguf_path, config) == {"gguf_tensors_checked": 51, "gguf_max_abs_delta": 0.0}  # 16 a layer
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.bias[3] += 1e-3
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias differs from tensor "
+                                         r"blk\.1\.attn_k\.bias"):
+        check_against_gguf(model, gguf_path, config)
+
+    # a source loaded without its biases (what transformers' GGUF config mapping alone gives) is refused
+    retrofit_module = importlib.import_module("attnres_hf.conversion.retrofit")
+    monkeypatch.setattr(retrofit_module, "gguf_config_fields", lambda *a: {})
+    with pytest.raises(ValueError, match=r"tiny\.gguf has tensors the conversion would drop \(the llama model its "
+                                         r"metadata describes has no weight for them\): blk\.0\.attn_q\.bias"):
+        retrofit(gguf_path)
+    # and were that check skipped, transformers' silent drop is caught against the file after loading
+    monkeypatch.setattr(retrofit_module, "check_gguf_coverage", lambda *a: None)
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.attn_q\.bias \(model\.layers\.0\.self_attn\.q_proj\.bias\) "
+                                         "has no weight in the model"):
+        retrofit(gguf_path)
 
 
 def test_hf_folder_converts_to_a_complete_folder_that_loads_and_round_trips(tmp_path):
@@ -175,3 +283,117 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert_module.convert(tmp_path / "source", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+# --- the tokenizer a GGUF file declares (tokenizer.ggml.pre) ---
+
+SPLIT_TEXTS = ["x  5", "In 2024, 12345 apples cost $3.50!", "٣٤٥ and ²³ and Ⅻ", "a\n\n  b   c\t\n", "don't  I'LL go"]
+
+
+def tiny_vocab_gguf(path, pre):
+    """A tiny Llama whose GGUF carries a byte-level BPE vocabulary (256 bytes + 3 merges) declaring `pre`."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + ["ĠĠ", "12", "Ġ5"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": len(tokens), "bos_token_id": 0,
+                                            "eos_token_id": 1, "pad_token_id": None})).eval()
+    return write_gguf(model, path, vocab=(tokens, ["Ġ Ġ", "1 2", "Ġ 5"], pre))
+
+
+# pieces derived by hand from each family's pre-tokenizer (digits one by one, in threes, or with GPT-2's runs)
+HAND_SPLITS = {
+    ("smollm", "x  5"): ["x", "ĠĠ", "5"],
+    ("smollm", "1234 ٣٤"): ["1", "2", "3", "4", "Ġ", "Ù£", "Ù¤"],
+    ("llama-bpe", "12345 apples"): ["123", "45", "Ġapples"],
+    ("qwen2", "x  5"): ["x", "Ġ", "Ġ", "5"],
+    ("gpt-2", "x  5"): ["x", "Ġ", "Ġ5"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(GGUF_PRE_TOKENIZERS))
+def test_gguf_tokenizer_splits_text_as_its_declared_pre_tokenizer(pre, tmp_path):
+    tokenizer = load_gguf_tokenizer(tiny_vocab_gguf(tmp_path / "v.gguf", pre))
+    split = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str
+    for text in SPLIT_TEXTS + [t for (p, t) in HAND_SPLITS if p == pre]:
+        expected = [byte_level(piece) for piece in llama_cpp_split(text, GGUF_PRE_TOKENIZERS[pre])]
+        assert [piece for piece, _ in split(text)] == expected, text
+    for (p, text), pieces in HAND_SPLITS.items():
+        if p == pre:
+            assert [piece for piece, _ in split(text)] == pieces, text
+
+
+def test_smollm_gguf_tokenizer_ids_and_converted_folder(tmp_path):
+    """The issue's example on a tiny vocabulary: "x  5" is x, two spaces, 5 (not x, space, " 5"); the converted
+    folder ships that tokenizer."""
+    gguf_path = tiny_vocab_gguf(tmp_path / "v.gguf", "smollm")
+    tokenizer = load_gguf_tokenizer(gguf_path)
+    vocab = tokenizer.get_vocab()
+    assert tokenizer("x  5", add_special_tokens=False).input_ids == [vocab["x"], vocab["ĠĠ"], vocab["5"]]
+    assert tokenizer("12", add_special_tokens=False).input_ids == [vocab["1"], vocab["2"]]  # no "12" merge across digits
+    assert run_cli(gguf_path, tmp_path / "out") == 0
+    shipped = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in SPLIT_TEXTS:
+        assert shipped(text).input_ids == tokenizer(text).input_ids, text
+
+
+def test_unknown_gguf_pre_tokenizer_is_refused(tmp_path, capsys, monkeypatch):
+    gguf_path = tiny_vocab_gguf(tmp_path / "v.gguf", "jais-special")
+    with pytest.raises(ValueError, match="declares pre-tokenizer 'jais-special', which attnres-hf does not know"):
+        load_gguf_tokenizer(gguf_path)
+    retrofit_module = importlib.import_module("attnres_hf.conversion.retrofit")
+    monkeypatch.setattr(retrofit_module.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights were loaded"))
+    assert "'jais-special'" in _bad_input_error(capsys, gguf_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+CONVERT_BAD_ARGUMENTS = {  # convert(source folder, out, **kwargs) -> (error type, what the message says)
+    "output-dir-int": (dict(output_dir=5), TypeError, "output_dir must be a non-empty path"),
+    "block-size-str": (dict(attnres_block_size="2"), TypeError, "attnres_block_size must be an int"),
+    "block-size-odd": (dict(attnres_block_size=5), ValueError, "attnres_block_size must be 1 (Full AttnRes)"),
+    "block-size-negative": (dict(attnres_block_size=-2), ValueError, "attnres_block_size must be 1 (Full AttnRes)"),
+    "force-str": (dict(force="yes"), TypeError, "force must be True or False"),
+    "empty-probe": (dict(probe_text="  "), ValueError, "probe_text must be a non-empty string"),
+    "shard-size": (dict(max_shard_size="lots"), ValueError, "max_shard_size must be a size such as '5GB'"),
+    "dtype": (dict(dtype="float99"), ValueError, "dtype must be a floating point torch dtype"),
+    "misspelled-override": (dict(attnres_rescale_outptu=False), ValueError, "did you mean 'attnres_rescale_output'"),
+    "gguf-file-type": (dict(gguf_file=3), TypeError, "gguf_file must be a file name"),
+    "tokenizer-type": (dict(tokenizer="gpt2"), TypeError, "tokenizer must be a transformers tokenizer"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONVERT_BAD_ARGUMENTS))
+def test_convert_checks_its_arguments_before_loading(kind, tmp_path, monkeypatch):
+    kwargs, error, says = CONVERT_BAD_ARGUMENTS[kind]
+    tiny_source("llama").save_pretrained(tmp_path / "source")
+    convert_module = importlib.import_module("attnres_hf.conversion.convert")
+    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    kwargs = {"output_dir": tmp_path / "out", **kwargs}
+    with pytest.raises(error, match=re.escape(says)):
+        convert_module.convert(tmp_path / "source", **kwargs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_cli_refuses_bad_files_in_one_line(tmp_path, capsys):
+    assert "does not exist" in _bad_input_error(capsys, tmp_path / "nowhere", tmp_path / "out")
+    assert "GGUF file not found" in _bad_input_error(capsys, tmp_path / "nowhere.gguf", tmp_path / "out")
+    tiny_source("llama").save_pretrained(tmp_path / "source")
+    data = (tmp_path / "source" / "model.safetensors").read_bytes()
+    (tmp_path / "source" / "model.safetensors").write_bytes(data[:-100])
+    assert "truncated or corrupt safetensors" in _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
+    (tmp_path / "source" / "config.json").write_text("")
+    assert "config.json is not valid JSON" in _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
+    (tmp_path / "file.txt").write_text("hello")
+    assert "neither a model folder nor a .gguf file" in _bad_input_error(capsys, tmp_path / "file.txt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_byte_level_gguf_naming_no_pre_tokenizer_warns_and_splits_as_llama_cpp(tmp_path):
+    from attnres_hf.conversion import gguf_pre_tokenizer
+
+    with pytest.warns(UserWarning, match="names no tokenizer.ggml.pre"):
+        missing = gguf_pre_tokenizer(None)
+    pieces = [piece for piece, _ in missing.pre_tokenize_str("x 12345!")]
+    assert pieces == [byte_level(p) for p in llama_cpp_split("x 12345!", GGUF_PRE_TOKENIZERS["default"])]
+    assert pieces == ["x", "Ġ", "123", "45", "!"]  # llama.cpp's fallback: punctuation runs, then digits in threes

@@ -7,14 +7,16 @@ HF-format copy; later runs reuse `~/.cache/attnres-hf`.
 
 import json
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres_hf import assets
-from attnres_hf.conversion import convert, load_source, retrofit
+from attnres_hf.conversion import check_against_gguf, convert, load_source, retrofit
 from attnres_hf.demo import smollm2_hf_folder
 from attnres_hf.eval import perplexity
+from gguf_fixtures import byte_level, llama_cpp_split
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +84,37 @@ def test_every_family_method_retrofits_smollm2_exactly(smollm2, depth_mixing):
         logits, reference = model(input_ids).logits, source(input_ids).logits
     assert (logits - reference).abs().max().item() <= 1e-3  # measured: 0 (DenseFormer, MUDDFormer), ~8e-5 (DCA, mHC)
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+# llama.cpp's split regexes for `tokenizer.ggml.pre = "smollm"` (LLAMA_VOCAB_PRE_TYPE_SMOLLM in src/llama-vocab.cpp),
+# written out here rather than taken from attnres-hf's table, so the expected ids do not come from the code tested.
+LLAMA_CPP_SMOLLM = (r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")
+TOKENIZER_TEXTS = [
+    "x  5", "In 2024, 12345 apples cost $3.50.", "Call 555-0199 before 10:30pm!", "٣٤٥ and ²³ and Ⅻ and ５",
+    "a\n\n  b   c\t\t\n", "    indented code = 42", "don't  I'll  they've", "naïve café — 3½ × 7",
+]
+
+
+def test_smollm2_tokenizer_follows_the_pre_tokenizer_its_gguf_declares(smollm2):
+    """Expected ids: each text cut with llama.cpp's "smollm" regexes (above, via the `regex` package), each piece
+    byte-level spelled and encoded by the vocabulary's BPE model alone (no pre-tokenizer), the ids concatenated; plus
+    the issue's hand-checked example. The cached HF copy (the demo's) is the tokenizer tested; it is the one every
+    GGUF conversion ships."""
+    _, _, tokenizer, _ = smollm2
+    reader = gguf.GGUFReader(assets.smollm2_gguf())
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    bpe = tokenizer.backend_tokenizer.model
+    for text in TOKENIZER_TEXTS:
+        expected = [token.id for piece in llama_cpp_split(text, LLAMA_CPP_SMOLLM) for token in bpe.tokenize(byte_level(piece))]
+        assert tokenizer(text, add_special_tokens=False).input_ids == expected, text
+    assert tokenizer("x  5", add_special_tokens=False).input_ids == [104, 256, 37]  # x, two spaces, 5
+    digits = tokenizer("2024", add_special_tokens=False).input_ids
+    assert len(digits) == 4 and tokenizer.decode(digits) == "2024"  # one token per digit, as SmolLM2's own tokenizer
+
+
+def test_the_cached_hf_copy_holds_every_tensor_of_the_gguf_file(smollm2):
+    """The demo's source is the file itself: all 272 tensors of the Q4_1 GGUF (30 layers x 9, embedding, final norm;
+    the head is tied), dequantised by the `gguf` package, equal the HF copy's weights exactly."""
+    _, source, _, _ = smollm2
+    check = check_against_gguf(source, assets.smollm2_gguf(), complete=True)
+    assert check == {"gguf_tensors_checked": 272, "gguf_max_abs_delta": 0.0}

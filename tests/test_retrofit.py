@@ -1,5 +1,9 @@
 """Retrofit: a converted model computes the source's logits (zero queries + RMSNorm scale invariance)."""
 
+import importlib
+import json
+import re
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig
@@ -105,3 +109,69 @@ def test_every_family_method_retrofits_exactly(method, name):
 def test_a_sliding_depth_window_is_refused_since_it_cannot_be_exact():
     with pytest.raises(ValueError, match="attnres_window drops all but the most recent sources"):
         retrofit(make_source("qwen2-qkv-bias", tie=False), attnres_window=2)
+
+
+BAD_ARGUMENTS = {  # retrofit(source, **kwargs) -> (error type, what the one-line message says)
+    "block-size-3": (dict(attnres_block_size=3), ValueError, "attnres_block_size must be 1 (Full AttnRes) or a positive even"),
+    "block-size-0": (dict(attnres_block_size=0), ValueError, "attnres_block_size must be 1"),
+    "block-size-str": (dict(attnres_block_size="2"), ValueError, "attnres_block_size must be 1"),
+    "block-size-bool": (dict(attnres_block_size=True), ValueError, "attnres_block_size must be 1"),
+    "misspelled-field": (dict(attnres_blok_size=2), ValueError, "did you mean 'attnres_block_size'"),
+    "unknown-method": (dict(depth_mixing="hyper"), ValueError, "depth_mixing must be one of"),
+    "dtype-name": (dict(dtype="float99"), ValueError, "dtype must be a floating point torch dtype"),
+    "dtype-int": (dict(dtype=torch.int8), ValueError, "dtype must be a floating point torch dtype"),
+    "progress-str": (dict(progress="yes"), TypeError, "progress must be True or False"),
+    "gguf-file-for-a-model": (dict(gguf_file="x.gguf"), ValueError, "gguf_file applies to a source path"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_one_line_errors(kind):
+    kwargs, error, says = BAD_ARGUMENTS[kind]
+    with pytest.raises(error, match=re.escape(says)):
+        retrofit(make_source("qwen2-qkv-bias", tie=False), **kwargs)
+
+
+def _corrupt_config(folder):
+    (folder / "config.json").write_text("{not json")
+
+
+def _truncated_weights(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _no_weights(folder):
+    (folder / "model.safetensors").unlink()
+
+
+def _missing_shard(folder):
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+
+
+BAD_FILES = {
+    "missing-path": (None, FileNotFoundError, "does not exist"),
+    "corrupt-config": (_corrupt_config, ValueError, "config.json is not valid JSON"),
+    "truncated-weights": (_truncated_weights, ValueError, "is a truncated or corrupt safetensors file"),
+    "no-weights": (_no_weights, FileNotFoundError, "has no model weights"),
+    "missing-shard": (_missing_shard, FileNotFoundError, "lists model-00002-of-00002.safetensors, which is missing"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_bad_files_are_refused_before_any_model_loads(kind, tmp_path, monkeypatch):
+    damage, error, says = BAD_FILES[kind]
+    folder = tmp_path / "source"
+    if damage is not None:
+        make_source("llama-gqa-llama3-rope", tie=False).save_pretrained(folder)
+        damage(folder)
+    retrofit_module = importlib.import_module("attnres_hf.conversion.retrofit")
+    monkeypatch.setattr(retrofit_module.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(error, match=re.escape(says)):
+        retrofit(folder)
+    for source in (12, b"folder", ""):
+        with pytest.raises(TypeError, match="source .* must be a non-empty path"):
+            retrofit(source)

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import assets
 from ._checks import check_int
 from ._io import staged_folder
-from .conversion import PROBE_TEXT, convert, load_source, retrofit, serializable_copy, verify_conversion
+from .conversion import PROBE_TEXT, convert, load_source, load_tokenizer, retrofit, serializable_copy, verify_conversion
 from .eval import perplexity
 
 SOURCE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -31,13 +31,14 @@ CHAT_PROMPT = "What are three good habits for staying healthy? Answer briefly."
 
 def smollm2_hf_folder() -> Path:
     """Cached HF-format (fp32 safetensors + tokenizer) copy of the SmolLM2-135M-Instruct GGUF checkpoint."""
-    target = assets.cache_dir() / "smollm2" / "hf"
+    # "hf-v2": copies before v2 carry a tokenizer without the GGUF's declared pre-tokenizer (smollm), so are rebuilt
+    target = assets.cache_dir() / "smollm2" / "hf-v2"
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return target
     gguf_path = assets.smollm2_gguf()
     print("Building the HF-format copy of the GGUF checkpoint (once) ...")
     model = load_source(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = load_tokenizer(gguf_path)
     with staged_folder(target, replace=True) as staging:
         serializable_copy(model).save_pretrained(staging)
         tokenizer.save_pretrained(staging)

@@ -16,8 +16,11 @@ from huggingface_hub import ModelCard, ModelCardData
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .. import __version__
+from ..modeling.depth_mixing import DEPTH_MIXING
 from .._io import staged_folder
-from .retrofit import load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
+from .gguf_source import check_against_gguf
+from .gguf_tokenizer import load_gguf_tokenizer
+from .retrofit import check_dtype, check_path_argument, load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
 from .verify import PROBE_TEXT, verify_conversion
 
 CITATION = """@article{kimi2026attnres,
@@ -29,14 +32,12 @@ CITATION = """@article{kimi2026attnres,
 
 
 def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None):
-    """The source's tokenizer (from the folder, or converted from the GGUF file), or `None` if it has none."""
+    """The source's tokenizer (from the folder, or converted from the GGUF file with the pre-tokenizer the file
+    declares, see `load_gguf_tokenizer`), or `None` if it has none."""
     folder, gguf_file = split_gguf_path(source, gguf_file)
     if gguf_file is not None:
-        from gguf import GGUFReader
-
-        if "tokenizer.ggml.model" not in GGUFReader(folder / gguf_file).fields:
-            return None
-    elif not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return load_gguf_tokenizer(folder / gguf_file)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
 
@@ -52,15 +53,8 @@ def model_card(report: dict) -> ModelCard:
         base_model=source["name"] if source["name"] and not Path(source["name"]).exists() else None,
         tags=["attnres", "attention-residuals", "depth-mixing", "retrofit"],
     )
-    family = {
-        "residual": "standard residual (`depth_mixing=\"residual\"`, the baseline)",
-        "denseformer": "DenseFormer Depth-Weighted Averages (`depth_mixing=\"denseformer\"`)",
-        "muddformer": "MUDDFormer multiway dynamic dense connections (`depth_mixing=\"muddformer\"`)",
-        "dca": "DeepCrossAttention GRN-v3 (`depth_mixing=\"dca\"`)",
-        "mhc": "manifold-constrained hyper-connections (`depth_mixing=\"mhc\"`)",
-    }
-    if config["depth_mixing"] in family:
-        method = family[config["depth_mixing"]]
+    if config["depth_mixing"] != "attnres":
+        method = DEPTH_MIXING[config["depth_mixing"]].card.rstrip(".") + f' (`depth_mixing="{config["depth_mixing"]}"`)'
     elif config["attnres_block_size"] == 1:
         method = "Full Attention Residuals (every sub-layer output is a depth source)"
     else:
@@ -81,6 +75,12 @@ def model_card(report: dict) -> ModelCard:
             "under which\n  the method is the residual model, so at conversion time the model computes the source's "
             "function. Training\n  the mixing parameters makes it depart from the source."
         )
+    gguf_row = (
+        f"| GGUF tensors equal to the file's (dequantised) | {verification['gguf_tensors_checked']}, max abs delta "
+        f"{verification['gguf_max_abs_delta']:.3g} |\n"
+        if "gguf_tensors_checked" in verification
+        else ""
+    )
     body = f"""
 # {Path(report["output_dir"]).name}
 
@@ -100,7 +100,7 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retro
 | mean abs logit delta | {verification["mean_abs_logit_delta"]:.3g} |
 | top-1 agreement | {verification["argmax_agreement"]:.4f} |
 | {verification["greedy_new_tokens"]}-token greedy continuation identical | {verification["greedy_match"]} |
-
+{gguf_row}
 ## Use
 
 ```python
@@ -128,6 +128,37 @@ def _write_folder(folder: Path, model, tokenizer, generation_config, report: dic
         generation_config.save_pretrained(folder)
     model_card(report).save(folder / "README.md")
     (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
+                     source_name, max_shard_size) -> None:
+    """Types and values of `convert`'s own arguments (one-line `TypeError`/`ValueError`), before any file is read."""
+    if not isinstance(source, PreTrainedModel):
+        check_path_argument(source, "source (an HF folder, a .gguf file or a PreTrainedModel)")
+    check_path_argument(output_dir, "output_dir")
+    if gguf_file is not None and not isinstance(gguf_file, str):
+        raise TypeError(f"gguf_file must be a file name (str) or None, got {gguf_file!r}")
+    if attnres_block_size is not None and (not isinstance(attnres_block_size, int) or isinstance(attnres_block_size, bool)):
+        raise TypeError(f"attnres_block_size must be an int (1 = Full AttnRes, or an even number), got {attnres_block_size!r}")
+    if not isinstance(depth_mixing, str):
+        raise TypeError(f"depth_mixing must be a method name (str), got {depth_mixing!r}")
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be True or False, got {force!r}")
+    if not isinstance(probe_text, str) or not probe_text.strip():
+        raise ValueError(f"probe_text must be a non-empty string, got {probe_text!r}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}")
+    if source_name is not None and not isinstance(source_name, str):
+        raise TypeError(f"source_name must be a str or None, got {source_name!r}")
+    if not isinstance(max_shard_size, (str, int)) or isinstance(max_shard_size, bool):
+        raise TypeError(f"max_shard_size must be a size such as '5GB' or a number of bytes, got {max_shard_size!r}")
+    if isinstance(max_shard_size, str):
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            convert_file_size_to_int(max_shard_size)
+        except ValueError:
+            raise ValueError(f"max_shard_size must be a size such as '5GB' or '500MB', got {max_shard_size!r}") from None
 
 
 def convert(
@@ -162,8 +193,13 @@ def convert(
 
     Raises:
         FileExistsError: `output_dir` exists and `force` is false (checked before any work).
-        FileNotFoundError, ValueError, KeyError: see `retrofit`; raised before anything is written.
+        TypeError, ValueError: a wrong-typed or invalid argument (checked before any file is read).
+        FileNotFoundError, ValueError, KeyError: see `retrofit`; raised before anything is written. From a GGUF file,
+            a tensor of the file that the model would drop, or a converted weight that is not the file's tensor
+            (compared in fp32 after dequantisation) is a `ValueError` naming it.
     """
+    _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
+                     source_name, max_shard_size)
     output_dir = Path(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
@@ -173,9 +209,7 @@ def convert(
     protected = [Path.cwd().resolve()] + ([Path(source).resolve()] if not isinstance(source, PreTrainedModel) else [])
     if any(target == p or target in p.parents for p in protected):
         raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
-    target_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if not isinstance(target_dtype, torch.dtype) or not target_dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating point torch dtype such as float32 or bfloat16, got {dtype!r}")
+    target_dtype = check_dtype(dtype)
 
     if isinstance(source, PreTrainedModel):
         # verification runs in fp32; never change the caller's model in place
@@ -200,6 +234,10 @@ def convert(
         input_ids = torch.randint(model.config.vocab_size, (1, 64), generator=generator)
     print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
     verification = verify_conversion(source_model, model, input_ids)
+    if gguf_file is not None or (not isinstance(source, PreTrainedModel) and Path(source).suffix == ".gguf"):
+        folder, file_name = split_gguf_path(source, gguf_file)
+        print(f"Checking every weight against the tensors of {file_name} ...", flush=True)
+        verification |= check_against_gguf(model, folder / file_name, source_config=source_model.config)
     if tokenizer is not None:
         verification["source_continuation"] = tokenizer.decode(verification["source_continuation_ids"])
         verification["converted_continuation"] = tokenizer.decode(verification["converted_continuation_ids"])

@@ -88,6 +88,12 @@ CONFIG_MAPPINGS: dict[str, Callable[[PretrainedConfig], dict]] = {
 
 SUPPORTED_MODEL_TYPES = tuple(KEY_TABLES)
 
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+"""`model_type -> general.architecture` of its GGUF files (llama.cpp writes Mistral 7B as `llama`)."""
+
+GGUF_PERMUTED_QK = frozenset({"llama"})
+"""GGUF architectures whose q/k rows (weights and biases) llama.cpp stores interleaved per head for its rope."""
+
 # Fields whose presence means the backbone cannot be expressed (mixture-of-experts layers and the like).
 _UNSUPPORTED_FEATURES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 

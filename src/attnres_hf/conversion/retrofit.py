@@ -18,19 +18,22 @@ residual model and `retrofit` refuses it.
 """
 
 import copy
+import dataclasses
+import difflib
+import json
 import os
 import pickle
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from tqdm.auto import tqdm
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.depth_mixing import MIXING_MODULES
 from ..modeling.modeling_attnres import AttnResRotaryEmbedding
 from .families import attnres_config_fields, check_supported, map_keys
+from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 GGUF_MAGIC = b"GGUF"
@@ -61,19 +64,59 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
     return path
 
 
+def check_path_argument(value, name: str, optional: bool = False) -> None:
+    """Raise `TypeError` unless `value` is a path (`str` / `os.PathLike`), or `None` when `optional`."""
+    if optional and value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, str) and not value:
+        raise TypeError(f"{name} must be a non-empty path (str or os.PathLike), got {value!r}")
+
+
 def split_gguf_path(source: str | os.PathLike, gguf_file: str | None = None) -> tuple[Path, str | None]:
     """`(folder, gguf_file)` for transformers' loaders: a `.gguf` path is split into its folder and file name."""
+    check_path_argument(source, "source")
+    if gguf_file is not None and (not isinstance(gguf_file, str) or not gguf_file):
+        raise TypeError(f"gguf_file must be the GGUF file name inside the source folder (a str), got {gguf_file!r}")
     path = Path(source)
     if gguf_file is None and path.suffix == ".gguf":
         return path.parent, path.name
     return path, gguf_file
 
 
+def _check_safetensors(path: Path) -> None:
+    try:
+        with safe_open(path, "pt"):  # reads the header and checks the file covers every tensor it lists
+            pass
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is a truncated or corrupt safetensors file ({error})") from None
+
+
 def _check_folder(folder: Path) -> None:
+    """Check an HF folder's config and weight files (headers only) before anything loads."""
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder} does not exist: pass an HF model folder or a .gguf file")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is neither a model folder nor a .gguf file")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({error}); re-save the model") from None
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise FileNotFoundError(f"{folder} has no model weights (looked for {', '.join(WEIGHT_FILES)})")
+    if (folder / "model.safetensors").is_file():
+        _check_safetensors(folder / "model.safetensors")
+    elif (folder / "model.safetensors.index.json").is_file():
+        index = folder / "model.safetensors.index.json"
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index} is not a valid safetensors index ({type(error).__name__}: {error})") from None
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise FileNotFoundError(f"{index} lists {shard}, which is missing from {folder}")
+            _check_safetensors(folder / shard)
 
 
 def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
@@ -84,11 +127,19 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
     """
     path, gguf_file = split_gguf_path(source, gguf_file)
     if gguf_file is not None:
-        check_gguf_file(path / gguf_file)
+        gguf_path = check_gguf_file(path / gguf_file)
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
-    else:
-        _check_folder(path)
+        check_supported(config)
+        # fields transformers' GGUF mapping leaves out (biases, head_dim), and every tensor must have a home
+        for name, value in gguf_config_fields(gguf_path, config).items():
+            setattr(config, name, value)
+        check_gguf_coverage(gguf_path, config)
+        return config
+    _check_folder(path)
+    try:
         config = AutoConfig.from_pretrained(path)
+    except (KeyError, ValueError) as error:  # e.g. a model_type transformers does not know
+        raise ValueError(f"{path / 'config.json'} cannot be read as a transformers config ({error})") from None
     check_supported(config)
     return config
 
@@ -96,20 +147,50 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
 def load_source(
     source: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """Load a Llama/Mistral/Qwen2/Qwen3 causal LM from an HF folder or a GGUF file (dequantised by transformers'
-    GGUF loader) in `dtype`. The family is checked first (see `load_source_config`)."""
-    load_source_config(source, gguf_file)
+    """Load a Llama/Mistral/Qwen2/Qwen3 causal LM from an HF folder or a GGUF file in `dtype`.
+
+    The family and files are checked first (see `load_source_config`). A GGUF file is dequantised by transformers'
+    GGUF loader with the config completed from the file, then every weight is compared with the file's own tensor
+    (`check_against_gguf`, in fp32): every tensor of the file is in the model, or a `ValueError` names it.
+    """
+    dtype = check_dtype(dtype)
+    config = load_source_config(source, gguf_file)
     path, gguf_file = split_gguf_path(source, gguf_file)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype).eval()
+        if gguf_file is None:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=torch.float32)
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files
         raise ValueError(f"{path}: the weights cannot be read, the file is truncated or corrupt ({error})") from None
+    check_against_gguf(model, path / gguf_file, complete=True)
+    return model.to(dtype).eval()
+
+
+def check_dtype(dtype) -> torch.dtype:
+    """`dtype` (a `torch.dtype` or its name) as a floating point `torch.dtype`, else a one-line `ValueError`."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None) if not dtype.startswith("_") else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point torch dtype such as float32 or bfloat16, got {dtype!r}")
+    return dtype
+
+
+_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(AttnResConfig))
+
+
+def _check_overrides(config_overrides: dict) -> None:
+    unknown = sorted(set(config_overrides) - _CONFIG_FIELDS)
+    if unknown:
+        hints = [difflib.get_close_matches(name, _CONFIG_FIELDS, n=1) for name in unknown]
+        hint = "".join(f"; did you mean {h[0]!r} for {n!r}?" for n, h in zip(unknown, hints) if h)
+        raise ValueError(f"unknown AttnResConfig field(s) {', '.join(map(repr, unknown))}{hint}")
 
 
 def retrofit_config(source_config, **config_overrides) -> AttnResConfig:
     """The `AttnResConfig` a retrofit of a model with `source_config` gets: the source's architecture, the rescaled
     router output (exact at conversion time), then `config_overrides`. Raises `ValueError` on invalid overrides and
     `UnsupportedSourceError` on an unsupported source, before any weight is touched."""
+    _check_overrides(config_overrides)
     fields = attnres_config_fields(source_config)
     fields |= {"attnres_rescale_output": True, "architectures": ["AttnResForCausalLM"]}
     config = AttnResConfig(**(fields | config_overrides), attn_implementation=source_config._attn_implementation)
@@ -149,7 +230,7 @@ def retrofit(
         source: a `PreTrainedModel` (Llama, Mistral, Qwen2, Qwen3; a GGUF-loaded one too), an HF folder, or a
             `.gguf` file (or a folder with `gguf_file`).
         dtype: dtype of the result (`torch.float32` when loading from disk; the source's dtype otherwise).
-        progress: show a progress bar while the weights are copied.
+        progress: print a line before the weights are copied.
         **config_overrides: `AttnResConfig` fields, e.g. `depth_mixing="residual"` / `"denseformer"` /
             `"muddformer"` / `"dca"` / `"mhc"`, `attnres_block_size=1` (Full AttnRes; default about 8 blocks),
             `attnres_rescale_output=False` (the paper's plain mean), an AttnRes ablation knob.
@@ -161,18 +242,28 @@ def retrofit(
     Raises:
         UnsupportedSourceError (a `ValueError`): unsupported `model_type` or a feature such as MoE layers.
         KeyError: a source weight the family's key table does not map.
-        ValueError: invalid config overrides (incl. `attnres_window`, which cannot be exact), or a malformed /
-            truncated GGUF file.
-        FileNotFoundError: a folder without config or weights.
+        ValueError: invalid or unknown config overrides (incl. `attnres_window`, which cannot be exact), a bad
+            `dtype`, a malformed / truncated GGUF or safetensors file, a GGUF tensor the model would drop.
+        TypeError: `source` is neither a model nor a path, or `progress` is not a bool.
+        FileNotFoundError: a missing path, or a folder without config or weights.
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     if not isinstance(source, PreTrainedModel):
+        check_path_argument(source, "source (a PreTrainedModel, an HF folder or a .gguf file)")
+    if dtype is not None:
+        dtype = check_dtype(dtype)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {progress!r}")
+    if not isinstance(source, PreTrainedModel):
+        # check the family, the files and the options before any weight loads
+        retrofit_config(load_source_config(source, gguf_file), **config_overrides)
         source = load_source(source, gguf_file, dtype=dtype or torch.float32)
+    elif gguf_file is not None:
+        raise ValueError("gguf_file applies to a source path, not to an in-memory model")
     config = retrofit_config(source.config, **config_overrides)
 
-    state = source.state_dict()
-    mapped = map_keys(source.config.model_type, list(state))
+    # source names -> AttnRes names (identity for every supported family; an unmapped key raises KeyError)
+    mapped = map_keys(source.config.model_type, list(source.state_dict()))
+    state = {mapped[key]: tensor for key, tensor in source.state_dict().items()}
     dtype = dtype or next(source.parameters()).dtype
     with torch.device("meta"):  # no random init: every weight is copied or set below
         model = AttnResForCausalLM(config)
@@ -180,20 +271,23 @@ def retrofit(
     model.model.rotary_emb = AttnResRotaryEmbedding(config)  # non-persistent rope buffers, recomputed in fp32
     model.tie_weights()
     targets = model.state_dict()
-    copied = set()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(targets[k].shape)}" for k, v in state.items()
+             if k in targets and targets[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"source and AttnRes shapes differ: {', '.join(wrong[:4])}")
+    mixing = set()
     with torch.no_grad():
-        for key in tqdm(list(mapped), desc="Copying weights", unit="tensor", disable=not progress):
-            target = targets[mapped[key]]
-            if target.shape != state[key].shape:
-                raise ValueError(f"{key}: source shape {tuple(state[key].shape)} != AttnRes {tuple(target.shape)}")
-            target.copy_(state[key])
-            copied.add(mapped[key])
-        mixing = set()
         for module_name, module in model.named_modules():
             if isinstance(module, MIXING_MODULES):  # the residual-model initialisation of each method (exact)
                 module.reset_parameters(config.initializer_range)
                 mixing |= {f"{module_name}.{name}" for name, _ in module.named_parameters()}
-        for name, _ in model.named_parameters():  # tied lm_head is not listed: it is the embedding
-            if name not in copied and name not in mixing:
-                raise KeyError(f"{source.config.model_type} checkpoint has no weight for {name}")
+    if progress:
+        print(f"Copying {len(state)} tensors into AttnResForCausalLM ...", flush=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [key for key in missing if key not in mixing]
+    if unexpected:  # a source weight the AttnRes config has no place for (e.g. a bias the config turned off)
+        raise KeyError(f"{source.config.model_type} checkpoint weights with no AttnRes parameter: "
+                       f"{', '.join(unexpected[:8])}")
+    if missing:  # would keep uninitialised memory
+        raise KeyError(f"{source.config.model_type} checkpoint has no weight for {', '.join(missing[:8])}")
     return model.eval()
