@@ -5,12 +5,14 @@ Never imported by `modeling/`: plots and hooks live here, outside what travels w
 
 from .compare import aligned_suffix, compare_pairs, load_pairs
 from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
+from .layout import block_layout, sublayer_names
 from .routing import RoutingRecord, record_routing, router_names, source_columns, source_names, summarize
 
 __all__ = [
     "DepthDynamicsCallback",
     "RoutingRecord",
     "aligned_suffix",
+    "block_layout",
     "compare_pairs",
     "layer_magnitudes",
     "load_pairs",
@@ -19,5 +21,6 @@ __all__ = [
     "run_dynamics",
     "source_columns",
     "source_names",
+    "sublayer_names",
     "summarize",
 ]

@@ -1,0 +1,65 @@
+"""The `attnres` command: one module per command family, each adding its sub-commands to one argparse tree.
+
+- `attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file).
+- `attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D`: fine-tune with `Trainer`.
+- `attnres eval MODEL` (and `eval prepare-data`, `eval tasks`, `eval perplexity`), `attnres lm-eval ...`: lm-eval.
+- `attnres routing MODEL --text ...` (and `routing compare`, `routing dynamics`): read the depth routing.
+- `attnres info PATH`: depth mixing, block layout, router counts.
+- `attnres demo`: the main job on the real SmolLM2-135M-Instruct (`make demo`).
+
+Adding a command family is one module with `register(commands)` and one entry in `COMMAND_MODULES`. Heavy modules
+are imported inside the commands. Expected errors (bad input, missing files) end in a one-line message and exit
+code 2, as argparse's own usage errors do.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+
+from ._common import with_default_subcommand
+
+COMMAND_MODULES = ("convert", "train", "eval", "routing", "info", "demo")
+"""Modules of this package that each `register(commands)` a command family, in `attnres --help` order."""
+
+EXPECTED_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
+"""What the library raises for bad input, missing files and refused opt-ins (`FileNotFoundError`,
+`FileExistsError`, `PermissionError` are `OSError`s): reported in one line, not as a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals for Hugging Face transformers")
+    parser.add_argument("--version", action="version", version=f"attnres-hf {__version__}")
+    parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f".{name}", __name__).register(parser.commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `attnres ARGV...` (default `sys.argv[1:]`); returns the exit code."""
+    parser = build_parser()
+    argv = with_default_subcommand(parser.commands, list(sys.argv[1:] if argv is None else argv))
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "pass_through", False):
+        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        _silence_stdout()
+        return 0
+    except EXPECTED_ERRORS as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"{args.parser.prog}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush does not raise BrokenPipeError again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
+        pass

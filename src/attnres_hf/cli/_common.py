@@ -1,0 +1,39 @@
+"""What the command modules share: building (sub-)commands and loading a model folder."""
+
+import argparse
+
+
+def add_command(commands: argparse._SubParsersAction, name: str, func, **kwargs) -> argparse.ArgumentParser:
+    """Add the sub-command `name`, run by `func(args) -> exit code`."""
+    parser = commands.add_parser(name, **kwargs)
+    parser.set_defaults(func=func, parser=parser)
+    return parser
+
+
+def add_family(commands: argparse._SubParsersAction, name: str, default: str, **kwargs):
+    """Add `name` with sub-commands of its own, where `attnres NAME ARGS...` with no sub-command name means
+    `attnres NAME DEFAULT ARGS...` (`attnres routing MODEL` = `attnres routing map MODEL`).
+
+    Returns the sub-command collection of the new command.
+    """
+    family = commands.add_parser(name, **kwargs)
+    family.set_defaults(parser=family)
+    family.default_subcommand = default
+    family.subcommands = family.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
+    return family.subcommands
+
+
+def with_default_subcommand(commands: argparse._SubParsersAction, argv: list[str]) -> list[str]:
+    """`argv` with the default sub-command name inserted where a family's arguments start without one."""
+    family = commands.choices.get(argv[0]) if argv else None
+    default = getattr(family, "default_subcommand", None)
+    if default is None or len(argv) < 2 or argv[1] in family.subcommands.choices or argv[1] in ("-h", "--help"):
+        return argv
+    return [argv[0], default, *argv[1:]]
+
+
+def load_model_and_tokenizer(path: str):
+    """`(model in eval mode, tokenizer)` from a model folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,48 @@
+"""`attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file)."""
+
+import argparse
+
+from ._common import add_command
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    from ..modeling.configuration_attnres import DEPTH_MIXING_METHODS
+
+    parser = add_command(commands, "convert", run_convert,
+                         help="retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint into AttnRes")
+    parser.add_argument("source", help="an HF model folder, or a .gguf file")
+    parser.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
+    parser.add_argument("--gguf-file", help="GGUF file name inside SOURCE when SOURCE is a folder")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--block-size", type=int, help="sub-layers per block (even; default about 8 blocks)")
+    size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
+    parser.add_argument("--depth-mixing", default="attnres", choices=list(DEPTH_MIXING_METHODS),
+                        help="the method; every one starts exactly as the source (default: attnres)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--paper-mean", action="store_true",
+                        help="routers output the plain mean of their sources (the paper) instead of the rescaled "
+                             "mean that reproduces the source's logits to float noise")
+    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from ..conversion import convert
+
+    overrides = {"attnres_rescale_output": False} if args.paper_mean else {}
+    report = convert(
+        args.source,
+        args.output_dir,
+        gguf_file=args.gguf_file,
+        attnres_block_size=1 if args.full else args.block_size,
+        depth_mixing=args.depth_mixing,
+        dtype=args.dtype,
+        force=args.force,
+        max_shard_size=args.max_shard_size,
+        **overrides,
+    )
+    check = report["verification"]
+    print(f"max |delta logits| vs source: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens")
+    print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
+    print(f"wrote {args.output_dir}")
+    return 0

@@ -1,0 +1,43 @@
+"""`attnres info PATH`: depth mixing, block layout (which sub-layers form each block, paper Eq. 6), router counts."""
+
+import argparse
+import json
+from pathlib import Path
+
+from ._common import add_command
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = add_command(commands, "info", run_info,
+                         help="describe an AttnRes checkpoint or config (folder or config.json)")
+    parser.add_argument("path", help="a folder with config.json, or the config.json itself")
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from ..analysis.layout import block_layout
+    from ..modeling import AttnResConfig
+
+    path = Path(args.path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json at {args.path}")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != AttnResConfig.model_type:
+        raise ValueError(f"{args.path} is not an AttnRes checkpoint (model_type {model_type!r}); "
+                         "`attnres convert` retrofits Llama/Mistral/Qwen2/Qwen3 ones")
+    config = AttnResConfig.from_pretrained(args.path)
+    print(f"model_type          {config.model_type}")
+    print(f"depth_mixing        {config.depth_mixing}")
+    print(f"layers / sub-layers {config.num_hidden_layers} / {config.num_sublayers}")
+    print(f"hidden_size         {config.hidden_size}")
+    if config.depth_mixing == "attnres":
+        kind = "Full AttnRes" if config.attnres_block_size == 1 else "Block AttnRes"
+        size = config.attnres_block_size
+        last = config.num_sublayers - size * (config.num_attnres_blocks - 1)
+        layout = f"{config.num_attnres_blocks} blocks" + (f", the last of {last}" if last != size else "")
+        print(f"block size          {size} sub-layer{'s' if size > 1 else ''} ({kind}, {layout})")
+        print(f"routers             {config.num_sublayers + 1} (attn_res and mlp_res per layer, final_res)")
+        print(f"router parameters   {(config.num_sublayers + 1) * 2 * config.hidden_size:,}")
+        for index, block in enumerate(block_layout(config), start=1):
+            print(f"  block {index:>3}: {' '.join(block)}")
+    return 0

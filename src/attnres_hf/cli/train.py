@@ -1,0 +1,54 @@
+"""`attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D`: fine-tune with `Trainer`.
+
+Every `transformers.TrainingArguments` flag is accepted (`_` and `-` both work); `attnres train --help` lists them.
+"""
+
+import argparse
+
+from ._common import add_command
+
+TRAIN_DEFAULTS = {"eval_strategy": "steps", "eval_steps": "50", "save_steps": "50", "logging_steps": "10"}
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        commands, "train", run_train, add_help=False,
+        help="fine-tune: --method routers|lora|full (attnres train --help for all options)",
+        description="attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D [--max-steps N] "
+        "[--seq-len T] [--lr LR] [--resume], plus any transformers TrainingArguments flag.",
+    )
+    parser.add_argument("model", nargs="?", help="model folder; --help lists every option")
+    parser.set_defaults(pass_through=True)  # the options are HfArgumentParser's, parsed in `run_train`
+
+
+def train_parser():
+    """The parser of the options after MODEL: `AttnResArguments` and `TrainingArguments`."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from ..training import AttnResArguments
+
+    return HfArgumentParser(
+        (AttnResArguments, TrainingArguments),
+        usage="attnres train MODEL --data FILE [FILE ...] [--method {routers,lora,full}] --output-dir DIR "
+        "[--max-steps N] [--seq-len T] [--lr LR] [--resume] [any TrainingArguments flag; _ and - both work]",
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ..training import DEFAULT_LEARNING_RATES, train
+
+    parser = train_parser()
+    if args.model is None or args.model in ("-h", "--help") or {"-h", "--help"} & set(args.rest):
+        parser.print_help()  # the Trainer options live in TrainingArguments, not in the argparse tree
+        return 0
+    argv = ["--learning_rate" if arg == "--lr" else arg.replace("--lr=", "--learning_rate=", 1)
+            if arg.startswith("--lr=") else arg for arg in args.rest]
+    given = {arg.lstrip("-").split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    for name, value in TRAIN_DEFAULTS.items():
+        if name not in given:
+            argv += [f"--{name}", value]
+    ours, training_args = parser.parse_args_into_dataclasses(["--model", args.model, *argv])
+    if "learning_rate" not in given:
+        training_args.learning_rate = DEFAULT_LEARNING_RATES[ours.method]
+    train(ours, training_args)
+    return 0
