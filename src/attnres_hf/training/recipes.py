@@ -13,8 +13,8 @@ ROUTER_MODULES = ("attn_res", "mlp_res", "final_res", "dwa", "mudd", "dca", "fin
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """LoRA targets for `model_type="attnres"` (PEFT ships none for it): every attention and MLP projection."""
 
-METHODS = ("routers", "lora", "full")
-DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "full": 5e-5}
+METHODS = ("routers", "lora", "qlora", "full")
+DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "qlora": 2e-4, "full": 5e-5}
 """Starting points. Routers: one Adam step moves every logit `w . RMSNorm(v)` by up to `lr * hidden_size`, so a
 larger rate turns the uniform routing of a retrofit into a sharp one at once and breaks the pretrained model."""
 
@@ -38,17 +38,25 @@ def prepare_model(
     - `routers`: only router pseudo-queries and key norms; every other parameter is frozen.
     - `lora`: PEFT LoRA on `lora_target_modules` (default `DEFAULT_LORA_TARGETS`), with the routers trained in full
       and saved with the adapter (`modules_to_save`). Returns the `PeftModel`.
+    - `qlora`: `lora` on a 4-bit backbone (load it with `load_kwargs("qlora")`), after PEFT's
+      `prepare_model_for_kbit_training`; the depth-mixing modules are unquantized fp32 and train in full.
     - `full`: everything.
 
     Raises:
-        ValueError: an unknown method, or `routers` on a model without routers.
+        ValueError: an unknown method, `routers` on a model without routers, or `qlora` on a model not loaded in 4 bits.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "full":
         model.requires_grad_(True)
         return model
-    if method == "lora":
+    if method == "qlora":
+        if not getattr(model, "is_loaded_in_4bit", False):
+            raise ValueError("method 'qlora' needs a 4-bit model: from_pretrained(folder, **load_kwargs('qlora'))")
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(
@@ -65,6 +73,16 @@ def prepare_model(
     for name, param in model.named_parameters():
         param.requires_grad_(is_router_parameter(name))
     return model
+
+
+def load_kwargs(method: str) -> dict:
+    """Extra `from_pretrained` arguments a method needs: `qlora` loads the backbone in 4 bits
+    (`attnres_hf.quantization.qlora_quantization_config`); the others need none."""
+    if method == "qlora":
+        from ..quantization import qlora_quantization_config
+
+        return {"quantization_config": qlora_quantization_config()}
+    return {}
 
 
 def _has_router_parameters(model: torch.nn.Module) -> bool:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from transformers.trainer_utils import get_last_checkpoint
 
 from .data import packed_lm_dataset
-from .recipes import METHODS, is_router_parameter, prepare_model
+from .recipes import METHODS, is_router_parameter, load_kwargs, prepare_model
 
 
 @dataclass
@@ -129,7 +129,9 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
         print(f"Resuming from {checkpoint}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     data = packed_lm_dataset(args.data, tokenizer, args.seq_len, args.eval_fraction, args.text_field)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32, **load_kwargs(args.method)
+    )
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
 
     trainer = AttnResTrainer(
