@@ -109,9 +109,9 @@ def test_qlora_needs_a_4bit_model():
 def test_qlora_trains_saves_reloads_and_merges(tiny_model_dir):
     out = tiny_model_dir / "qlora"
     assert main(["train", str(tiny_model_dir / "model"), "--data", str(tiny_model_dir / "train.txt"), "--output-dir",
-                 str(out), "--method", "qlora", "--max-steps", "30", "--lr", "3e-3", "--lora_r", "4", "--seq-len", "64",
-                 "--per_device_train_batch_size", "8", "--disable_tqdm", "true", "--seed", "0", "--eval_steps", "30",
-                 "--save_steps", "30", "--logging_steps", "10"]) == 0
+                 str(out), "--method", "qlora", "--max-steps", "8", "--lr", "1e-2", "--lora_r", "4", "--seq-len", "64",
+                 "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--seed", "0", "--eval_steps", "8",
+                 "--save_steps", "8", "--logging_steps", "4"]) == 0
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["method"] == "qlora"
     assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.05
