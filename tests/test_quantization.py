@@ -23,7 +23,9 @@ IDS = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().
 
 
 def _int8_weight_only():
-    from torchao.quantization import Int8WeightOnlyConfig
+    # torchao is the optional `torchao` extra (not in `test`: with a CPU torch its import warns about its CUDA kernels
+    # in every process that imports a transformers model).
+    Int8WeightOnlyConfig = pytest.importorskip("torchao.quantization").Int8WeightOnlyConfig
 
     return TorchAoConfig(Int8WeightOnlyConfig())
 

@@ -60,7 +60,7 @@ def server(request, chat_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "server.log"
     source = str(Path(attnres_hf.__file__).parents[1])  # the attnres_hf under test, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "attnres_hf.serving", str(chat_model_dir), "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "attnres_hf.cli", "serve", str(chat_model_dir), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", *request.param]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -158,3 +158,10 @@ def test_register_with_transformers_is_idempotent():
     register_with_transformers()
     register_with_transformers()
     assert all(getattr(transformers, cls.__name__) is cls for cls in SERVED_CLASSES)
+
+
+def test_serve_rejects_a_folder_without_config(tmp_path, capsys):
+    from attnres_hf.cli import main
+
+    assert main(["serve", str(tmp_path), "--port", "1"]) == 2
+    assert "has no config.json" in capsys.readouterr().err

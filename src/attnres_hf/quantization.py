@@ -11,7 +11,7 @@ leave them unconverted and they load in fp32 whatever `dtype` the rest takes. `l
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
 
 Needs the `quant` extra (`pip install "attnres-hf[quant]"`: bitsandbytes, whose CPU backend runs 4-bit and 8-bit
-layers without a GPU, and torchao).
+layers without a GPU) and, for `TorchAoConfig`, the `torchao` extra.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ openai, pydantic).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import transformers
@@ -44,23 +45,29 @@ def register_with_transformers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`attnres serve [MODEL] [transformers serve options]`: register the AttnRes classes, then run transformers'
-    own `serve` command with `argv` (all of `transformers serve --help` applies).
+    own `serve` command with `argv` (all of `transformers serve --help` applies). Returns the exit code.
 
     Raises:
         ImportError: the serving dependencies are missing (install `attnres-hf[serve]`).
+        FileNotFoundError: MODEL is a local folder without `config.json`.
     """
     from transformers.utils.import_utils import is_serve_available
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and os.path.isdir(argv[0]):
+        if not os.path.isfile(os.path.join(argv[0], "config.json")):
+            raise FileNotFoundError(f"{argv[0]} has no config.json: give a model folder (e.g. from `attnres convert`)")
     if not is_serve_available():
-        raise ImportError(
-            'attnres serve needs fastapi, uvicorn, openai and pydantic: pip install "attnres-hf[serve]"'
-        )
+        raise ImportError('attnres serve needs fastapi, uvicorn, openai and pydantic: pip install "attnres-hf[serve]"')
     register_with_transformers()
     from transformers.cli.transformers import app
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # typer/click parse the arguments, print `--help` and report bad options exactly as `transformers serve` does.
-    app(args=["serve", *argv], prog_name="attnres", standalone_mode=False)
+    # typer/click parse the arguments, print `--help` and report bad options exactly as `transformers serve` does,
+    # then exit: the code of that exit is returned.
+    try:
+        app(args=["serve", *argv], prog_name="attnres")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     return 0
 
 
