@@ -62,3 +62,25 @@ def test_pipeline_with_trust_remote_code_alone(chat_folder, tmp_path):
     generator = pipeline("text-generation", model=str(chat_folder))
     expected = generator([{"role": "user", "content": "w10 w11 w12"}], max_new_tokens=5, do_sample=False)
     assert result.stdout.split() == expected[0]["generated_text"][-1]["content"].split()
+
+
+def test_converted_checkpoint_chats_as_its_source_and_its_card_says_how_to_serve(tmp_path):
+    """A retrofit computes its source's function at conversion time, so its chat replies are the source's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnres_hf.conversion import convert
+    from utils import TINY
+
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    convert(source, tmp_path / "converted", tokenizer=tokenizer, source_name="tiny-llama", dtype="float32")
+    messages = [{"role": "user", "content": "w10 w11 w12"}]
+    reply = pipeline("text-generation", model=str(tmp_path / "converted"))(messages, max_new_tokens=6, do_sample=False)
+    want = pipeline("text-generation", model=source, tokenizer=tokenizer)(messages, max_new_tokens=6, do_sample=False)
+    assert reply[0]["generated_text"][-1]["content"] == want[0]["generated_text"][-1]["content"]
+    assert len(reply[0]["generated_text"][-1]["content"].split()) == 6
+    card = (tmp_path / "converted" / "README.md").read_text()
+    assert "attnres serve converted --port 8000" in card and "BitsAndBytesConfig(load_in_4bit=True)" in card
+    assert "attnres train converted --data train.txt --method lora" in card
