@@ -4,6 +4,7 @@ Each server runs in a subprocess on 127.0.0.1 and a free port; every request and
 server is terminated (then killed) whatever happens.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -21,11 +22,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import attnres_hf
+from attnres_hf.quantization import qlora_quantization_config
 from utils import tiny_model, word_tokenizer
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-START_TIMEOUT_S = 180
-REQUEST_TIMEOUT_S = 60
+START_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 180  # generous: the test machines are shared
 MAX_TOKENS = 6
 PROMPTS = ["w5 w6 w7", "w40 w41 w42 w43 w44"]
 
@@ -54,14 +56,14 @@ def _request(url: str, payload: dict | None = None) -> bytes:
         return response.read()
 
 
-@pytest.fixture(scope="module", params=[[], ["--continuous-batching"]], ids=["generate", "continuous-batching"])
-def server(request, chat_model_dir, tmp_path_factory):
+@contextlib.contextmanager
+def _running_server(folder, log: Path, *options: str):
+    """`attnres serve folder options` on 127.0.0.1 and a free port; yields its base URL, then stops it."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
     source = str(Path(attnres_hf.__file__).parents[1])  # the attnres_hf under test, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "attnres_hf.cli", "serve", str(chat_model_dir), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--device", "cpu", *request.param]
+    command = [sys.executable, "-m", "attnres_hf.cli", "serve", str(folder), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--device", "cpu", *options]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -77,7 +79,7 @@ def server(request, chat_model_dir, tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"the server did not answer within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
                 time.sleep(0.5)
-        yield base, str(chat_model_dir)
+        yield base
     finally:
         process.terminate()
         try:
@@ -87,14 +89,21 @@ def server(request, chat_model_dir, tmp_path_factory):
             process.wait(timeout=20)
 
 
+@pytest.fixture(scope="module", params=[[], ["--continuous-batching"]], ids=["generate", "continuous-batching"])
+def server(request, chat_model_dir, tmp_path_factory):
+    with _running_server(chat_model_dir, tmp_path_factory.mktemp("log") / "server.log", *request.param) as base:
+        yield base, str(chat_model_dir)
+
+
 @functools.cache
-def _load(folder: str):
-    return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+def _load(folder: str, four_bit: bool = False):
+    kwargs = {"quantization_config": qlora_quantization_config()} if four_bit else {}
+    return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
 
 
-def _expected(folder: str, prompt: str, chat: bool) -> str:
+def _expected(folder: str, prompt: str, chat: bool, four_bit: bool = False) -> str:
     """Greedy `generate` of the same folder on the same prompt, decoded as the server decodes."""
-    tokenizer, model = _load(folder)
+    tokenizer, model = _load(folder, four_bit)
     if chat:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -148,6 +157,14 @@ def test_two_concurrent_requests(server):
 def test_models_lists_the_folder(server):
     base, folder = server
     assert [model["id"] for model in json.loads(_request(f"{base}/v1/models"))["data"]] == [folder]
+
+
+@pytest.mark.slow
+def test_four_bit_server_answers_as_the_four_bit_model(chat_model_dir, tmp_path):
+    """`--quantization bnb-4bit` is transformers serve's NF4 + double quantization, QLoRA's 4-bit load."""
+    with _running_server(chat_model_dir, tmp_path / "server.log", "--quantization", "bnb-4bit") as base:
+        answer = _ask(base, "chat/completions", PROMPTS[0], stream=False)
+    assert answer.strip() == _expected(str(chat_model_dir), PROMPTS[0], chat=True, four_bit=True).strip()
 
 
 def test_register_with_transformers_is_idempotent():
