@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from attnres_hf.analysis import (aligned_suffix, compare_pairs, layer_magnitudes, record_routing, source_columns,
-                                 source_names, summarize)
+from attnres_hf import AttnResConfig, AttnResForCausalLM
+from attnres_hf.analysis import (aligned_suffix, compare_pairs, layer_magnitudes, record_routing, routing_maps,
+                                 source_columns, source_names, summarize)
 from attnres_hf.analysis.plots import plot_average_routing, plot_token_routing
 from attnres_hf.cli import main
-from utils import tiny_model, word_tokenizer
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING
+from utils import VARIANTS, tiny_model, variant_model, word_tokenizer
 
 
 @pytest.mark.parametrize("block_size, layers", [(1, 3), (2, 3), (4, 5)], ids=["full-3", "block2-3", "block4-5"])
@@ -60,12 +62,12 @@ def test_summary_of_uniform_routing(input_ids):
     summary = summarize(record_routing(tiny_model(attnres_block_size=2, routers=False), input_ids[0]))
     rows = {row["router"]: row for row in summary["routers"]}
     assert summary["mean_entropy_ratio"] == pytest.approx(1.0)
-    final = rows["final_res"]  # embedding and blocks 1-3 (6 sub-layers, all blocks complete): uniform over 4
+    final = rows["final"]  # embedding and blocks 1-3 (6 sub-layers, all blocks complete): uniform over 4
     assert final["n_sources"] == 4 and final["embedding_mass"] == pytest.approx(0.25)
     assert final["recent_mass"] == pytest.approx(0.25) and final["long_jump_mass"] == pytest.approx(0.5)
-    mlp = rows["layers.2.mlp_res"]  # embedding, blocks 1-2, partial block 3: long jumps = block 1 only
+    mlp = rows["L2 mlp"]  # embedding, blocks 1-2, partial block 3: long jumps = block 1 only
     assert mlp["n_sources"] == 4 and mlp["long_jump_mass"] == pytest.approx(0.25)
-    assert rows["layers.2.attn_res"]["long_jump_mass"] == pytest.approx(1 / 3)  # embedding, block 1, block 2
+    assert rows["L2 attn"]["long_jump_mass"] == pytest.approx(1 / 3)  # embedding, block 1, block 2
     assert all(not row["sinks"] for row in summary["routers"])
 
 
@@ -119,7 +121,7 @@ def test_routing_cli_writes_figures_arrays_and_summary(tmp_path, capsys):
         ids = word_tokenizer()(text, return_tensors="pt").input_ids
         first = model(ids, output_depth_weights=True).depth_weights[1][0].double().numpy()
     assert np.array_equal(saved["weights"][1][:, :2], first)
-    assert "final_res" in capsys.readouterr().out
+    assert "final" in capsys.readouterr().out
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"a": "w5 " + text, "b": "w50 " + text}) + "\n")
     assert main(["routing", "compare", str(tmp_path / "m"), "--pairs", str(pairs), "--output-dir", str(tmp_path / "c")]) == 0
@@ -154,3 +156,71 @@ def test_dynamics_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "baseline (residual): last logged train loss" in out and "Block AttnRes: last logged train loss" in out
     assert (tmp_path / "dyn" / "dynamics.png").exists()
+
+
+ROUTED = {name: overrides for name, overrides in VARIANTS.items() if DEPTH_MIXING[overrides.get("depth_mixing", "attnres")].routing_maps}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attnres_window": 2}, {"attnres_num_heads": 2}], ids=["plain", "window2", "heads2"])
+def test_the_issue_snippet_records_routing(overrides):
+    config = AttnResConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                           num_attention_heads=2, attnres_block_size=2, **overrides)
+    record = record_routing(AttnResForCausalLM(config).eval(), torch.arange(6))
+    assert record.weights.shape == (9 * config.attnres_num_heads, 6, 5)
+
+
+@pytest.mark.parametrize("name", list(ROUTED))
+def test_routing_maps_hold_every_depth_weight_of_every_method_and_knob(name, input_ids, tmp_path):
+    """Each row of the record is one row of one depth-weight tensor the model returned, at the source columns the
+    record names (never averaged over heads or streams), with the value norms of exactly those sources."""
+    model = variant_model(VARIANTS[name], num_hidden_layers=4)
+    record = record_routing(model, input_ids[0])
+    with torch.no_grad():
+        out = model(input_ids[:1], output_depth_weights=True)
+    maps = routing_maps(model.config)
+    assert len(maps) == len(out.depth_weights) and record.sources == source_names(model.config)
+    row = 0
+    for routing_map, weights in zip(maps, out.depth_weights):
+        if weights.dim() == 5:  # DCA: (B, T, C, n, D) per feature; the map shows the mean over features
+            weights = weights.mean(-1)
+        rows = weights[0] if weights.dim() == 4 else weights[0].unsqueeze(-2)  # (T, rows, n)
+        assert rows.shape[1:] == (len(routing_map.rows), len(routing_map.columns))
+        for k in range(len(routing_map.rows)):
+            assert np.array_equal(record.weights[row][:, routing_map.columns], rows[:, k].detach().double().numpy())
+            assert np.isnan(np.delete(record.weights[row], routing_map.columns, axis=1)).all()
+            row += 1
+    assert row == len(record.routers) == record.weights.shape[0] == len(set(record.routers))
+    summary = summarize(record)
+    assert len(summary["routers"]) == row
+    plot_average_routing(record, tmp_path / "avg.png")
+    plot_token_routing(record, tmp_path / "tok.png", 1, 4)
+    assert (tmp_path / "avg.png").stat().st_size > 10_000
+
+
+def test_windowed_and_per_head_maps_show_what_the_router_computes(input_ids):
+    """Full AttnRes, window 1, two heads: each router reads the embedding and the latest sub-layer output only; each
+    head has its own row; the value norms are those of the sources the router really mixes."""
+    model = variant_model({"attnres_block_size": 1, "attnres_window": 1, "attnres_num_heads": 2})
+    record = record_routing(model, input_ids[0])
+    outputs = []
+    hooks = [m.register_forward_hook(lambda mod, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
+             for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    with torch.no_grad():
+        model(input_ids[:1])
+    for hook in hooks:
+        hook.remove()
+    values = [model.model.embed_tokens(input_ids[:1]).detach()] + outputs  # column c = source c (Full AttnRes)
+    for r in range(len(record.routers)):
+        sublayer = r // 2
+        expected_columns = [0] if sublayer == 0 else [0, sublayer]
+        assert np.flatnonzero(~np.isnan(record.weights[r][0])).tolist() == expected_columns
+        norms = torch.stack([values[c][0].norm(dim=-1) for c in expected_columns], -1).double().numpy()
+        np.testing.assert_allclose(record.value_norms[r][:, expected_columns], norms, rtol=1e-5)
+    assert record.routers[:2] == ["L0 attn h0", "L0 attn h1"]
+    heads = record.weights[2::2], record.weights[3::2]  # rows of head 0 and head 1 from sub-layer 1 on
+    assert np.nanmax(np.abs(heads[0] - heads[1])) > 1e-3  # not one averaged map
+
+
+def test_routing_refuses_a_method_without_depth_weights(input_ids):
+    with pytest.raises(ValueError, match="depth_mixing='residual'"):
+        record_routing(tiny_model(depth_mixing="residual"), input_ids[0])

@@ -13,49 +13,26 @@ import textwrap
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import DynamicCache
 
 from attnres_hf import AttnResForCausalLM
-from attnres_hf.modeling.depth_mixing import MIXING_MODULES, sinkhorn_knopp
-from utils import TINY, tiny_config
+from attnres_hf.modeling.depth_mixing import (DEPTH_MIXING, MIXING_MODULES, depth_mixing_parameters,
+                                             is_depth_mixing_parameter, is_no_weight_decay_parameter,
+                                             modules_to_not_convert, sinkhorn_knopp)
+from utils import TINY, VARIANTS, perturb_mixing, tiny_config, variant_model
 
-EXACT_AT_INIT = {
-    "attnres-block2": {"attnres_block_size": 2, "attnres_rescale_output": True},
-    "attnres-full": {"attnres_block_size": 1, "attnres_rescale_output": True},
-    "attnres-sigmoid": {"attnres_block_size": 2, "attnres_rescale_output": True, "attnres_score_fn": "sigmoid"},
-    "attnres-no-key-norm": {"attnres_block_size": 2, "attnres_rescale_output": True, "attnres_key_norm": False},
-    "attnres-input-query": {"attnres_block_size": 2, "attnres_rescale_output": True,
-                            "attnres_query": "input_dependent"},
-    "attnres-heads4": {"attnres_block_size": 2, "attnres_rescale_output": True, "attnres_num_heads": 4},
-    "attnres-scalar": {"attnres_block_size": 1, "attnres_rescale_output": True, "attnres_scalar_weights": True},
-    "denseformer": {"depth_mixing": "denseformer"},
+EXTRA_VARIANTS = {
+    "attnres-full": {"attnres_block_size": 1},
     "denseformer-k2-p2": {"depth_mixing": "denseformer", "denseformer_dilation": 2, "denseformer_period": 2},
-    "muddformer": {"depth_mixing": "muddformer"},
-    "dca": {"depth_mixing": "dca"},
-    "mhc": {"depth_mixing": "mhc"},
     "mhc-2streams": {"depth_mixing": "mhc", "mhc_num_streams": 2},
 }
-WINDOW = {"attnres-window2": {"attnres_block_size": 1, "attnres_window": 2}}
+WINDOW = {name: overrides for name, overrides in VARIANTS.items() if "attnres_window" in overrides}
+"""A window drops sources: no initialisation reproduces the residual model."""
+EXACT_AT_INIT = {
+    name: overrides | ({"attnres_rescale_output": True} if overrides.get("depth_mixing", "attnres") == "attnres" else {})
+    for name, overrides in (VARIANTS | EXTRA_VARIANTS).items()
+    if name not in WINDOW and overrides.get("depth_mixing") != "residual"
+}
 ALL = EXACT_AT_INIT | WINDOW
-
-
-def perturb_mixing(model: torch.nn.Module, seed: int = 0) -> None:
-    """Move every depth-mixing parameter away from its initialisation, as training would."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, MIXING_MODULES):
-                for name, param in module.named_parameters():
-                    scale = 0.05 if name.startswith("phi") or name == "query_proj" else 0.5
-                    param.add_(scale * torch.randn(param.shape, generator=generator))
-
-
-def variant_model(overrides: dict, seed: int = 0, perturb: bool = True, **extra) -> AttnResForCausalLM:
-    torch.manual_seed(seed)
-    model = AttnResForCausalLM(tiny_config(**overrides, **extra)).eval()
-    if perturb:
-        perturb_mixing(model, seed)
-    return model
 
 
 @pytest.mark.parametrize("name", list(EXACT_AT_INIT))
@@ -74,30 +51,13 @@ def test_new_model_is_the_residual_model(name, input_ids):
 
 
 def test_sliding_window_drops_sources_and_equals_full_when_wide_enough(input_ids):
-    narrow = variant_model(WINDOW["attnres-window2"])
+    narrow = variant_model({"attnres_block_size": 1, "attnres_window": 2})
     wide = variant_model({"attnres_block_size": 1, "attnres_window": 100})
     full = variant_model({"attnres_block_size": 1})
     with torch.no_grad():
         weights = narrow(input_ids, output_depth_weights=True).depth_weights
         torch.testing.assert_close(wide(input_ids).logits, full(input_ids).logits, atol=1e-6, rtol=0)
     assert [w.shape[-1] for w in weights] == [1, 2, 3, 3, 3, 3, 3]  # the embedding + at most 2 recent sources
-
-
-@pytest.mark.parametrize("name", list(ALL))
-def test_cache_decoding_equals_full_forward(name, input_ids):
-    model = variant_model(ALL[name])
-    with torch.no_grad():
-        full = model(input_ids).logits
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids[:, :6], cache=cache, use_cache=True)
-        steps = [out.logits]
-        for position in range(6, input_ids.shape[1]):
-            out = model(input_ids[:, position:position + 1], cache=out.cache, use_cache=True)
-            steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
-    generated = model.generate(input_ids[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    recomputed = model.generate(input_ids[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=False)
-    assert torch.equal(generated, recomputed)
 
 
 @pytest.mark.parametrize("name", list(ALL))
@@ -117,22 +77,10 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(name, input
     torch.testing.assert_close(again.logits, out.logits, atol=0, rtol=0)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads.keys() == plain.keys()
-    mixing = [n for n in grads if any(k in n for k in ("_res.", ".dwa.", ".mudd.", "dca.", "_mhc."))]
+    mixing = [n for n in grads if is_depth_mixing_parameter(n)]
     assert mixing and any(grads[n].abs().sum() > 0 for n in mixing)  # the mixing parameters learn
     for key, grad in grads.items():
         torch.testing.assert_close(grad, plain[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", ["denseformer", "muddformer", "dca", "mhc", "attnres-sigmoid", "attnres-heads4"])
-def test_half_precision_stays_finite_on_large_inputs(name, dtype, input_ids):
-    model = variant_model(ALL[name]).to(dtype)
-    embeds = model.get_input_embeddings()(input_ids)
-    embeds = embeds / embeds.abs().amax() * 300  # inputs of magnitude ~300
-    with torch.no_grad():
-        out = model(inputs_embeds=embeds, output_depth_weights=True)
-    assert out.logits.dtype == dtype and torch.isfinite(out.logits).all()
-    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in out.depth_weights)
 
 
 REMOTE_SCRIPT = textwrap.dedent("""
@@ -259,7 +207,7 @@ def test_every_mixing_parameter_family_learns_from_the_initialisation(name, inpu
     model(input_ids, labels=input_ids).loss.backward()
     exempt = ("layers.0.attn_res.", ".w1", "alpha_pre", "alpha_post", "alpha_res", "b_res", "phi_res")
     for param_name, param in model.named_parameters():
-        if any(k in param_name for k in ("_res.", ".dwa.", ".mudd.", "dca.", "_mhc.")) and "key_norm" not in param_name:
+        if is_depth_mixing_parameter(param_name) and "key_norm" not in param_name:
             if not any(k in param_name for k in exempt):
                 assert param.grad is not None and param.grad.abs().sum() > 0, param_name
 
@@ -468,3 +416,101 @@ def test_attnres_ablation_knobs_two_layers_by_hand(knob, input_ids):
     model = variant_model({"attnres_block_size": 1, **KNOBS[knob]}, **TWO_LAYERS)
     logits, weights = attnres_reference(model, input_ids)
     check(model, input_ids, logits, weights)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The method records: one home per fact, read by the model, the recipes and the tools
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_every_attnres_knob_has_a_test_variant():
+    from utils import ATTNRES_KNOBS
+
+    knobs = {name for overrides in ATTNRES_KNOBS.values() for name in overrides}
+    assert knobs == set(DEPTH_MIXING["attnres"].config_fields)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_record_describes_the_models_modules_and_parameters(name):
+    model = variant_model(VARIANTS[name], perturb=False)
+    method = DEPTH_MIXING[model.config.depth_mixing]
+    mixing = {n: m for n, m in model.named_modules() if isinstance(m, MIXING_MODULES)}
+    assert all(isinstance(m, method.module_classes) for m in mixing.values())
+    assert {n.split(".")[-1] for n in mixing} == set(method.module_names) - {None}  # DenseFormer p>1: empty slots
+    for module_name in mixing:  # prefixes: model.layers.N.<field> and model.<field>
+        field = module_name.split(".")[-1]
+        expected = (f"model.layers.{module_name.split('.')[2]}.{field}" if field in method.layer_modules._fields
+                    else f"model.{field}")
+        assert module_name == expected
+    params = dict(model.named_parameters())
+    mixing_params = {f"{m}.{p}": param for m, module in mixing.items() for p, param in module.named_parameters()}
+    assert depth_mixing_parameters(model).keys() == mixing_params.keys()
+    assert model.num_depth_mixing_parameters() == sum(p.numel() for p in mixing_params.values())
+    assert sum(p.numel() for n, p in params.items() if is_depth_mixing_parameter(n)) == model.num_depth_mixing_parameters()
+    for key in method.no_weight_decay:  # each declared name exists in this method's modules (under some knob)
+        assert any(n.endswith("." + key) for n in mixing_params) or name.startswith("attnres"), key
+    assert modules_to_not_convert(model.config) == list(method.module_names)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({}, 288), ({"attnres_query": "input_dependent"}, 2592), ({"attnres_key_norm": False}, 144),
+    ({"attnres_scalar_weights": True}, 1 + 2 + 2 + 3 + 3 + 4 + 4 + 5 + 5),  # one logit per source of each router
+    ({"attnres_num_heads": 2}, 288), ({"attnres_window": 2}, 288), ({"attnres_score_fn": "sigmoid"}, 288),
+    ({"depth_mixing": "residual"}, 0),
+], ids=["paper", "input-query", "no-key-norm", "scalar", "heads2", "window2", "sigmoid", "residual"])
+def test_depth_mixing_parameters_are_counted_on_the_model(overrides, expected):
+    """The issue's 4-layer, 16-wide Block model: 9 routers x (query 16 + key norm 16) = 288 by default."""
+    from attnres_hf import AttnResConfig
+
+    config = AttnResConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                           num_attention_heads=2, attnres_block_size=2, **overrides)
+    assert AttnResForCausalLM(config).num_depth_mixing_parameters() == expected
+
+
+def test_peft_wrapped_router_names_are_still_depth_mixing_parameters():
+    assert is_depth_mixing_parameter("base_model.model.model.layers.0.attn_res.modules_to_save.default.query")
+    assert is_no_weight_decay_parameter("base_model.model.model.layers.0.attn_res.modules_to_save.default.query")
+    assert is_no_weight_decay_parameter("base_model.model.model.final_res.original_module.key_norm.weight")
+    assert not is_no_weight_decay_parameter("model.layers.0.attn_res.query_proj")
+    assert not is_depth_mixing_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert not is_depth_mixing_parameter("model.layers.0.mlp.down_proj.weight")
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS | EXTRA_VARIANTS if VARIANTS.get(n, {}).get("depth_mixing") != "residual"])
+def test_weight_decay_leaves_what_the_record_declares_unchanged(name, tmp_path):
+    """Issue 15 item 7: zero-gradient AdamW steps (lr 1e-3, weight decay 0.1) must not move a parameter whose initial
+    value encodes the residual path (mHC's H_pre stays a distribution), while the decayed ones shrink."""
+    from transformers import TrainingArguments
+
+    from attnres_hf.training.trainer import AttnResTrainer
+
+    model = variant_model((VARIANTS | EXTRA_VARIANTS)[name], perturb=False).train()
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-3, weight_decay=0.1, report_to=[],
+                             use_cpu=True, save_strategy="no")
+    trainer = AttnResTrainer(model=model, args=args)
+    optimizer = trainer.create_optimizer()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(10):
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+    kept = [n for n in before if is_no_weight_decay_parameter(n)]
+    assert kept, "the record declares no parameter out of decay"
+    for n in kept:
+        assert torch.equal(dict(model.named_parameters())[n], before[n]), n
+    decayed = [n for n, p in model.named_parameters() if n.endswith("q_proj.weight")]
+    assert all(not torch.equal(dict(model.named_parameters())[n], before[n]) for n in decayed)  # decay is on
+    if model.config.depth_mixing == "mhc":
+        connection = model.model.layers[0].attn_mhc
+        torch.testing.assert_close(torch.sigmoid(connection.b_pre).sum(), torch.tensor(1.0))  # H_pre at equal streams
+
+
+@pytest.mark.parametrize("name", list(VARIANTS | EXTRA_VARIANTS))
+def test_attnres_info_prints_the_models_own_mixing_parameter_count(name, tmp_path, capsys):
+    from attnres_hf.cli import main
+
+    model = variant_model((VARIANTS | EXTRA_VARIANTS)[name], perturb=False)
+    model.config.save_pretrained(tmp_path)
+    assert main(["info", str(tmp_path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mixing parameters"))
+    assert line.split()[2] == f"{model.num_depth_mixing_parameters():,}"

@@ -4,19 +4,19 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from utils import tiny_model
+from utils import VARIANTS, tiny_model, variant_model
 
-MODELS = [
-    pytest.param(dict(attnres_block_size=2), id="block2"),
-    pytest.param(dict(attnres_block_size=1), id="full"),
-    pytest.param(dict(depth_mixing="residual"), id="residual"),
-    pytest.param(dict(attnres_block_size=2, sliding_window=4, use_qk_norm=True, attention_bias=True), id="qwen-like"),
-]
+MODELS = {
+    **VARIANTS,  # every method of the family and AttnRes under every knob, mixing parameters trained-like
+    "attnres-full": dict(attnres_block_size=1),
+    "attnres-full-window2": dict(attnres_block_size=1, attnres_window=2),
+    "qwen-like": dict(attnres_block_size=2, sliding_window=4, use_qk_norm=True, attention_bias=True),
+}
 
 
-@pytest.mark.parametrize("overrides", MODELS)
-def test_incremental_decoding_equals_full_forward(overrides, input_ids):
-    model = tiny_model(**overrides)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_incremental_decoding_and_generate_equal_a_full_recompute(name, input_ids):
+    model = variant_model(MODELS[name])
     with torch.no_grad():
         full = model(input_ids).logits
         cache = DynamicCache(config=model.config)
@@ -27,6 +27,9 @@ def test_incremental_decoding_equals_full_forward(overrides, input_ids):
             assert out.cache is cache and cache.get_seq_length() == position + 1
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    generated = model.generate(input_ids[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    recomputed = model.generate(input_ids[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(generated, recomputed)
 
 
 def test_past_key_values_is_accepted_as_the_former_name_of_cache(input_ids):

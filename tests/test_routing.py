@@ -113,11 +113,11 @@ def test_naive_attnres_docstring_contract():
 
 def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch):
     """Completed-block key norms come from the state (once per block), never recomputed per router."""
-    from attnres_hf.modeling import depth_mixing
+    from attnres_hf.modeling import mixing_attnres
 
     calls = []
-    original = depth_mixing._inv_rms
-    monkeypatch.setattr(depth_mixing, "_inv_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
+    original = mixing_attnres.inverse_rms
+    monkeypatch.setattr(mixing_attnres, "inverse_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
     model = tiny_model(attnres_block_size=2, num_hidden_layers=4)
     with torch.no_grad():
         model(input_ids)

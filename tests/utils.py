@@ -60,3 +60,47 @@ def counting_text(lines: int = 400, seed: int = 0, length: int = 24) -> str:
     for start in torch.randint(0, 96, (lines,), generator=generator).tolist():
         out.append(" ".join(f"w{3 + (start + k) % 96}" for k in range(length)))
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The depth-mixing family, parametrised from the method records
+# ---------------------------------------------------------------------------------------------------------------
+
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, MIXING_MODULES  # noqa: E402
+
+METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name == "attnres" else {})
+           for name in DEPTH_MIXING}
+"""One tiny variant per method of `DEPTH_MIXING` (Block AttnRes with blocks of 2 sub-layers)."""
+
+ATTNRES_KNOBS = {
+    "window2": {"attnres_window": 2},
+    "heads4": {"attnres_num_heads": 4},
+    "sigmoid": {"attnres_score_fn": "sigmoid"},
+    "scalar": {"attnres_scalar_weights": True},
+    "input-query": {"attnres_query": "input_dependent"},
+    "no-key-norm": {"attnres_key_norm": False},
+}
+"""A non-default value of every knob the AttnRes record owns (`test_every_attnres_knob_has_a_variant` checks)."""
+
+VARIANTS = METHODS | {f"attnres-{knob}": {"attnres_block_size": 2, **value} for knob, value in ATTNRES_KNOBS.items()}
+"""Every method, and AttnRes under every knob."""
+
+
+def perturb_mixing(model: torch.nn.Module, seed: int = 0) -> None:
+    """Move every depth-mixing parameter away from its initialisation, as training would."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MIXING_MODULES):
+                for name, param in module.named_parameters():
+                    scale = 0.05 if name.startswith("phi") or name == "query_proj" else 0.5
+                    param.add_(scale * torch.randn(param.shape, generator=generator))
+
+
+def variant_model(overrides: dict, seed: int = 0, perturb: bool = True, **extra) -> AttnResForCausalLM:
+    """A tiny model of one variant, its mixing parameters perturbed (trained-like) unless `perturb=False`."""
+    torch.manual_seed(seed)
+    model = AttnResForCausalLM(tiny_config(**overrides, **extra)).eval()
+    if perturb:
+        perturb_mixing(model, seed)
+    return model

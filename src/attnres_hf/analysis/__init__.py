@@ -6,7 +6,7 @@ Never imported by `modeling/`: plots and hooks live here, outside what travels w
 from .compare import aligned_suffix, compare_pairs, load_pairs
 from .dynamics import DepthDynamicsCallback, layer_magnitudes, run_dynamics
 from .layout import block_layout, sublayer_names
-from .routing import RoutingRecord, record_routing, router_names, source_columns, source_names, summarize
+from .routing import RoutingRecord, record_routing, router_names, routing_maps, source_columns, source_names, summarize
 
 __all__ = [
     "DepthDynamicsCallback",
@@ -18,6 +18,7 @@ __all__ = [
     "load_pairs",
     "record_routing",
     "router_names",
+    "routing_maps",
     "run_dynamics",
     "source_columns",
     "source_names",

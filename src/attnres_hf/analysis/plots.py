@@ -20,10 +20,14 @@ def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _router_label(name: str) -> str:
+    """Row labels come from the method's record (`L0 attn`, `L0 attn h1`, `L2 mudd q`, `final`); module-style names
+    of older records (`layers.0.attn_res`, `final_res`) are shortened the same way."""
     if name == "final_res":
         return "final"
-    _, layer, kind = name.split(".")
-    return f"L{layer} {kind.removesuffix('_res')}"
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "layers":
+        return f"L{parts[1]} {parts[2].removesuffix('_res')}"
+    return name
 
 
 def _heatmap(ax, matrix: np.ndarray, rows: list[str], columns: list[str], title: str, cmap: str, label: str,
@@ -35,7 +39,7 @@ def _heatmap(ax, matrix: np.ndarray, rows: list[str], columns: list[str], title:
     ax.set_yticks(range(len(rows)), [_router_label(r) for r in rows], fontsize=_fontsize(len(rows)))
     ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=_fontsize(len(columns)))
     ax.set_xlabel("source")
-    ax.set_ylabel("router (sub-layer input, depth order)")
+    ax.set_ylabel("router / mixing output (depth order)")
     ax.set_title(title, fontsize=10)
     ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.02, label=label)
 

@@ -16,6 +16,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run_info(args: argparse.Namespace) -> int:
     from ..analysis.layout import block_layout
     from ..modeling import AttnResConfig
+    from ..modeling.depth_mixing import num_depth_mixing_parameters
 
     path = Path(args.path)
     config_file = path / "config.json" if path.is_dir() else path
@@ -30,6 +31,7 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"depth_mixing        {config.depth_mixing}")
     print(f"layers / sub-layers {config.num_hidden_layers} / {config.num_sublayers}")
     print(f"hidden_size         {config.hidden_size}")
+    print(f"mixing parameters   {num_depth_mixing_parameters(config):,} (built from the method's record)")
     if config.depth_mixing == "attnres":
         kind = "Full AttnRes" if config.attnres_block_size == 1 else "Block AttnRes"
         size = config.attnres_block_size
@@ -37,7 +39,6 @@ def run_info(args: argparse.Namespace) -> int:
         layout = f"{config.num_attnres_blocks} blocks" + (f", the last of {last}" if last != size else "")
         print(f"block size          {size} sub-layer{'s' if size > 1 else ''} ({kind}, {layout})")
         print(f"routers             {config.num_sublayers + 1} (attn_res and mlp_res per layer, final_res)")
-        print(f"router parameters   {(config.num_sublayers + 1) * 2 * config.hidden_size:,}")
         for index, block in enumerate(block_layout(config), start=1):
             print(f"  block {index:>3}: {' '.join(block)}")
     return 0

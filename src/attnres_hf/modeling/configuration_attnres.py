@@ -3,26 +3,19 @@
 Field names follow `LlamaConfig` / `Qwen2Config` / `Qwen3Config` so that a checkpoint of those families maps onto
 this config field by field. New fields are prefixed (`depth_mixing`, `attnres_*`).
 
-Travels with checkpoints as remote code (`auto_map`): imports only `transformers`.
+Travels with checkpoints as remote code (`auto_map`): imports only `transformers` and its sibling `depth_mixing`
+(the method records).
 """
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
+from .depth_mixing import DEPTH_MIXING
 
-DEPTH_MIXING_METHODS = ("residual", "attnres", "denseformer", "muddformer", "dca", "mhc")
-"""Values accepted by `AttnResConfig.depth_mixing`; the family grows by adding a state and its mixing modules."""
 
-ATTNRES_KNOB_DEFAULTS = {
-    "attnres_score_fn": "softmax",
-    "attnres_key_norm": True,
-    "attnres_window": None,
-    "attnres_query": "static",
-    "attnres_num_heads": 1,
-    "attnres_scalar_weights": False,
-}
-"""The paper's Table 4 ablation knobs of `depth_mixing="attnres"` at their defaults (the paper's AttnRes)."""
+DEPTH_MIXING_METHODS = tuple(DEPTH_MIXING)
+"""Values accepted by `AttnResConfig.depth_mixing`, read from the method records (`depth_mixing.DEPTH_MIXING`)."""
 
 
 def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> int:
@@ -261,16 +254,14 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError(
                 f"attnres_num_heads ({self.attnres_num_heads}) must divide hidden_size ({self.hidden_size})"
             )
-        owners = {"attnres": ATTNRES_KNOB_DEFAULTS,
-                  "denseformer": {"denseformer_dilation": 1, "denseformer_period": 1},
-                  "mhc": {"mhc_num_streams": 4, "mhc_sinkhorn_iterations": 20}}
-        for method, defaults in owners.items():
-            if self.depth_mixing == method:
+        defaults = self.__dataclass_fields__
+        for method in DEPTH_MIXING.values():
+            if method.name == self.depth_mixing:
                 continue
-            changed = [name for name, default in defaults.items() if getattr(self, name) != default]
+            changed = [name for name in method.config_fields if getattr(self, name) != defaults[name].default]
             if changed:
                 raise ValueError(
-                    f"{', '.join(changed)} only apply to depth_mixing={method!r}, "
+                    f"{', '.join(changed)} only apply to depth_mixing={method.name!r}, "
                     f"but depth_mixing is {self.depth_mixing!r}"
                 )
         if self.attnres_scalar_weights:
@@ -291,5 +282,9 @@ class AttnResConfig(PreTrainedConfig):
         """Number of blocks `N` of Block AttnRes (the last one may be partial); `2 L` for Full AttnRes."""
         return -(-self.num_sublayers // self.attnres_block_size)
 
+
+ATTNRES_KNOB_DEFAULTS = {name: AttnResConfig.__dataclass_fields__[name].default
+                         for name in DEPTH_MIXING["attnres"].config_fields}
+"""The paper's Table 4 ablation knobs of `depth_mixing="attnres"` at their defaults (the paper's AttnRes)."""
 
 __all__ = ["AttnResConfig", "default_attnres_block_size", "DEPTH_MIXING_METHODS", "ATTNRES_KNOB_DEFAULTS"]

@@ -8,8 +8,8 @@ is a learned pseudo-query. Block AttnRes (Eq. 6) uses as sources the embedding, 
 
 The classes follow `transformers`' `modeling_llama.py` in data-flow order; departures from Llama carry an
 `# AttnRes:` comment. The depth-mixing family (`depth_mixing`: residual, AttnRes, DenseFormer, MUDDFormer, DCA, mHC)
-is in the sibling `depth_mixing.py`. This file travels with checkpoints as remote code: it imports only torch,
-transformers and its siblings `configuration_attnres` and `depth_mixing`.
+is in the sibling `depth_mixing.py` (one record per method) and its `mixing_*.py` siblings. This file travels with
+checkpoints as remote code: it imports only torch, transformers and those siblings.
 """
 
 import functools
@@ -35,7 +35,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState, naive_attnres
+from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState, naive_attnres,
+                           num_depth_mixing_parameters, register_modules, registered_modules)
 
 logger = logging.get_logger(__name__)
 
@@ -205,19 +206,19 @@ class AttnResAttention(nn.Module):
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`) that read their inputs from, and write
-    their outputs to, the depth state of `config.depth_mixing` instead of the residual sum. The mixing modules are
-    attributes named by the method (`attn_res`/`mlp_res`, `dwa`, `mudd`, `dca`, `attn_mhc`/`mlp_mhc`)."""
+    their outputs to, the depth state of `config.depth_mixing` instead of the residual sum. The method's record builds
+    its mixing modules (`record.layer_modules`), registered under their names (`attn_res`/`mlp_res`, `dwa`, ...)."""
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.block_size = config.attnres_block_size
         self.self_attn = AttnResAttention(config=config, layer_idx=layer_idx)
         self.mlp = AttnResMLP(config)
         self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        for name, module in DEPTH_MIXING[config.depth_mixing].layer_modules(config, layer_idx).items():
-            setattr(self, name, module)
+        # AttnRes: the depth-mixing modules of this layer (paper Eq. 1-4, 6 for AttnRes).
+        self._mixing_type = DEPTH_MIXING[config.depth_mixing].layer_modules
+        register_modules(self, self._mixing_type.build(config, layer_idx))
 
     def forward(
         self,
@@ -231,13 +232,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         """Returns the new depth state, this layer's attention (query) input `(batch, seq_len, hidden_size)` (its
         entry in `hidden_states`) and the tuple of depth weights its mixing computed (empty for the residual)."""
-        # AttnRes: the attention input(s) come from the depth state (Eq. 1-4, 6 for AttnRes), not the residual sum.
-        state, (layer_input, key_input, value_input), attn_depth_weights = state.read_attn(self)
+        mixing = registered_modules(self, self._mixing_type)
+        # AttnRes: the attention input(s) come from the depth state, not the residual sum.
+        attn_read = state.read_attn(mixing)
         key_value_states = None
-        if key_input is not None:  # one pre-norm per sub-layer, applied to each routed stream
-            key_value_states = (self.input_layernorm(key_input), self.input_layernorm(value_input))
+        if attn_read.key_value is not None:  # one pre-norm per sub-layer, applied to each routed stream
+            key_value_states = tuple(self.input_layernorm(x) for x in attn_read.key_value)
         hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(layer_input),
+            hidden_states=self.input_layernorm(attn_read.hidden),
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
@@ -246,12 +248,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             key_value_states=key_value_states,
             **kwargs,
         )
-        state = state.write_attn(self, hidden_states)
+        attn_write = attn_read.state.write_attn(mixing, hidden_states)
 
-        state, hidden_states, mlp_depth_weights = state.read_mlp(self)
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        state, output_depth_weights = state.write_mlp(self, hidden_states)
-        return state, layer_input, (*attn_depth_weights, *mlp_depth_weights, *output_depth_weights)
+        mlp_read = attn_write.state.read_mlp(mixing)
+        hidden_states = self.mlp(self.post_attention_layernorm(mlp_read.hidden))
+        mlp_write = mlp_read.state.write_mlp(mixing, hidden_states)
+        weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
+                   *mlp_write.depth_weights)
+        return mlp_write.state, attn_read.hidden, weights
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -297,6 +301,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
             }
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def num_depth_mixing_parameters(self) -> int:
+        """Number of depth-mixing parameters this model holds (AttnRes: router queries, key norms, `query_proj` or
+        scalar logits; the family: DWAs, MUDD connections, GRN-v3s, hyper-connections), counted on the modules."""
+        return num_depth_mixing_parameters(self)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -308,12 +317,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
 @dataclass
 class AttnResModelOutputWithPast(BaseModelOutputWithPast):
-    """`BaseModelOutputWithPast` plus `depth_weights`, fp32 tensors in depth order when `output_depth_weights=True`:
-    AttnRes: one `(batch, seq_len, n_sources)` per router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`;
-    `(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA
-    (static alphas, broadcast); MUDDFormer: one `(batch, seq_len, C, n)` per layer (`C = 4` streams q, k, v, r; 1 after
-    the last layer); DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN (`C = 3` per layer, 1 for `final_dca`);
-    mHC: `H_res`, `(batch, seq_len, n_streams, n_streams)`, per sub-layer. `None` for the residual baseline."""
+    """`BaseModelOutputWithPast` plus `depth_weights`, fp32 tensors in depth order when `output_depth_weights=True`,
+    as the method's record says (`DEPTH_MIXING[name].depth_weights`): AttnRes: one `(batch, seq_len, n_sources)` per
+    router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`; `(batch, seq_len, heads, n_sources)` with
+    `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA; MUDDFormer: one `(batch, seq_len, C, n)`
+    per layer; DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN; mHC: `H_res`, `(batch, seq_len, n_streams,
+    n_streams)`, per sub-layer. `None` for the residual baseline."""
 
     depth_weights: tuple[torch.Tensor, ...] | None = None
 
@@ -335,8 +344,8 @@ class AttnResModel(AttnResPreTrainedModel):
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         # AttnRes: the method's final mixing (AttnRes: `final_res`, DCA: `final_dca`) builds the last norm's input.
-        for name, module in DEPTH_MIXING[config.depth_mixing].final_modules(config).items():
-            setattr(self, name, module)
+        self._mixing_type = DEPTH_MIXING[config.depth_mixing].final_modules
+        register_modules(self, self._mixing_type.build(config))
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -400,7 +409,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        state = DEPTH_MIXING[self.config.depth_mixing].start(inputs_embeds, self.config, bool(output_depth_weights))
+        state = DEPTH_MIXING[self.config.depth_mixing].state.start(inputs_embeds, self.config, bool(output_depth_weights))
         hidden_states, depth_weights = [], []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             state, layer_input, layer_depth_weights = decoder_layer(
@@ -415,9 +424,9 @@ class AttnResModel(AttnResPreTrainedModel):
             hidden_states.append(layer_input)
             depth_weights += layer_depth_weights
 
-        last_hidden_state, final_depth_weights = state.read_final(self)
-        last_hidden_state = self.norm(last_hidden_state)
-        depth_weights += final_depth_weights
+        final = state.read_final(registered_modules(self, self._mixing_type))
+        last_hidden_state = self.norm(final.hidden)
+        depth_weights += final.depth_weights
         return AttnResModelOutputWithPast(
             last_hidden_state=last_hidden_state,
             cache=cache,

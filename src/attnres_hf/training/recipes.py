@@ -5,10 +5,13 @@ import os
 import torch
 from transformers import PreTrainedModel
 
-ROUTER_MODULES = ("attn_res", "mlp_res", "final_res", "dwa", "mudd", "dca", "final_dca", "attn_mhc", "mlp_mhc")
-"""Module names of the depth-mixing modules: AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`,
-`model.final_res`) and the rest of the family's (DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC
-`attn_mhc` / `mlp_mhc`). `--method routers` trains exactly these."""
+from ..modeling.depth_mixing import MIXING_MODULE_NAMES, is_depth_mixing_parameter
+
+ROUTER_MODULES = MIXING_MODULE_NAMES
+"""Module names of the depth-mixing modules, read from the method records (`DEPTH_MIXING[name].module_names`):
+AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`, `model.final_res`) and the rest of the family's
+(DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC `attn_mhc` / `mlp_mhc`). `--method routers` trains
+exactly these."""
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """LoRA targets for `model_type="attnres"` (PEFT ships none for it): every attention and MLP projection."""
@@ -21,8 +24,8 @@ larger rate turns the uniform routing of a retrofit into a sharp one at once and
 
 def is_router_parameter(name: str) -> bool:
     """True for the parameters of a depth-mixing module, e.g. `model.layers.3.mlp_res.query`,
-    `model.layers.0.dwa.alpha`."""
-    return any(f"{module}." in name for module in ROUTER_MODULES)
+    `model.layers.0.dwa.alpha` (a name component is one of `ROUTER_MODULES`)."""
+    return is_depth_mixing_parameter(name)
 
 
 def prepare_model(

@@ -65,7 +65,12 @@ class AttnResTrainer(Trainer):
             self.args.dataloader_pin_memory = False  # nothing to pin to; torch warns on every dataloader
 
     def get_decay_parameter_names(self, model) -> list[str]:
-        return [name for name in super().get_decay_parameter_names(model) if not name.endswith(".query")]
+        # Each method's record declares what weight decay must not pull towards zero: parameters whose initial value
+        # encodes the residual path (mHC `b_pre`, DenseFormer `alpha`, ...) and the biases, gates, scales and norms
+        # of its mixing modules (`DEPTH_MIXING[name].no_weight_decay`).
+        from ..modeling.depth_mixing import is_no_weight_decay_parameter
+
+        return [name for name in super().get_decay_parameter_names(model) if not is_no_weight_decay_parameter(name)]
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Without `compute_metrics` the logits are never used: keeping them (vocab x tokens per batch) is slow.

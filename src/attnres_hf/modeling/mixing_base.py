@@ -1,0 +1,198 @@
+"""The depth-state contract every depth-mixing method follows, and the record that describes a method.
+
+A method is one `DepthMixingMethod` record (see `depth_mixing.py` for the table of records). The decoder drives its
+*state*, an immutable `NamedTuple` of tensors (so that a gradient-checkpointed layer can replay it), through five
+hooks with one return shape each:
+
+    read  = state.read_attn(mixing)            -> DepthRead(state, hidden, key_value, depth_weights)
+    write = read.state.write_attn(mixing, out) -> DepthWrite(state, depth_weights)
+    read  = write.state.read_mlp(mixing)       -> DepthRead(...)           (key_value is None)
+    write = read.state.write_mlp(mixing, out)  -> DepthWrite(...)
+    final = state.read_final(final_mixing)     -> DepthRead(...)           (the input of the final norm)
+
+`mixing` is the method's own `NamedTuple` of modules for this layer (`final_mixing`: for the model), built once by
+`record.layer_modules.build(config, layer_idx)` / `record.final_modules.build(config)`; its field names are the
+attribute names, hence the parameter-name prefixes `model.layers.N.<field>.` and `model.<field>.`.
+
+Sub-layers: attention and MLP each count as one (a "layer" in the AttnRes paper); `num_hidden_layers = L` gives
+`2 L`. All mixing weights, norms, softmax and sigmoid run in fp32; outputs are cast back to the stream's dtype.
+
+Travels with checkpoints as remote code: imports only torch and transformers.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+
+class DepthRead(NamedTuple):
+    """What a read hook returns.
+
+    - `state`: the state after the read (AttnRes closes a block here; mHC keeps its pending mappings).
+    - `hidden`: the sub-layer input, `(batch, seq_len, hidden_size)` in the stream's dtype (for the attention: the
+      input of `q_proj` and of the layer's own residual; for `read_final`: the input of the final norm).
+    - `key_value`: separate inputs of `k_proj` and `v_proj` (MUDDFormer, DCA), each `(batch, seq_len, hidden_size)`,
+      or `None` when `hidden` feeds all three projections (and always for the MLP and the final read).
+    - `depth_weights`: the weights the read computed, fp32 (empty when it computed none); see the record's
+      `depth_weights` text for their shape.
+    """
+
+    state: "DepthState"
+    hidden: torch.Tensor
+    key_value: tuple[torch.Tensor, torch.Tensor] | None = None
+    depth_weights: tuple[torch.Tensor, ...] = ()
+
+
+class DepthWrite(NamedTuple):
+    """What a write hook returns: the state after the sub-layer output `(batch, seq_len, hidden_size)` joined the
+    depth stream, and the depth weights the write computed (fp32; empty when none)."""
+
+    state: "DepthState"
+    depth_weights: tuple[torch.Tensor, ...] = ()
+
+
+class DepthState(Protocol):
+    """The typed contract of a depth state (an immutable `NamedTuple`; every hook returns a new one)."""
+
+    @classmethod
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "DepthState":
+        """The state before the first sub-layer, from the token embeddings `(batch, seq_len, hidden_size)`;
+        `keep_weights`: whether depth weights that cost memory (DCA's per-feature weights) are returned."""
+
+    def read_attn(self, mixing) -> DepthRead:
+        """The inputs of the attention sub-layer of the layer whose mixing modules are `mixing`."""
+
+    def write_attn(self, mixing, output: torch.Tensor) -> DepthWrite:
+        """Add the attention output `(batch, seq_len, hidden_size)` to the depth stream."""
+
+    def read_mlp(self, mixing) -> DepthRead:
+        """The input of the MLP sub-layer."""
+
+    def write_mlp(self, mixing, output: torch.Tensor) -> DepthWrite:
+        """Add the MLP output to the depth stream (DenseFormer, MUDDFormer mix the layer outputs here)."""
+
+    def read_final(self, mixing) -> DepthRead:
+        """The input of the final norm, from the model-level mixing modules `mixing`."""
+
+
+class NoModules(NamedTuple):
+    """The mixing modules of a method that adds none (at this level)."""
+
+    @classmethod
+    def build(cls, config, *args) -> "NoModules":
+        return cls()
+
+
+@dataclass(frozen=True)
+class RoutingMap:
+    """How one depth-weight tensor of `output_depth_weights` reads as rows of weights over a common source axis.
+
+    - `module`: the path of the module that computed it, e.g. `model.layers.0.attn_res`.
+    - `rows`: a label per row, e.g. `["L0 attn"]`, `["L0 attn h0", "L0 attn h1"]` (per head), `["L0 mudd q", ...]`.
+    - `columns`: the columns of the common source axis (`DepthMixingMethod.source_names`) that its last axis reads,
+      in order (a window keeps the embedding and the most recent ones).
+    - `partial`: whether the last column is a partial block sum (Block AttnRes).
+    """
+
+    module: str
+    rows: list[str]
+    columns: list[int]
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class DepthMixingMethod:
+    """Everything about one `depth_mixing` value; the table `DEPTH_MIXING` is the only list of methods.
+
+    - `name`: the `AttnResConfig.depth_mixing` value; `title`: its paper; `card`: its model-card line.
+    - `state`: the `DepthState` class the decoder drives.
+    - `layer_modules`, `final_modules`: `NamedTuple` classes with a `build(config, layer_idx)` / `build(config)`
+      classmethod; their fields are the module attribute names (`model.layers.N.<field>`, `model.<field>`), which
+      are the parameter-name prefixes of the method.
+    - `module_classes`: the classes of those modules (each has `reset_parameters()`, its residual-model init).
+    - `no_weight_decay`: parameter names inside the modules kept out of weight decay: those whose initial value
+      encodes the residual path, and every bias, gate, scale or norm weight of a mixing module.
+    - `config_fields`: the config fields only this method reads (set for another method: an error).
+    - `depth_weights`: what `output_depth_weights=True` returns (shapes, order).
+    - `routing_maps(config)`: one `RoutingMap` per returned depth-weight tensor, in order; `source_names(config)`:
+      the common source axis; `source_norms(module_input)`: the L2 norm of each source of a mixing module's first
+      input, `(batch, seq_len, n)` on that axis; `to_rows(weights)`: `(batch, seq_len, *)` -> `(batch, seq_len,
+      rows, n)`; `distribution(config)`: whether each row sums to 1 (softmax, Sinkhorn).
+    """
+
+    name: str
+    title: str
+    card: str
+    state: type
+    layer_modules: type = NoModules
+    final_modules: type = NoModules
+    module_classes: tuple[type, ...] = ()
+    no_weight_decay: tuple[str, ...] = ()
+    config_fields: tuple[str, ...] = ()
+    depth_weights: str = "none"
+    routing_maps: Callable | None = None
+    source_names: Callable | None = None
+    source_norms: Callable | None = None
+    to_rows: Callable = field(default=lambda weights: weights.unsqueeze(-2))
+    distribution: Callable = field(default=lambda config: False)
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        """Attribute names of the method's mixing modules (layer-level, then model-level)."""
+        return (*self.layer_modules._fields, *self.final_modules._fields)
+
+
+def register_modules(owner: nn.Module, modules: NamedTuple) -> None:
+    """Register each module of `modules` on `owner` under its field name (`None`: an empty slot)."""
+    for name, module in zip(modules._fields, modules):
+        owner.add_module(name, module)
+
+
+def registered_modules(owner: nn.Module, modules_type: type):
+    """The `modules_type` tuple of the modules registered on `owner` (after PEFT may have wrapped them)."""
+    return modules_type(*(owner._modules[name] for name in modules_type._fields))
+
+
+class AttnResRMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in fp32 (Llama's `LlamaRMSNorm`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`1 / RMS(x)` over the last axis in fp32: `(..., d) -> (...)`."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / RMS(x)` in fp32, without a learned scale."""
+    return x.float() * inverse_rms(x, eps).unsqueeze(-1)
+
+
+def stacked_norms(sources) -> torch.Tensor:
+    """L2 norm per token of each tensor of `sources` (`(batch, seq_len, hidden_size)` each) -> `(batch, seq_len, n)`;
+    a tensor `(batch, seq_len, n, hidden_size)` (mHC streams) gives the same."""
+    if isinstance(sources, torch.Tensor):
+        return sources.float().norm(dim=-1)
+    return torch.stack([s.float().norm(dim=-1) for s in sources], dim=-1)
+
+
+def sublayer_name(index: int) -> str:
+    """`0.attn`, `0.mlp`, `1.attn`, ...: sub-layer `2 i` is the attention of layer `i`, `2 i + 1` its MLP."""
+    return f"{index // 2}.{'attn' if index % 2 == 0 else 'mlp'}"

@@ -1,0 +1,86 @@
+"""`attnres demo`'s steps and summary, run end to end on a tiny Llama checkpoint standing in for SmolLM2."""
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from attnres_hf import demo
+from attnres_hf.cli import main
+from utils import TINY, counting_text, word_tokenizer
+
+
+@pytest.fixture
+def tiny_source(tmp_path, monkeypatch):
+    """A tiny Llama folder with a chat template as the demo's source, and counting text as its texts."""
+    torch.manual_seed(0)
+    folder = tmp_path / "source"
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder)
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(demo, "smollm2_hf_folder", lambda: folder)
+    monkeypatch.setattr(demo, "demo_texts", lambda: demo.DemoTexts(
+        held_out=counting_text(40, seed=1), train=counting_text(200), description="counting text"))
+    monkeypatch.setattr(demo, "CHAT_PROMPT", "w5 w6 w7")
+    return folder
+
+
+def test_demo_runs_its_steps_in_order_and_writes_the_summary(tiny_source, tmp_path, capsys):
+    out = tmp_path / "demo"
+    results = demo.run_demo(out, ppl_tokens=200, window=32, chat_tokens=4, train_steps=2, train_seq_len=32,
+                            eval_questions=0)
+    printed = capsys.readouterr().out
+    progress = [line for line in printed.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == [f"[{n}/7" for n in range(1, 8)]
+    assert "2 steps x 4 x 32 tokens" in progress[4] and progress[-1].startswith("[7/7] Chat")
+    assert results["verification"]["max_abs_logit_delta"] < 1e-4 and results["verification"]["greedy_match"]
+    assert set(results["perplexity"]) == {"source", "converted", "router_trained", "window", "text"}
+    assert results["perplexity"]["converted"]["perplexity"] == pytest.approx(
+        results["perplexity"]["source"]["perplexity"], rel=1e-4)
+    assert results["router_training"]["steps"] == 2 and results["evaluation"] is None
+    assert set(results["chat"]["answers"]) == {"converted", "router_trained"}
+    assert json.loads((out / "demo.json").read_text()) == json.loads(json.dumps(results))
+    summary = (out / "summary.md").read_text()
+    for label in ("max |delta logits| vs source", "held-out perplexity, source", "router-trained", "wall time"):
+        assert label in summary and label in printed
+    assert (out / "routing_average.png").is_file() and not (out / "train_text.txt").exists()
+
+
+def test_demo_without_training_skips_its_steps_and_replaces_only_an_earlier_demo(tiny_source, tmp_path, capsys):
+    out = tmp_path / "demo"
+    for _ in range(2):  # the second run replaces the first
+        results = demo.run_demo(out, ppl_tokens=100, window=32, chat_tokens=2, train_steps=0, eval_questions=0)
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert progress[-1].startswith("[5/5] Chat") and results["router_training"] is None
+    assert "router-trained" not in (out / "summary.md").read_text()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="is not an earlier demo output"):
+        demo.run_demo(tmp_path / "mine")
+    assert main(["demo", "--output-dir", str(tmp_path / "mine")]) == 2
+    assert "attnres demo: error:" in capsys.readouterr().err and (tmp_path / "mine" / "notes.txt").is_file()
+
+
+def test_summary_renderer_reports_a_failed_check_loudly():
+    results = {
+        "model_dir": "m", "attnres_block_size": 8, "num_attnres_blocks": 8, "num_sublayers": 60,
+        "verification": {"max_abs_logit_delta": 0.5, "num_probe_tokens": 86, "greedy_new_tokens": 16,
+                         "greedy_match": False},
+        "plain_mean_verification": {"max_abs_logit_delta": 4e-2, "argmax_agreement": 0.99},
+        "perplexity": {"source": {"perplexity": 10.0, "tokens": 100}, "converted": {"perplexity": 10.5}},
+        "router_training": None, "wall_time_s": 3.0,
+        "evaluation": {"rows": [{"benchmark": "mmlu", "title": "MMLU", "metric": "acc,none", "baseline": 0.3,
+                                 "model": 0.25}],
+                       "comparison": {"mmlu": {"identical": False, "same_score": 90, "samples": 100,
+                                               "max_abs_loglikelihood_delta": 0.1}}},
+        "chat": {"answers": {"converted": "line one\nline two"}},
+    }
+    text, markdown = demo.render_summary(results, "src", eval_table="| table |\n")
+    assert re.search(r"16-token greedy continuation +DIFFERENT", text)
+    assert "8 blocks of 8 sub-layers over 60, the last partial" in markdown
+    assert "30.0 -> 25.0; per-sample scores DIFFERENT on 90/100" in text
+    assert "WARNING: the per-sample scores differ" in text and "## lm-eval at conversion time" in markdown
+    assert "> line one\n> line two" in markdown
