@@ -36,6 +36,9 @@ def register_with_transformers() -> None:
 
     Idempotent; a name transformers already defines is never replaced. The Auto-class registration
     (`AutoModelForCausalLM.register`) is done by importing `attnres_hf`.
+
+    Raises:
+        RuntimeError: transformers defines another class under one of these names.
     """
     for cls in SERVED_CLASSES:
         if getattr(transformers, cls.__name__, cls) is not cls:
