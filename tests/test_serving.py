@@ -182,3 +182,18 @@ def test_serve_rejects_a_folder_without_config(tmp_path, capsys):
 
     assert main(["serve", str(tmp_path), "--port", "1"]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_transformers_serve_with_remote_code_alone_still_fails(chat_model_dir, tmp_path):
+    """The upstream limit the README states: transformers 5.24's server looks the class up on the `transformers`
+    module, so remote code alone cannot serve the folder. When this fails, transformers fixed it: update the README."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_MODULES_CACHE": str(tmp_path)}
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(chat_model_dir),
+               "--trust-remote-code", "--device", "cpu", "--host", "127.0.0.1", "--port", str(_free_port())]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=START_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("transformers serve started with remote code alone: the README's upstream limit is gone")
+    assert result.returncode != 0
+    assert "has no attribute AttnResForCausalLM" in result.stderr + result.stdout
