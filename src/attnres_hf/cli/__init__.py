@@ -1,10 +1,11 @@
 """The `attnres` command: one module per command family, each adding its sub-commands to one argparse tree.
 
 - `attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file).
-- `attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D`: fine-tune with `Trainer`.
+- `attnres train MODEL --data FILES --method METHOD --output-dir D`: fine-tune with `Trainer`.
 - `attnres eval MODEL` (and `eval prepare-data`, `eval tasks`, `eval perplexity`), `attnres lm-eval ...`: lm-eval.
 - `attnres routing MODEL --text ...` (and `routing compare`, `routing dynamics`): read the depth routing.
 - `attnres info PATH`: depth mixing, block layout, router counts.
+- `attnres serve MODEL [transformers serve options]`: OpenAI-compatible server (`transformers serve`).
 - `attnres demo`: the main job on the real SmolLM2-135M-Instruct (`make demo`).
 
 Adding a command family is one module with `register(commands)` and one entry in `COMMAND_MODULES`. Heavy modules
@@ -19,7 +20,7 @@ import sys
 
 from ._common import with_default_subcommand
 
-COMMAND_MODULES = ("convert", "train", "eval", "routing", "info", "demo")
+COMMAND_MODULES = ("convert", "train", "eval", "routing", "info", "serve", "demo")
 """Modules of this package that each `register(commands)` a command family, in `attnres --help` order."""
 
 EXPECTED_ERRORS = (OSError, ValueError, KeyError, RuntimeError)

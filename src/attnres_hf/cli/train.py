@@ -1,4 +1,6 @@
-"""`attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D`: fine-tune with `Trainer`.
+"""`attnres train MODEL --data FILES --method METHOD --output-dir D`: fine-tune with `Trainer`.
+
+METHOD is one of `attnres_hf.training.METHODS` (routers, LoRA, QLoRA, full).
 
 Every `transformers.TrainingArguments` flag is accepted (`_` and `-` both work); `attnres train --help` lists them.
 """
@@ -13,8 +15,8 @@ TRAIN_DEFAULTS = {"eval_strategy": "steps", "eval_steps": "50", "save_steps": "5
 def register(commands: argparse._SubParsersAction) -> None:
     parser = add_command(
         commands, "train", run_train, add_help=False,
-        help="fine-tune: --method routers|lora|full (attnres train --help for all options)",
-        description="attnres train MODEL --data FILES --method {routers,lora,full} --output-dir D [--max-steps N] "
+        help="fine-tune the routers, LoRA/QLoRA adapters or everything (attnres train --help for all options)",
+        description="attnres train MODEL --data FILES --method METHOD --output-dir D [--max-steps N] "
         "[--seq-len T] [--lr LR] [--resume], plus any transformers TrainingArguments flag.",
     )
     parser.add_argument("model", nargs="?", help="model folder; --help lists every option")
@@ -25,11 +27,11 @@ def train_parser():
     """The parser of the options after MODEL: `AttnResArguments` and `TrainingArguments`."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    from ..training import AttnResArguments
+    from ..training import METHODS, AttnResArguments
 
     return HfArgumentParser(
         (AttnResArguments, TrainingArguments),
-        usage="attnres train MODEL --data FILE [FILE ...] [--method {routers,lora,full}] --output-dir DIR "
+        usage=f"attnres train MODEL --data FILE [FILE ...] [--method {{{','.join(METHODS)}}}] --output-dir DIR "
         "[--max-steps N] [--seq-len T] [--lr LR] [--resume] [any TrainingArguments flag; _ and - both work]",
     )
 

@@ -111,6 +111,25 @@ model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}"
 tokenizer = AutoTokenizer.from_pretrained("{Path(report["output_dir"]).name}")
 ```
 
+Serve it behind transformers' OpenAI-compatible server (`/v1/chat/completions`, `/v1/completions`):
+
+```bash
+pip install "attnres-hf[serve]"
+attnres serve {Path(report["output_dir"]).name} --port 8000   # options of `transformers serve`, e.g. --continuous-batching
+```
+
+Load it in 4 bits (the depth-mixing parameters stay fp32) and fine-tune it:
+
+```python
+from transformers import BitsAndBytesConfig
+
+model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+```
+
+```bash
+attnres train {Path(report["output_dir"]).name} --data train.txt --method lora --output-dir out   # or routers, qlora, full
+```
+
 ## Citation
 
 ```bibtex

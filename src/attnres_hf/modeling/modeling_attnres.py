@@ -188,6 +188,10 @@ class AttnResModel(AttnResPreTrainedModel):
         self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        # AttnRes: every depth-mixing module keeps fp32 under any `dtype` and is never quantized (bitsandbytes and
+        # torchao skip what `_keep_in_fp32_modules` names), so routing is computed at full precision.
+        mixing = {name.rsplit(".", 1)[-1] for name, module in self.named_modules() if isinstance(module, MIXING_MODULES)}
+        self._keep_in_fp32_modules = self._keep_in_fp32_modules_strict = mixing
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")

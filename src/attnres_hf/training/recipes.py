@@ -15,8 +15,8 @@ AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`, `model.fin
 (DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC `attn_mhc` / `mlp_mhc`). `--method routers` trains
 exactly these."""
 
-METHODS = ("routers", "lora", "full")
-DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "full": 5e-5}
+METHODS = ("routers", "lora", "qlora", "full")
+DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "qlora": 2e-4, "full": 5e-5}
 """Starting points. Routers: one Adam step moves every logit `w . RMSNorm(v)` by up to `lr * hidden_size`, so a
 larger rate turns the uniform routing of a retrofit into a sharp one at once and breaks the pretrained model."""
 
@@ -99,11 +99,14 @@ def prepare_model(
     - `lora`: PEFT LoRA on `lora_target_modules` (default `default_lora_targets(model)`: every linear layer but the
       head), with the routers trained in full and saved with the adapter (`modules_to_save`). Returns the
       `PeftModel`. The adapters' initial values are random: seed first (`transformers.set_seed`) for repeatable runs.
+    - `qlora`: `lora` on a 4-bit backbone (load it with `load_kwargs("qlora")`), after PEFT's
+      `prepare_model_for_kbit_training`; the depth-mixing modules are unquantized fp32 and train in full.
     - `full`: everything.
 
     Raises:
-        ValueError: an unknown method, `routers` on a model without routers, a LoRA target that matches no module
-            (see `check_lora_targets`), or LoRA settings out of range. TypeError: `model` is not a `PreTrainedModel`.
+        ValueError: an unknown method, `routers` on a model without routers, `qlora` on a model not loaded in 4 bits,
+            a LoRA target that matches no module (see `check_lora_targets`), or LoRA settings out of range.
+            TypeError: `model` is not a `PreTrainedModel`.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -112,7 +115,13 @@ def prepare_model(
     if method == "full":
         model.requires_grad_(True)
         return model
-    if method == "lora":
+    if method == "qlora":
+        if not getattr(model, "is_loaded_in_4bit", False):
+            raise ValueError("method 'qlora' needs a 4-bit model: from_pretrained(folder, **load_kwargs('qlora'))")
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         check_lora_settings(lora_r, lora_alpha, lora_dropout)
@@ -141,6 +150,16 @@ def check_lora_settings(lora_r: int, lora_alpha: float, lora_dropout: float) -> 
         raise ValueError(f"lora_alpha must be a positive number, got {lora_alpha!r}")
     if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
         raise ValueError(f"lora_dropout must be a probability in [0, 1), got {lora_dropout!r}")
+
+
+def load_kwargs(method: str) -> dict:
+    """Extra `from_pretrained` arguments a method needs: `qlora` loads the backbone in 4 bits
+    (`attnres_hf.quantization.qlora_quantization_config`); the others need none."""
+    if method == "qlora":
+        from ..quantization import qlora_quantization_config
+
+        return {"quantization_config": qlora_quantization_config()}
+    return {}
 
 
 def _has_router_parameters(model: torch.nn.Module) -> bool:

@@ -23,7 +23,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .._checks import check_fraction, check_int, check_model_source, check_paths
 from .data import packed_lm_dataset
-from .recipes import METHODS, check_lora_settings, check_lora_targets, is_router_parameter, prepare_model
+from .recipes import METHODS, check_lora_settings, check_lora_targets, is_router_parameter, load_kwargs, prepare_model
 
 
 @dataclass
@@ -161,7 +161,7 @@ def _check_before_loading(args: AttnResArguments) -> None:
         raise ValueError(f"method 'routers' needs depth routers: {args.model} has none (model_type "
                          f"{config.model_type!r}, depth_mixing {getattr(config, 'depth_mixing', None)!r}); convert it "
                          "with `attnres convert`, or train with --method lora or full")
-    if args.method == "lora" and args.lora_target_modules is not None:
+    if args.method in ("lora", "qlora") and args.lora_target_modules is not None:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
         check_lora_targets(skeleton, args.lora_target_modules)
@@ -209,8 +209,9 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     # Seed before the model exists: the Trainer seeds again in its __init__, too late for the LoRA adapters'
     # initial values (and any weight the checkpoint lacks).
     (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32, **load_kwargs(args.method)
+    )
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
 
     trainer = AttnResTrainer(

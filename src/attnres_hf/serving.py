@@ -1,0 +1,78 @@
+"""Serve an AttnRes folder behind transformers' own OpenAI-compatible server (`transformers serve`).
+
+`transformers serve` (transformers 5.24, `transformers/cli/serving/model_manager.py`) loads a model as
+`getattr(transformers, config.architectures[0]).from_pretrained(...)`: it finds a class by its name on the
+`transformers` module, not through the Auto registry, so a folder whose architecture is `AttnResForCausalLM`
+fails with `AttributeError: module transformers has no attribute AttnResForCausalLM`, even with
+`--trust-remote-code` (the remote class is never put on that module). `attnres serve` registers this package's
+classes with the Auto classes (importing `attnres_hf` does) and under their names on the `transformers` module,
+then hands every argument over to transformers' own `serve` command unchanged: same endpoints
+(`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`), same options (`--port`, `--host`,
+`--continuous-batching`, `--quantization bnb-4bit`, ...).
+
+    attnres serve path/to/attnres-folder --port 8000
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20, "temperature": 0}'
+
+Needs the `serve` extra: `pip install "attnres-hf[serve]"` (transformers' `serving` extra: fastapi, uvicorn,
+openai, pydantic).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import transformers
+
+from . import AttnResConfig, AttnResForCausalLM, AttnResModel
+
+SERVED_CLASSES = (AttnResConfig, AttnResModel, AttnResForCausalLM)
+"""The classes `transformers serve` may look up by name (`config.architectures[0]`)."""
+
+
+def register_with_transformers() -> None:
+    """Make this package's classes reachable as `transformers.<ClassName>`, as transformers' own model classes are.
+
+    Idempotent; a name transformers already defines is never replaced. The Auto-class registration
+    (`AutoModelForCausalLM.register`) is done by importing `attnres_hf`.
+
+    Raises:
+        RuntimeError: transformers defines another class under one of these names.
+    """
+    for cls in SERVED_CLASSES:
+        if getattr(transformers, cls.__name__, cls) is not cls:
+            raise RuntimeError(f"transformers already defines a different {cls.__name__}; cannot serve AttnRes")
+        setattr(transformers, cls.__name__, cls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`attnres serve [MODEL] [transformers serve options]`: register the AttnRes classes, then run transformers'
+    own `serve` command with `argv` (all of `transformers serve --help` applies). Returns the exit code.
+
+    Raises:
+        ImportError: the serving dependencies are missing (install `attnres-hf[serve]`).
+        FileNotFoundError: MODEL is a local folder without `config.json`.
+    """
+    from transformers.utils.import_utils import is_serve_available
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and os.path.isdir(argv[0]):
+        if not os.path.isfile(os.path.join(argv[0], "config.json")):
+            raise FileNotFoundError(f"{argv[0]} has no config.json: give a model folder (e.g. from `attnres convert`)")
+    if not is_serve_available():
+        raise ImportError('attnres serve needs fastapi, uvicorn, openai and pydantic: pip install "attnres-hf[serve]"')
+    register_with_transformers()
+    from transformers.cli.transformers import app
+
+    # typer/click parse the arguments, print `--help` and report bad options exactly as `transformers serve` does,
+    # then exit: the code of that exit is returned.
+    try:
+        app(args=["serve", *argv], prog_name="attnres")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
