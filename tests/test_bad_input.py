@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from attnres_hf.analysis import record_routing
 from attnres_hf.cli import main
-from attnres_hf.training import packed_lm_dataset
+from attnres_hf.training import METHODS, packed_lm_dataset
 from utils import TINY, tiny_model, word_tokenizer
 
 
@@ -70,7 +70,7 @@ def test_routing_cli_rejects_empty_text(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, error, message", [
-    ({"method": "lroa"}, ValueError, "method must be one of routers, lora, full"),
+    ({"method": "lroa"}, ValueError, "method must be one of " + ", ".join(METHODS)),
     ({"seq_len": "64"}, TypeError, "seq_len must be an integer"),
     ({"seq_len": 1}, ValueError, "seq_len must be at least 2 tokens"),
     ({"eval_fraction": 1.0}, ValueError, "eval_fraction must be between 0 and 1"),
