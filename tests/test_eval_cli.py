@@ -21,10 +21,10 @@ def no_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("tasks, flags, env, missing", [
-    ("offline_humaneval", [], None, "pass --confirm_run_unsafe_code and set HF_ALLOW_CODE_EVAL=1"),
-    ("offline_humaneval", ["--confirm_run_unsafe_code"], None, "to allow it, set HF_ALLOW_CODE_EVAL=1"),
-    ("offline_mmlu,offline_mbpp", [], "1", "to allow it, pass --confirm_run_unsafe_code"),
-    ("humaneval", ["--confirm_run_unsafe_code"], "0", "to allow it, set HF_ALLOW_CODE_EVAL=1"),
+    ("offline_humaneval", [], None, "pass --confirm_run_unsafe_code (and set HF_ALLOW_CODE_EVAL=1)"),
+    ("offline_humaneval", ["--confirm_run_unsafe_code"], None, "set HF_ALLOW_CODE_EVAL=1 in the environment"),
+    ("offline_mmlu,offline_mbpp", [], "1", "pass --confirm_run_unsafe_code (and set HF_ALLOW_CODE_EVAL=1)"),
+    ("humaneval", ["--confirm_run_unsafe_code"], "0", "set HF_ALLOW_CODE_EVAL=1 in the environment"),
 ], ids=["no-opt-in", "flag-only", "variable-only", "variable-0"])
 def test_lm_eval_refuses_code_tasks_without_both_opt_ins_before_loading(tasks, flags, env, missing, tmp_path,
                                                                        no_loading, monkeypatch, capsys):
@@ -35,7 +35,7 @@ def test_lm_eval_refuses_code_tasks_without_both_opt_ins_before_loading(tasks, f
     assert main(["lm-eval", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'm'}", "--tasks", tasks,
                  *flags]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("attnres lm-eval: error: ") and err.rstrip().endswith(missing)
+    assert err.startswith("attnres lm-eval: error: refusing to run ") and missing in err
     assert ("MBPP" if "mbpp" in tasks else "HumanEval") in err and len(err.splitlines()) == 1
 
 

@@ -175,26 +175,15 @@ def _option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def check_lm_eval_opt_in(argv: list[str]) -> None:
-    """Refuse, before lm-eval loads a model, the pack's code-executing tasks without both opt-ins lm-eval needs
-    (`--confirm_run_unsafe_code` and `HF_ALLOW_CODE_EVAL=1`), and a `pretrained=` model folder that does not exist.
+def check_lm_eval_model_folder(argv: list[str]) -> None:
+    """Refuse, before lm-eval loads anything, a `--model_args pretrained=` model folder that does not exist (the
+    code-execution opt-ins are `attnres_hf.eval.checks.check_lm_eval_arguments`'s).
 
     Raises:
-        CodeExecutionNotAllowed: an opt-in is missing (the message names both). FileNotFoundError: a missing folder.
+        FileNotFoundError: a missing folder.
     """
-    import os
-
     from .._checks import check_model_source
-    from ..eval.code_execution import OPT_IN_VARIABLE, CodeExecutionNotAllowed
-    from ..eval.harness import BENCHMARKS
 
-    tasks = set((_option(argv, "--tasks") or "").split(","))
-    executing = [b.title for b in BENCHMARKS.values() if b.executes_code and (b.task in tasks or b.name in tasks)]
-    missing = ([] if "--confirm_run_unsafe_code" in argv else ["pass --confirm_run_unsafe_code"]) + (
-        [] if os.environ.get(OPT_IN_VARIABLE) == "1" else [f"set {OPT_IN_VARIABLE}=1"])
-    if executing and missing:
-        raise CodeExecutionNotAllowed(f"{', '.join(executing)} execute the code the model writes (untrusted; each "
-                                      f"program runs in a sandboxed subprocess): to allow it, {' and '.join(missing)}")
     model_args = dict(item.split("=", 1) for item in (_option(argv, "--model_args") or "").split(",") if "=" in item)
     if model_args.get("pretrained"):
         check_model_source(model_args["pretrained"], "model folder (--model_args pretrained=)")
@@ -210,7 +199,7 @@ def run_lm_eval(args: argparse.Namespace) -> int:
     from ..eval.harness import offline_environment, task_dir
 
     argv = list(args.rest)
-    check_lm_eval_opt_in(argv)
+    check_lm_eval_model_folder(argv)
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(task_dir())]
     if "--model_args" in argv:  # lm-eval does not know the registered model type; tell it the backend

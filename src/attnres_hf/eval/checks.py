@@ -100,8 +100,8 @@ def _argument(argv: Sequence[str], flag: str) -> str | None:
 
 
 def code_executing_tasks(tasks: str | Sequence[str]) -> list[Benchmark]:
-    """The pack's benchmarks among lm-eval task names (`offline_humaneval`, the `offline_paper_table` tag) whose
-    scoring executes model-written code."""
+    """The benchmarks among lm-eval task names (the pack's `offline_humaneval`, the `offline_paper_table` tag, and
+    lm-eval's own `humaneval`, `mbpp`, ... tasks) whose scoring executes model-written code."""
     names = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     chosen = []
     for name in (n.strip() for n in names):
@@ -109,6 +109,8 @@ def code_executing_tasks(tasks: str | Sequence[str]) -> list[Benchmark]:
             chosen += [BENCHMARKS[n] for n in PAPER_TABLE]
         elif name.startswith("offline_") and name.removeprefix("offline_") in BENCHMARKS:
             chosen.append(BENCHMARKS[name.removeprefix("offline_")])
+        else:  # lm-eval's own tasks of a code benchmark (`humaneval`, `mbpp_plus`, ...) execute code too
+            chosen += [b for b in BENCHMARKS.values() if name == b.name or name.startswith(b.name + "_")]
     return [b for b in dict.fromkeys(chosen) if b.executes_code]
 
 
