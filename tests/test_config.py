@@ -114,3 +114,17 @@ def test_integer_valued_float_fields_in_a_saved_config_still_load(name, value, t
     path = tmp_path / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {name: value}))
     assert getattr(AttnResConfig.from_pretrained(tmp_path), name) == value
+
+
+@pytest.mark.parametrize("theta", ["x", None, 0, -1, float("nan"), True])
+def test_non_positive_or_non_numeric_rope_theta_is_refused(theta):
+    """Was accepted, then the model failed to build (`TypeError: ... 'str' and 'Tensor'`) or built with a
+    meaningless rotary frequency (theta <= 0)."""
+    with pytest.raises(ValueError, match=r"rope_theta\) must be a positive number"):
+        tiny_config(rope_theta=theta)
+
+
+def test_usual_rope_theta_values_are_accepted():
+    assert tiny_config(rope_theta=10000).rope_parameters["rope_theta"] == 10000
+    assert tiny_config(rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
+    assert tiny_config().rope_parameters["rope_theta"] > 0

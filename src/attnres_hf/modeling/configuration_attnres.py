@@ -230,6 +230,9 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError(
                 f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, got {rope_type!r}"
             )
+        theta = (self.rope_parameters or {}).get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+            raise ValueError(f"rope_parameters['rope_theta'] (rope_theta) must be a positive number, got {theta!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window!r}")
         if len(self.layer_types) != self.num_hidden_layers:
