@@ -30,3 +30,17 @@ def test_fraction_answer_scores_by_value():
     assert scoring.numeric_match(["#### 1"], [scoring.extract_number("The answer is 1/2")]) == 0.0
     assert scoring.numeric_match(["1/2"], ["0.5"]) == 1.0
     assert scoring.numeric_match(["#### -3"], [scoring.extract_number("The answer is \u22123.")]) == 1.0
+
+
+@pytest.mark.parametrize("response, letter", [
+    ("The correct option is B.", "B"),
+    ("After checking each, the best choice would be (c).", "C"),
+    ("The answer is: $\\boxed{B}$", "B"),
+    ("So we get \\boxed{\\text{C}}", "C"),
+    ("A is a common trap; the correct option is D", "D"),
+    ("ANSWER IS D. A is incorrect.", "D"),
+    ("The correct option is a good one", scoring.INVALID),
+])
+def test_letter_answers_in_common_phrasings_are_extracted(response, letter):
+    """MMLU-Pro/GPQA: "the correct option is X" and `\\boxed{X}` were `[invalid]`, scored wrong."""
+    assert scoring.extract_letter(response) == letter

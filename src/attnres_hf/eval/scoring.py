@@ -118,6 +118,10 @@ _LETTER_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
     rf"answer\s*[:：]\s*(?:option\s*|choice\s*)?{_LETTER}",
     # "(D) is correct", "option D is the correct one"
     rf"(?:option\s*|choice\s*)?{_LETTER}\s+is\s+(?:the\s+)?correct",
+    # "The correct option is B.", "the best choice would be (C)"
+    rf"(?:correct|right|best)\s+(?:option|choice)\s*(?:is|would be|should be|will be)\s*[:：]?\s*{_LETTER}",
+    # "$\boxed{B}$", "\boxed{\text{C}}"
+    rf"\\boxed\{{\s*(?:\\text(?:bf)?\{{\s*)?{_LETTER}",
 )]
 
 
