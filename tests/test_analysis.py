@@ -223,3 +223,17 @@ def test_windowed_and_per_head_maps_show_what_the_router_computes(input_ids):
 def test_routing_refuses_a_method_without_depth_weights(input_ids):
     with pytest.raises(ValueError, match="depth_mixing='residual'"):
         record_routing(tiny_model(depth_mixing="residual"), input_ids[0])
+
+
+@pytest.mark.parametrize("model_is_none, ids, message", [
+    (False, torch.tensor([5, 99]), r"token ids in \[0, 98\]"),
+    (False, torch.tensor([-1, 5]), r"token ids in \[0, 98\]"),
+    (False, torch.tensor([1.0, 2.0]), "integer token ids, got dtype torch.float32"),
+    (True, torch.tensor([1, 2]), "takes an AttnResForCausalLM model, got NoneType"),
+])
+def test_record_routing_names_a_bad_model_or_bad_ids(model_is_none, ids, message):
+    """Not an IndexError/RuntimeError from inside the embedding, nor an AttributeError on `None.config`."""
+    from attnres_hf.analysis import record_routing
+
+    with pytest.raises(ValueError, match=message):
+        record_routing(None if model_is_none else tiny_model().eval(), ids)

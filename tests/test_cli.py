@@ -88,3 +88,12 @@ def test_python_dash_m_runs_the_command(tmp_path):
     result = subprocess.run(f"{sys.executable} -m attnres_hf.cli info {tmp_path} | head -1", shell=True,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.stdout == "model_type          attnres\n" and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]"])
+def test_info_names_a_file_that_is_not_a_json_config(tmp_path, capsys, content):
+    """`attnres info FILE` on a file that is not a JSON object says so, not a bare JSON decoder message."""
+    path = tmp_path / "notes.txt"
+    path.write_text(content)
+    assert main(["info", str(path)]) == 2
+    assert "is not a JSON config" in capsys.readouterr().err

@@ -87,3 +87,44 @@ def test_declared_field_rules_hold_at_construction_assignment_and_loading(name, 
     tiny_config().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=re.escape(rule)):
         AttnResConfig.from_pretrained(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize("name, value, rule", [
+    ("head_dim", 8.0, "head_dim must be one of the types (int, None), got 8.0"),
+    ("attnres_window", True, "attnres_window must be one of the types (int, None), got True"),
+    ("sliding_window", 4.0, "sliding_window must be one of the types (int, None), got 4.0"),
+    ("eos_token_id", "2", "eos_token_id must be one of the types (int, list[int], None), got '2'"),
+    ("rms_norm_eps", "1e-5", "rms_norm_eps must be one of the types (float, int), got '1e-5'"),
+    ("attention_dropout", True, "attention_dropout must be one of the types (float, int), got True"),
+])
+def test_wrong_type_for_an_optional_or_union_field_names_the_types(name, value, rule):
+    """A field declared as a union (`int | None`, ...) reports the accepted types in one short line, not
+    huggingface_hub's "with value ... doesn't match any type in (<class 'int'>, ...). Errors: ..." dump."""
+    with pytest.raises(ValueError) as error:
+        tiny_config(**{name: value})
+    assert str(error.value) == rule
+
+
+@pytest.mark.parametrize("name, value", [("rms_norm_eps", 1), ("initializer_range", 0), ("attention_dropout", 0)])
+def test_integer_valued_float_fields_in_a_saved_config_still_load(name, value, tmp_path):
+    """A config.json with an integer for a float field (as written before `@strict`, or by hand) loads as before."""
+    import json
+
+    tiny_config().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {name: value}))
+    assert getattr(AttnResConfig.from_pretrained(tmp_path), name) == value
+
+
+@pytest.mark.parametrize("theta", ["x", None, 0, -1, float("nan"), True])
+def test_non_positive_or_non_numeric_rope_theta_is_refused(theta):
+    """Was accepted, then the model failed to build (`TypeError: ... 'str' and 'Tensor'`) or built with a
+    meaningless rotary frequency (theta <= 0)."""
+    with pytest.raises(ValueError, match=r"rope_theta\) must be a positive number"):
+        tiny_config(rope_theta=theta)
+
+
+def test_usual_rope_theta_values_are_accepted():
+    assert tiny_config(rope_theta=10000).rope_parameters["rope_theta"] == 10000
+    assert tiny_config(rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
+    assert tiny_config().rope_parameters["rope_theta"] > 0

@@ -51,3 +51,11 @@ def test_perplexity_names_each_bad_argument(kwargs, error, message):
     arguments = {"model": tiny_model(), "input_ids": torch.arange(3, 20), "window": 8, "progress": False} | kwargs
     with pytest.raises(error, match=message):
         perplexity(**arguments)
+
+
+@pytest.mark.parametrize("ids", [[5, 99, 7], [5, -1, 7], [5, 10_000, 7]])
+def test_perplexity_rejects_ids_outside_the_vocabulary(ids):
+    """Ids from another tokenizer are named as such, not an `IndexError` from inside the embedding."""
+    model = tiny_model().eval()  # vocab_size 99
+    with pytest.raises(ValueError, match=r"input_ids must be token ids in \[0, 98\]"):
+        perplexity(model, torch.tensor(ids), progress=False)

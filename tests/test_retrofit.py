@@ -114,8 +114,8 @@ def test_a_sliding_depth_window_is_refused_since_it_cannot_be_exact():
 BAD_ARGUMENTS = {  # retrofit(source, **kwargs) -> (error type, what the one-line message says)
     "block-size-3": (dict(attnres_block_size=3), ValueError, "attnres_block_size must be 1 (Full AttnRes) or a positive even"),
     "block-size-0": (dict(attnres_block_size=0), ValueError, "attnres_block_size must be 1"),
-    "block-size-str": (dict(attnres_block_size="2"), ValueError, "attnres_block_size must be 1"),
-    "block-size-bool": (dict(attnres_block_size=True), ValueError, "attnres_block_size must be 1"),
+    "block-size-str": (dict(attnres_block_size="2"), ValueError, "attnres_block_size must be one of the types (int, None), got '2'"),
+    "block-size-bool": (dict(attnres_block_size=True), ValueError, "attnres_block_size must be one of the types (int, None), got True"),
     "misspelled-field": (dict(attnres_blok_size=2), ValueError, "did you mean 'attnres_block_size'"),
     "unknown-method": (dict(depth_mixing="hyper"), ValueError, "depth_mixing must be one of"),
     "dtype-name": (dict(dtype="float99"), ValueError, "dtype must be a floating point torch dtype"),

@@ -93,16 +93,27 @@ def record_routing(model, input_ids: torch.Tensor, tokenizer=None) -> RoutingRec
     depth weights and source value norms (L2 norm per token), laid out by the method's record.
 
     Raises:
-        ValueError: for a model without depth weights, a batch of several sequences, or an empty input.
+        ValueError: for a model without depth weights, a batch of several sequences, an empty input, ids that are
+            not integers or lie outside the model's vocabulary.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"record_routing takes an AttnResForCausalLM model, got {type(model).__name__}")
     config = model.config
     maps = routing_maps(config)
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"record_routing takes a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"record_routing takes integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"record_routing takes one sequence, (seq_len,) or (1, seq_len); got {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
         raise ValueError("record_routing needs at least one token; the input is empty")
+    vocab = model.get_input_embeddings().num_embeddings
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(
+            f"record_routing takes token ids in [0, {vocab - 1}] (the model's vocabulary), got ids from "
+            f"{int(input_ids.min())} to {int(input_ids.max())}: was the text encoded with another tokenizer?"
+        )
     method = DEPTH_MIXING[config.depth_mixing]
     input_ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     norms: dict[str, torch.Tensor] = {}

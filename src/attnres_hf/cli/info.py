@@ -22,7 +22,10 @@ def run_info(args: argparse.Namespace) -> int:
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json at {args.path}")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ValueError(f"{config_file} is not a JSON config ({error}); give a model folder or its config.json") from None
     if model_type != AttnResConfig.model_type:
         raise ValueError(f"{args.path} is not an AttnRes checkpoint (model_type {model_type!r}); "
                          "`attnres convert` retrofits Llama/Mistral/Qwen2/Qwen3 ones")

@@ -38,8 +38,8 @@ def perplexity(
 
     Raises:
         TypeError: `model` is not a torch module, `input_ids` not an integer tensor, `window`/`stride` not integers.
-        ValueError: fewer than 2 tokens, `input_ids` with more than one sequence, `window` below 2, or `stride` out
-            of range (0 included).
+        ValueError: fewer than 2 tokens, `input_ids` with more than one sequence, ids outside the model's
+            vocabulary, `window` below 2, or `stride` out of range (0 included).
     """
     from .checks import check_type
 
@@ -59,6 +59,13 @@ def perplexity(
         raise ValueError("perplexity needs at least 2 tokens")
     if not 1 <= stride <= window - 1:
         raise ValueError(f"stride must be between 1 and window - 1 ({window - 1}), got {stride}")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(
+            f"input_ids must be token ids in [0, {vocab - 1}] (the model's vocabulary), got ids from "
+            f"{int(input_ids.min())} to {int(input_ids.max())}: was the text encoded with another tokenizer?"
+        )
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
     for begin, first, end in tqdm(sliding_windows(input_ids.numel(), window, stride), desc="Perplexity",

@@ -28,9 +28,11 @@ INVALID = "[invalid]"  # lm-eval's fallback for a response with no answer
 _MINUS = "\u2212\u2012\u2013\uff0d"  # Unicode minus, figure dash, en dash, full-width hyphen-minus
 _CURRENCY = "$€£¥₹₩元"
 # a number: optional sign, optional currency (either side of the sign), digits with 3-digit thousands groups
-# (comma, thin space or apostrophe) or plain digits, optional decimals, optional percent
+# (comma, thin space or apostrophe) or plain digits, optional decimals, an optional denominator (`1/2` is one number,
+# a half, never its numerator 1), optional percent
 _NUMBER = re.compile(
-    rf"(?<![\w.])([-+]?)\s?[{_CURRENCY}]?\s?([-+]?)((?:\d{{1,3}}(?:[,\u2009\u202f']\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)(%?)"
+    rf"(?<![\w./])([-+]?)\s?[{_CURRENCY}]?\s?([-+]?)((?:\d{{1,3}}(?:[,\u2009\u202f']\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:\s?/\s?(\d+)(?!\d|\.\d))?(%?)"
 )
 
 
@@ -56,7 +58,9 @@ def _value(match: re.Match) -> Decimal | None:
     digits = re.sub(r"[,\u2009\u202f']", "", match.group(3))
     try:
         value = Decimal(sign + digits)
-    except InvalidOperation:
+        if match.group(4) is not None:  # a fraction
+            value = value / Decimal(match.group(4))
+    except (InvalidOperation, ZeroDivisionError):
         return None
     return value.normalize() if value != 0 else Decimal(0)
 
@@ -114,6 +118,10 @@ _LETTER_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
     rf"answer\s*[:：]\s*(?:option\s*|choice\s*)?{_LETTER}",
     # "(D) is correct", "option D is the correct one"
     rf"(?:option\s*|choice\s*)?{_LETTER}\s+is\s+(?:the\s+)?correct",
+    # "The correct option is B.", "the best choice would be (C)"
+    rf"(?:correct|right|best)\s+(?:option|choice)\s*(?:is|would be|should be|will be)\s*[:：]?\s*{_LETTER}",
+    # "$\boxed{B}$", "\boxed{\text{C}}"
+    rf"\\boxed\{{\s*(?:\\text(?:bf)?\{{\s*)?{_LETTER}",
 )]
 
 

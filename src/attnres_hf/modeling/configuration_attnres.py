@@ -150,8 +150,9 @@ class AttnResConfig(PreTrainedConfig):
     head_dim: int | None = None
     hidden_act: str = "silu"
     max_position_embeddings: int = interval(min=1)(default=2048)
-    initializer_range: float = interval(min=0.0)(default=0.02)
-    rms_norm_eps: float = interval(min=0.0)(default=1e-6)
+    # `float | int`: an integer-valued float (`"rms_norm_eps": 1`, `"initializer_range": 0`) loaded before `@strict`
+    initializer_range: float | int = interval(min=0.0)(default=0.02)
+    rms_norm_eps: float | int = interval(min=0.0)(default=1e-6)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -229,6 +230,9 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError(
                 f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, got {rope_type!r}"
             )
+        theta = (self.rope_parameters or {}).get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+            raise ValueError(f"rope_parameters['rope_theta'] (rope_theta) must be a positive number, got {theta!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window!r}")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -289,7 +293,11 @@ def _raise_value_errors(method):
             cause = error.__cause__ if error.__cause__ is not None else error
             field = re.match(r"Validation error for field '(\w+)'", str(error))
             message = str(cause)
-            if field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
+            union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
+            if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
+                types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
+                message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
+            elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
                 message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
                 message = message.replace("must be must be", "must be")
             raise ValueError(" ".join(message.split())) from None

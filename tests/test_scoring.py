@@ -1,0 +1,46 @@
+"""Number extraction of `attnres_hf.eval.scoring` on fractions: `1/2` is one number, a half, never its numerator."""
+
+from decimal import Decimal
+
+import pytest
+
+from attnres_hf.eval import scoring
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1/2", Decimal("0.5")), ("-1/2", Decimal("-0.5")), ("3 / 4", Decimal("0.75")), ("$1,000/4", Decimal(250)),
+    ("1/0", None),
+])
+def test_fraction_is_parsed_as_its_value(text, value):
+    assert scoring.parse_number(text) == value
+
+
+@pytest.mark.parametrize("response, extracted", [
+    ("The answer is 1/2", "0.5"),
+    ("The answer is 1/2.", "0.5"),
+    ("She ate 1/2 of the 8 slices, so the answer is 4.", "4"),
+    ("On 12/25/2024 she bought 7 more. The answer is 7", "7"),
+    ("The answer is 1/0.", scoring.INVALID),
+])
+def test_fraction_answer_is_not_read_as_its_numerator(response, extracted):
+    assert scoring.extract_number(response) == extracted
+
+
+def test_fraction_answer_scores_by_value():
+    assert scoring.numeric_match(["#### 1"], [scoring.extract_number("The answer is 1/2")]) == 0.0
+    assert scoring.numeric_match(["1/2"], ["0.5"]) == 1.0
+    assert scoring.numeric_match(["#### -3"], [scoring.extract_number("The answer is \u22123.")]) == 1.0
+
+
+@pytest.mark.parametrize("response, letter", [
+    ("The correct option is B.", "B"),
+    ("After checking each, the best choice would be (c).", "C"),
+    ("The answer is: $\\boxed{B}$", "B"),
+    ("So we get \\boxed{\\text{C}}", "C"),
+    ("A is a common trap; the correct option is D", "D"),
+    ("ANSWER IS D. A is incorrect.", "D"),
+    ("The correct option is a good one", scoring.INVALID),
+])
+def test_letter_answers_in_common_phrasings_are_extracted(response, letter):
+    """MMLU-Pro/GPQA: "the correct option is X" and `\\boxed{X}` were `[invalid]`, scored wrong."""
+    assert scoring.extract_letter(response) == letter
