@@ -165,41 +165,16 @@ def run_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _option(argv: list[str], name: str) -> str | None:
-    """The value of `--name VALUE` or `--name=VALUE` in lm-eval's arguments."""
-    for index, arg in enumerate(argv):
-        if arg == name and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def check_lm_eval_model_folder(argv: list[str]) -> None:
-    """Refuse, before lm-eval loads anything, a `--model_args pretrained=` model folder that does not exist (the
-    code-execution opt-ins are `attnres_hf.eval.checks.check_lm_eval_arguments`'s).
-
-    Raises:
-        FileNotFoundError: a missing folder.
-    """
-    from .._checks import check_model_source
-
-    model_args = dict(item.split("=", 1) for item in (_option(argv, "--model_args") or "").split(",") if "=" in item)
-    if model_args.get("pretrained"):
-        check_model_source(model_args["pretrained"], "model folder (--model_args pretrained=)")
-
-
 def run_lm_eval(args: argparse.Namespace) -> int:
     """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
     from ..eval.checks import check_lm_eval_arguments
 
-    check_lm_eval_arguments(args.rest)  # the code-execution opt-ins, before lm-eval loads a model
+    check_lm_eval_arguments(args.rest)  # opt-ins and the model folder, before lm-eval loads a model
     import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
 
     from ..eval.harness import offline_environment, task_dir
 
     argv = list(args.rest)
-    check_lm_eval_model_folder(argv)
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(task_dir())]
     if "--model_args" in argv:  # lm-eval does not know the registered model type; tell it the backend

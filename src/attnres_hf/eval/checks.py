@@ -115,27 +115,31 @@ def code_executing_tasks(tasks: str | Sequence[str]) -> list[Benchmark]:
 
 
 def check_lm_eval_arguments(argv: Sequence[str] | str) -> None:
-    """Checks `attnres lm-eval` makes on lm-eval's own arguments before lm-eval loads a model: a pack task that
-    executes generated code (HumanEval, MBPP) needs both lm-eval's `--confirm_run_unsafe_code` and
-    `HF_ALLOW_CODE_EVAL=1` in the environment (lm-eval itself refuses the first only after loading the model, and
-    the second only after generating every completion).
+    """Checks `attnres lm-eval` makes on lm-eval's own arguments before lm-eval loads a model: a
+    `--model_args pretrained=` folder must exist, and a task that executes generated code (HumanEval, MBPP) needs
+    both lm-eval's `--confirm_run_unsafe_code` and `HF_ALLOW_CODE_EVAL=1` in the environment (lm-eval itself refuses
+    the first only after loading the model, and the second only after generating every completion).
 
     Raises:
-        CodeExecutionNotAllowed: an opt-in is missing (the message names it).
+        FileNotFoundError: a missing model folder. CodeExecutionNotAllowed: an opt-in is missing (the message names
+            it).
     """
+    from .._checks import check_model_source
+
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
     tasks = _argument(argv, "--tasks")
     executing = code_executing_tasks(tasks) if tasks else []
-    if not executing:
-        return
     titles = ", ".join(b.title for b in executing)
-    if "--confirm_run_unsafe_code" not in argv:
+    if executing and "--confirm_run_unsafe_code" not in argv:
         raise CodeExecutionNotAllowed(f"refusing to run {titles}: pass --confirm_run_unsafe_code (and set "
                                       f"{OPT_IN_VARIABLE}=1) to execute model-written code. " + REFUSAL)
-    if os.environ.get(OPT_IN_VARIABLE) != "1":
+    if executing and os.environ.get(OPT_IN_VARIABLE) != "1":
         raise CodeExecutionNotAllowed(f"refusing to run {titles}: set {OPT_IN_VARIABLE}=1 in the environment as well "
                                       "as passing --confirm_run_unsafe_code (the sandbox executes a program only "
                                       "with both)")
+    model_args = dict(item.split("=", 1) for item in (_argument(argv, "--model_args") or "").split(",") if "=" in item)
+    if model_args.get("pretrained"):
+        check_model_source(model_args["pretrained"], "model folder (--model_args pretrained=)")
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")

@@ -34,8 +34,9 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .backbones import AttnResAttention, AttnResMLP, AttnResRotaryEmbedding
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState, naive_attnres,
-                           num_depth_mixing_parameters, register_modules, registered_modules)
+from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState,
+                           modules_to_not_convert, naive_attnres, num_depth_mixing_parameters, register_modules,
+                           registered_modules)
 
 logger = logging.get_logger(__name__)
 
@@ -190,7 +191,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.gradient_checkpointing = False
         # AttnRes: every depth-mixing module keeps fp32 under any `dtype` and is never quantized (bitsandbytes and
         # torchao skip what `_keep_in_fp32_modules` names), so routing is computed at full precision.
-        mixing = {name.rsplit(".", 1)[-1] for name, module in self.named_modules() if isinstance(module, MIXING_MODULES)}
+        mixing = set(modules_to_not_convert(config))  # the method record's module names
         self._keep_in_fp32_modules = self._keep_in_fp32_modules_strict = mixing
         self.post_init()
 
