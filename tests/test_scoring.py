@@ -9,7 +9,7 @@ from attnres_hf.eval import scoring
 
 @pytest.mark.parametrize("text, value", [
     ("1/2", Decimal("0.5")), ("-1/2", Decimal("-0.5")), ("3 / 4", Decimal("0.75")), ("$1,000/4", Decimal(250)),
-    ("1/0", None),
+    ("1/0", None), ("1/2.5", Decimal("0.4")), ("3/0.75", Decimal(4)), ("1.5/0.5", Decimal(3)), ("2/0.0", None),
 ])
 def test_fraction_is_parsed_as_its_value(text, value):
     assert scoring.parse_number(text) == value
@@ -21,6 +21,9 @@ def test_fraction_is_parsed_as_its_value(text, value):
     ("She ate 1/2 of the 8 slices, so the answer is 4.", "4"),
     ("On 12/25/2024 she bought 7 more. The answer is 7", "7"),
     ("The answer is 1/0.", scoring.INVALID),
+    ("The answer is 1/2.5", "0.4"),
+    ("The answer is 1/2.5.", "0.4"),
+    ("Half of it, 9/4.5, so the answer is 2", "2"),
 ])
 def test_fraction_answer_is_not_read_as_its_numerator(response, extracted):
     assert scoring.extract_number(response) == extracted

@@ -29,10 +29,10 @@ _MINUS = "\u2212\u2012\u2013\uff0d"  # Unicode minus, figure dash, en dash, full
 _CURRENCY = "$€£¥₹₩元"
 # a number: optional sign, optional currency (either side of the sign), digits with 3-digit thousands groups
 # (comma, thin space or apostrophe) or plain digits, optional decimals, an optional denominator (`1/2` is one number,
-# a half, never its numerator 1), optional percent
+# a half, never its numerator 1; `1/2.5` is 0.4), optional percent
 _NUMBER = re.compile(
     rf"(?<![\w./])([-+]?)\s?[{_CURRENCY}]?\s?([-+]?)((?:\d{{1,3}}(?:[,\u2009\u202f']\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:\s?/\s?(\d+)(?!\d|\.\d))?(%?)"
+    r"(?:\s?/\s?(\d+(?:\.\d+)?)(?!\d|\.\d))?(%?)"
 )
 
 
