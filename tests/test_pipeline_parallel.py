@@ -13,7 +13,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from attnres_hf.training.pipeline_parallel import StateCodec, plan_pipeline
+from attnres_hf import AttnResForCausalLM
+from attnres_hf.training.pipeline_parallel import CrossStageCache, StateCodec, main, plan_pipeline
 from utils import tiny_config, tiny_model
 
 # 8 layers = 16 sub-layers, blocks of 2 sub-layers: 4 stages of 2 layers, each closing 2 blocks.
@@ -29,8 +30,9 @@ def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: the losses of `STEPS` SGD steps on the global batch and the first step's gradients."""
+def reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process: the losses of `STEPS` SGD steps on the global batch, the first step's gradients and the final
+    weights."""
     model = tiny_model(**CONFIG).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], None
@@ -43,7 +45,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
-    return losses, grads
+    return losses, grads, model.state_dict()
 
 
 def _rank(rank: int, world_size: int, out: str) -> None:
@@ -68,6 +70,8 @@ def _rank(rank: int, world_size: int, out: str) -> None:
                 sent = dict(pipeline.bytes_sent)
             optimizer.step()
             optimizer.zero_grad()
+        if cache:
+            pipeline.save_pretrained(f"{out}/model")
         try:
             pipeline.step(batches(0)[0][:, :-1])
             shape_error = None
@@ -85,11 +89,12 @@ def two_ranks(tmp_path_factory):
     result = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=240,
                             check=False)
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 def test_pipeline_step_equals_one_process_step_with_and_without_caching(two_ranks):
-    losses, grads = reference()
+    out, two_ranks = two_ranks
+    losses, grads, weights = reference()
     for cache in (True, False):
         for rank in two_ranks:  # every rank reports the global loss, after each of two optimizer steps
             assert rank[cache]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
@@ -103,9 +108,15 @@ def test_pipeline_step_equals_one_process_step_with_and_without_caching(two_rank
         for name, grad in rank[False]["grads"].items():
             torch.testing.assert_close(rank[True]["grads"][name], grad, rtol=1e-6, atol=1e-7, msg=name)
     assert "input_ids must be an int64 tensor of shape (8, 12)" in two_ranks[0][True]["shape_error"]
+    # the checkpoint rank 0 gathered holds the weights of the same two steps on one process
+    saved = AttnResForCausalLM.from_pretrained(out / "model").state_dict()
+    assert set(saved) == set(weights) and not list(out.glob("model/pipeline-rank*"))
+    for name, weight in weights.items():
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=2e-5, msg=name)  # lr 0.5 x float noise
 
 
 def test_bytes_sent_match_the_formula_and_caching_sends_fewer(two_ranks):
+    _, two_ranks = two_ranks
     hidden = tiny_config(**CONFIG).hidden_size
     totals = {}
     for cache in (True, False):
@@ -173,6 +184,40 @@ def test_a_new_tensor_field_in_the_depth_state_is_named_at_construction():
         StateCodec(tiny_config(attnres_block_size=2), state_type=Grown)
 
 
+def test_kept_gradients_are_read_only_after_the_later_stages_backward():
+    cache = CrossStageCache()
+    cache.keep(0, 2, {"sources": torch.ones(1, 1, 2, 4, requires_grad=True)})
+    leaf = cache.read(0, 2)["sources"]
+    assert leaf.is_leaf and leaf.requires_grad
+    with pytest.raises(RuntimeError, match="stage 2's backward of micro-batch 0 has not run"):
+        cache.pop_gradients(0, 2)
+    (leaf * 3).sum().backward()
+    cache.backward_done(0, 2)
+    (grad,) = cache.pop_gradients(0, 2)
+    assert torch.equal(grad, torch.full_like(leaf, 3.0)) and len(cache) == 0
+    with pytest.raises(RuntimeError, match="no kept sources for micro-batch 1 at stage 3"):
+        cache.read(1, 3)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model": "missing"}, "no model folder"),
+    ({"data": "missing.txt"}, "data file not found"),
+    ({"--virtual-stages": "1"}, "virtual_stages must be at least 2"),
+    ({"--lr": "0"}, "--lr must be positive"),
+    ({}, "run this under torchrun"),
+])
+def test_the_torchrun_entry_point_checks_its_arguments_before_loading(change, message, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    arguments = {"model": str(tiny_model_dir / "model"), "data": str(tiny_model_dir / "train.txt"),
+                 "--output-dir": str(tiny_model_dir / "out"), "--virtual-stages": "2", "--lr": "1e-4"}
+    arguments.update({key: (str(tiny_model_dir / value) if key in ("model", "data") else value)
+                      for key, value in change.items()})
+    argv = [arguments.pop("model"), "--data", arguments.pop("data")] + [x for pair in arguments.items() for x in pair]
+    with pytest.raises((ValueError, FileNotFoundError, RuntimeError), match=message):
+        main(argv)
+    assert not (tiny_model_dir / "out").exists()
+
+
 def test_the_pipeline_needs_torch_distributed():
     from attnres_hf.training.pipeline_parallel import AttnResPipeline
 
@@ -183,4 +228,5 @@ def test_the_pipeline_needs_torch_distributed():
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(2, sys.argv[1]), nprocs=2, join=True)
+    # fork: the ranks start with this process's imports instead of importing transformers again each
+    mp.start_processes(_rank, args=(2, sys.argv[1]), nprocs=2, join=True, start_method="fork")

@@ -226,6 +226,7 @@ class CrossStageCache:
 
     def __init__(self):
         self._kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._backward_done: set[tuple[int, int]] = set()
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -242,18 +243,23 @@ class CrossStageCache:
             raise RuntimeError(f"no kept sources for micro-batch {micro_batch} at stage {stage}: the rank's previous "
                                "stage did not run it first") from None
 
+    def backward_done(self, micro_batch: int, stage: int) -> None:
+        """Stage `stage` has run its backward of `micro_batch`: the kept leaves hold their gradient."""
+        if (micro_batch, stage) in self._kept:
+            self._backward_done.add((micro_batch, stage))
+
     def pop_gradients(self, micro_batch: int, stage: int) -> tuple[torch.Tensor | None, ...]:
-        leaves = self._kept.pop((micro_batch, stage), None)
-        if leaves is None:
-            raise RuntimeError(f"no kept sources for micro-batch {micro_batch} at stage {stage} in backward")
-        if any(leaf.requires_grad and leaf.grad is None for leaf in leaves.values()) and \
-                all(leaf.grad is None for leaf in leaves.values()):
+        """The gradients stage `stage` left on the kept sources of `micro_batch` (`None`: a source it did not use),
+        in `SOURCE_FIELDS` order; forgets the entry."""
+        if (micro_batch, stage) not in self._backward_done:
             raise RuntimeError(f"stage {stage}'s backward of micro-batch {micro_batch} has not run before its "
-                               "previous stage on this rank needs its gradient")
-        return tuple(leaf.grad for leaf in leaves.values())
+                               "previous stage on this rank needs the gradient of the sources it kept")
+        self._backward_done.discard((micro_batch, stage))
+        return tuple(leaf.grad for leaf in self._kept.pop((micro_batch, stage)).values())
 
     def clear(self) -> None:
         self._kept.clear()
+        self._backward_done.clear()
 
 
 class _ReturnKeptGradients(torch.autograd.Function):
@@ -366,6 +372,11 @@ class _AttnResStage(PipelineStage):
         finally:
             self.submod.micro_batch = None
 
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if self.submod.cache is not None:
+            self.submod.cache.backward_done(bwd_chunk_id, self.stage_index)
+
     def _count(self, direction: str, ops: list) -> list:
         self.bytes_sent[direction] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         return ops
@@ -463,6 +474,40 @@ class AttnResPipeline:
                     params.append(param)
         return params
 
+    def save_pretrained(self, save_directory, tokenizer=None) -> None:
+        """Write the trained model as one checkpoint (`model.save_pretrained`, with `tokenizer` if given).
+
+        Collective: call it on every rank. Each rank writes the parameters of its stages to
+        `save_directory/pipeline-rank{r}.safetensors`; rank 0 loads them into its model, saves it and removes the
+        parts. Needs a `save_directory` every rank can read and write (one machine, or a shared file system).
+
+        Raises:
+            RuntimeError: a parameter no rank trained (rank 0; a bug).
+        """
+        from pathlib import Path
+
+        from safetensors.torch import load_file, save_file
+
+        output = Path(save_directory)
+        output.mkdir(parents=True, exist_ok=True)
+        owned = {id(p) for p in self.parameters()}
+        save_file({name: p.detach().cpu().contiguous() for name, p in self.model.named_parameters() if id(p) in owned},
+                  str(output / f"pipeline-rank{self.rank}.safetensors"))
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            parts = [output / f"pipeline-rank{rank}.safetensors" for rank in range(self.plan.num_ranks)]
+            state = {name: tensor for path in parts for name, tensor in load_file(str(path)).items()}
+            missing = {name for name, _ in self.model.named_parameters()} - set(state)
+            if missing:
+                raise RuntimeError(f"no rank holds the trained {sorted(missing)}")
+            self.model.load_state_dict(state, strict=False)
+            self.model.save_pretrained(output)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(output)
+            for path in parts:
+                path.unlink()
+        dist.barrier(group=self.group)
+
     def reset_bytes_sent(self) -> None:
         self.bytes_sent.update(forward=0, backward=0)
 
@@ -509,4 +554,101 @@ class AttnResPipeline:
         return loss
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# torchrun entry point: `torchrun --nproc-per-node P -m attnres_hf.training.pipeline_parallel MODEL --data FILE ...`
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node P -m attnres_hf.training.pipeline_parallel",
+        description="Train an AttnRes checkpoint (all parameters, AdamW) with pipeline parallelism over the torchrun "
+                    "processes and the paper's cross-stage caching; rank 0 writes the trained model to --output-dir.")
+    parser.add_argument("model", help="AttnRes model folder (with its tokenizer), e.g. the output of `attnres convert`")
+    parser.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.json/.parquet files (see `attnres train`)")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (packed)")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="stages per rank (>= 2)")
+    parser.add_argument("--no-cache", action="store_true", help="send the full depth state at every hand-off")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run under torchrun; returns the exit status. Bad arguments fail before any model loads."""
+    import json
+    import os
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data import packed_lm_dataset
+
+    args = _parser().parse_args(argv)
+    for name in ("seq_len", "micro_batch_size", "micro_batches", "steps"):
+        check_int(name, getattr(args, name), minimum=2 if name == "seq_len" else 1)
+    check_int("virtual_stages", args.virtual_stages, minimum=2)
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if not (Path(args.model) / "config.json").is_file():
+        raise FileNotFoundError(f"no model folder (config.json) at {args.model}")
+    for path in args.data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+    if "RANK" not in os.environ:
+        raise RuntimeError("run this under torchrun, e.g. torchrun --nproc-per-node 2 -m "
+                           "attnres_hf.training.pipeline_parallel MODEL --data FILE --output-dir OUT")
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, device = dist.get_rank(), torch.device("cpu")
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        torch.manual_seed(args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
+        data = packed_lm_dataset(args.data, tokenizer, seq_len=args.seq_len)["train"]
+        pipeline = AttnResPipeline(model, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                                   num_micro_batches=args.micro_batches, virtual_stages=args.virtual_stages,
+                                   cache=not args.no_cache)
+        optimizer = torch.optim.AdamW(pipeline.parameters(), lr=args.lr)
+        batch = args.micro_batch_size * args.micro_batches
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
+        losses = []
+        for step in range(args.steps):
+            rows = [order[(step * batch + i) % len(order)] for i in range(batch)]  # the same rows on every rank
+            examples = data.select(rows)
+            loss = pipeline.step(torch.tensor(examples["input_ids"]), torch.tensor(examples["labels"]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if rank == 0:
+                print(json.dumps({"step": step + 1, "loss": round(losses[-1], 6)}), flush=True)
+
+        pipeline.save_pretrained(args.output_dir, tokenizer=tokenizer)
+        sent = torch.tensor([pipeline.bytes_sent["forward"], pipeline.bytes_sent["backward"]], dtype=torch.float64,
+                            device=device)
+        dist.all_reduce(sent)
+        if rank == 0:
+            (Path(args.output_dir) / "pipeline_summary.json").write_text(json.dumps(
+                {"steps": args.steps, "losses": losses, "ranks": dist.get_world_size(),
+                 "virtual_stages": args.virtual_stages, "cache": not args.no_cache,
+                 "bytes_sent": {"forward": int(sent[0]), "backward": int(sent[1])}}, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 __all__ = ["AttnResPipeline", "AttnResStageModule", "CrossStageCache", "PipelinePlan", "StateCodec", "plan_pipeline"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
