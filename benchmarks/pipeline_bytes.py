@@ -3,7 +3,7 @@ the paper's cross-stage caching (arXiv:2603.15031, §4), next to the formula's p
 
 The bytes are counted on the send ops the pipeline stages actually post (activations forward, their gradients
 backward), summed over all ranks, for one `ScheduleInterleaved1F1B` step. Default shape: SmolLM2-135M (30 layers,
-hidden 576, vocab 49152, tied embeddings; random weights, fp32 on CPU) with `attnres_block_size` from
+hidden 576, vocab 49152, tied embeddings; random weights, fp32 on CPU; `--dtype bfloat16`) with `attnres_block_size` from
 `default_attnres_block_size` (8 sub-layers: 8 blocks), 2 ranks x 3 virtual stages of 5 layers. The step's loss is
 printed for both runs (caching changes what is sent, not the numbers). A last line gives the formula for bf16
 training at the same split and `--formula-seq-len` tokens per micro-batch.
@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--formula-seq-len", type=int, default=4096)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
     return parser.parse_args(argv)
 
 
@@ -58,7 +59,7 @@ def run(rank: int, world_size: int, args) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     config = config_for(args)
     torch.manual_seed(0)
-    model = AttnResForCausalLM(config).train()
+    model = AttnResForCausalLM(config).to(getattr(torch, args.dtype)).train()
     batch = args.micro_batch_size * args.micro_batches
     input_ids = torch.randint(0, config.vocab_size, (batch, args.seq_len), generator=torch.Generator().manual_seed(1))
     rows = []
@@ -77,7 +78,7 @@ def run(rank: int, world_size: int, args) -> None:
         return
     plan = rows[0][-1]
     print(f"shape: SmolLM2-135M's, {config.num_hidden_layers} layers, hidden {config.hidden_size}, block "
-          f"{config.attnres_block_size} sub-layers ({config.num_attnres_blocks} blocks + embedding), fp32")
+          f"{config.attnres_block_size} sub-layers ({config.num_attnres_blocks} blocks + embedding), {args.dtype}")
     print(f"split: {world_size} ranks x {args.virtual_stages} virtual stages = {plan.num_stages} stages, layers "
           f"{[end - first for first, end in plan.layer_ranges]}, sources after each stage {list(plan.sources_after)}")
     print(f"step: {args.micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, "

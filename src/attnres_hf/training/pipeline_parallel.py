@@ -21,8 +21,8 @@ the activation element size (4 fp32, 2 bf16) and `n_s = 0` for `s < 0`:
     with caching:     b T [ sum_{s=0}^{S-2} (n_s - n_{s+1-P}) (d E + 4) + (S - 1) d E ]
                     = b T [ sum_{s=S-P}^{S-2} n_s (d E + 4)             + (S - 1) d E ]   (the sum telescopes)
 
-With `N` blocks the source term is about `N S / 2` source copies per token without caching and at most `(P - 1) N`
-with it: each block reaches each other rank once. `PipelinePlan.bytes_per_micro_batch` evaluates both;
+With `N` blocks the source term is about `N S / 2` source copies per token without caching and at most
+`(P - 1) (N + 1)` with it (the embedding counts as a source): each source reaches each other rank once. `PipelinePlan.bytes_per_micro_batch` evaluates both;
 `benchmarks/pipeline_bytes.py` compares them with the bytes the stages actually send.
 
 **Backward.** Stage `s + P` reads the kept sources as detached leaves, so its backward (run by the schedule like any
