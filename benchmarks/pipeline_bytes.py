@@ -3,8 +3,9 @@ the paper's cross-stage caching (arXiv:2603.15031, §4), next to the formula's p
 
 The bytes are counted on the send ops the pipeline stages actually post (activations forward, their gradients
 backward), summed over all ranks, for one `ScheduleInterleaved1F1B` step. Default shape: SmolLM2-135M (30 layers,
-hidden 576, vocab 49152, tied embeddings; random weights, fp32 on CPU; `--dtype bfloat16`) with `attnres_block_size` from
-`default_attnres_block_size` (8 sub-layers: 8 blocks), 2 ranks x 3 virtual stages of 5 layers. The step's loss is
+hidden 576, vocab 49152, tied embeddings; random weights, fp32 on CPU, or `--dtype bfloat16`) with
+`attnres_block_size` from `default_attnres_block_size` (8 sub-layers: 8 blocks), 2 ranks x 3 virtual stages of 5
+layers. The step's loss is
 printed for both runs (caching changes what is sent, not the numbers). A last line gives the formula for bf16
 training at the same split and `--formula-seq-len` tokens per micro-batch.
 

@@ -99,6 +99,7 @@ def two_ranks(tmp_path_factory):
     return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_step_equals_one_process_step_with_and_without_caching(case, two_ranks):
     out, two_ranks = two_ranks
@@ -124,6 +125,7 @@ def test_pipeline_step_equals_one_process_step_with_and_without_caching(case, tw
         torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=2e-5, msg=name)  # lr 0.5 x float noise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,sources_sent", [("blocks-inside", {True: 2 + 2 + 2, False: 2 + 4 + 6}),
                                                 ("blocks-across", {True: 1 + 0 + 1 + 0 + 1 + 0 + 1,
                                                                    False: 1 + 1 + 2 + 2 + 3 + 3 + 4})])

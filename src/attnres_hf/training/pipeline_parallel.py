@@ -22,8 +22,9 @@ the activation element size (4 fp32, 2 bf16) and `n_s = 0` for `s < 0`:
                     = b T [ sum_{s=S-P}^{S-2} n_s (d E + 4)             + (S - 1) d E ]   (the sum telescopes)
 
 With `N` blocks the source term is about `N S / 2` source copies per token without caching and at most
-`(P - 1) (N + 1)` with it (the embedding counts as a source): each source reaches each other rank once. `PipelinePlan.bytes_per_micro_batch` evaluates both;
-`benchmarks/pipeline_bytes.py` compares them with the bytes the stages actually send.
+`(P - 1) (N + 1)` with it (the embedding counts as a source): each source reaches each other rank once.
+`PipelinePlan.bytes_per_micro_batch` evaluates both; `benchmarks/pipeline_bytes.py` compares them with the bytes the
+stages actually send.
 
 **Backward.** Stage `s + P` reads the kept sources as detached leaves, so its backward (run by the schedule like any
 other) leaves their gradient in the leaves' `.grad`. Stage `s`'s outputs went through an identity autograd function
@@ -234,7 +235,8 @@ class CrossStageCache:
     def keep(self, micro_batch: int, stage: int, sources: dict[str, torch.Tensor]) -> None:
         if (micro_batch, stage) in self._kept:
             raise RuntimeError(f"sources for micro-batch {micro_batch}, stage {stage} are already kept")
-        self._kept[micro_batch, stage] = {name: t.detach().requires_grad_(t.requires_grad) for name, t in sources.items()}
+        self._kept[micro_batch, stage] = {name: t.detach().requires_grad_(t.requires_grad)
+                                          for name, t in sources.items()}
 
     def read(self, micro_batch: int, stage: int) -> dict[str, torch.Tensor]:
         try:
@@ -567,7 +569,8 @@ def _parser():
         description="Train an AttnRes checkpoint (all parameters, AdamW) with pipeline parallelism over the torchrun "
                     "processes and the paper's cross-stage caching; rank 0 writes the trained model to --output-dir.")
     parser.add_argument("model", help="AttnRes model folder (with its tokenizer), e.g. the output of `attnres convert`")
-    parser.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.json/.parquet files (see `attnres train`)")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help=".txt/.jsonl/.json/.parquet files (see `attnres train`)")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (packed)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
