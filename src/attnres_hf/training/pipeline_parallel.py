@@ -31,7 +31,9 @@ other) leaves their gradient in the leaves' `.grad`. Stage `s`'s outputs went th
 (`_ReturnKeptGradients`) whose backward hands that gradient to the sources in stage `s`'s own graph, next to the
 gradients received for what it sent. In any schedule stage `s + P`'s backward of a micro-batch precedes stage `s`'s
 (stage `s` needs the input gradients of `s + 1`, which needs those of `s + 2`, ...), so the gradient is there in time;
-a missing one is an error, not a silent zero.
+a missing one is an error, not a silent zero. This needs schedules whose backward is one autograd pass per stage and
+micro-batch (`ScheduleInterleaved1F1B`, used here); zero-bubble schedules that split off the weight gradients compute
+input gradients with `torch.autograd.grad`, which leaves no `.grad` on the kept sources.
 
 Loss: each micro-batch's token-summed cross-entropy divided by the global batch's number of predicted tokens
 (transformers' `num_items_in_batch`), so the summed micro-batch losses and gradients equal one step on the whole
@@ -405,7 +407,9 @@ class AttnResPipeline:
         cache: keep received sources on each rank (paper §4); False sends the full depth state at each hand-off
             (same numbers, more bytes).
         layers_per_stage: see `plan_pipeline`.
-        group: the pipeline's process group (default: the world).
+        group: the pipeline's process group (default: the world). With tied embeddings every rank of the world
+            takes part in creating the pair group of stage 0 and stage `S - 1` (`dist.new_group`), so several
+            pipeline groups side by side (pipeline x data parallel) need untied embeddings for now.
         device: where the stages run (default: the model's device).
 
     Raises:
