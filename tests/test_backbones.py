@@ -225,3 +225,14 @@ def test_fused_qkv_routing_equals_separate_projections():
     plain = separate(query, rope, None)[0]
     assert (outputs[0] - plain).abs().max() > 1e-3  # the routed inputs were used
     assert isinstance(phi3.key_value_inputs, KeyValueInputs) and phi3.key_value_inputs.fused == "qkv_proj"
+
+
+def test_readme_lists_every_family():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")}
+    assert set(BACKBONES) <= rows
+    gguf = {line.split("|")[1].strip().strip("`") for line in readme.splitlines()
+            if line.startswith("| `") and line.rstrip(" |").endswith(("yes", "yes (as `llama`)"))}
+    assert gguf == {name for name, adapter in BACKBONES.items() if adapter.gguf_architecture}
