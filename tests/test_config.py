@@ -15,7 +15,8 @@ from utils import tiny_config
         pytest.param(dict(num_key_value_heads=8), "num_key_value_heads (8) must not exceed num_attention_heads (4)", id="more-kv-heads"),
         pytest.param(dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads", id="kv-heads-not-dividing"),
         pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres', 'denseformer', 'muddformer', 'dca', 'mhc'), got hyper", id="unknown-depth-mixing"),
-        pytest.param(dict(hidden_size=30), "must be a multiple of num_attention_heads", id="hidden-not-divisible"),
+        pytest.param(dict(hidden_size=30), "not a multiple of the number of attention heads", id="hidden-not-divisible"),  # LlamaConfig's rule
+        pytest.param(dict(rms_norm_eps=-1e-6), "rms_norm_eps must be greater or equal to 0.0", id="negative-eps"),
         pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),
         pytest.param(dict(layer_types=["sliding_attention"] * 3), "sliding_window must be set", id="sliding-without-window"),
         pytest.param(dict(sliding_window=-1), "sliding_window must be a positive number", id="negative-window"),
@@ -38,14 +39,16 @@ def test_default_block_size_gives_about_eight_blocks(layers, size, blocks):
 
 
 def test_config_round_trip_and_derived_fields(tmp_path):
+    """A flat config with Qwen3's q/k norm becomes a Qwen3 backbone (the flat config's meaning: every layer slides
+    when a window is set, head_dim = hidden / heads); the backbone is saved nested and read back as Qwen3Config."""
     config = tiny_config(attnres_block_size=4, attention_bias=True, use_qk_norm=True, sliding_window=5)
-    assert config.head_dim == 8 and config.attention_out_bias is True
+    assert config.backbone.model_type == "qwen3" and config.head_dim == 8 and config.attention_bias is True
     assert config.layer_types == ["sliding_attention"] * 3
     config.save_pretrained(tmp_path)
     loaded = AttnResConfig.from_pretrained(tmp_path)
-    for key in ("attnres_block_size", "depth_mixing", "use_qk_norm", "sliding_window", "layer_types", "head_dim"):
+    for key in ("attnres_block_size", "depth_mixing", "sliding_window", "layer_types", "head_dim", "attention_bias"):
         assert getattr(loaded, key) == getattr(config, key)
-    assert loaded.model_type == "attnres"
+    assert loaded.model_type == "attnres" and type(loaded.backbone) is type(config.backbone)
 
 
 def test_full_attnres_and_rope_scaling_are_accepted():
@@ -73,7 +76,6 @@ def test_rules_are_checked_again_when_a_model_is_built(tmp_path):
     ("depth_mixing", "hyper", "depth_mixing must be one of"),
     ("attnres_score_fn", "tanh", "attnres_score_fn must be one of ('softmax', 'sigmoid'), got tanh"),
     ("hidden_size", 32.0, "hidden_size must be int, got float"),
-    ("rms_norm_eps", -1e-6, "rms_norm_eps must be greater or equal to 0.0"),
 ])
 def test_declared_field_rules_hold_at_construction_assignment_and_loading(name, value, rule, tmp_path):
     """Types, choices and ranges are declared on the fields (huggingface_hub `@strict`, as `LlamaConfig`) and every
@@ -94,12 +96,13 @@ def test_declared_field_rules_hold_at_construction_assignment_and_loading(name, 
     ("attnres_window", True, "attnres_window must be one of the types (int, None), got True"),
     ("sliding_window", 4.0, "sliding_window must be one of the types (int, None), got 4.0"),
     ("eos_token_id", "2", "eos_token_id must be one of the types (int, list[int], None), got '2'"),
-    ("rms_norm_eps", "1e-5", "rms_norm_eps must be one of the types (float, int), got '1e-5'"),
-    ("attention_dropout", True, "attention_dropout must be one of the types (float, int), got True"),
+    ("rms_norm_eps", "1e-5", "rms_norm_eps must be float, got str (value: '1e-5')"),
+    ("attention_dropout", True, "attention_dropout must be one of the types (int, float, None), got True"),
 ])
 def test_wrong_type_for_an_optional_or_union_field_names_the_types(name, value, rule):
     """A field declared as a union (`int | None`, ...) reports the accepted types in one short line, not
-    huggingface_hub's "with value ... doesn't match any type in (<class 'int'>, ...). Errors: ..." dump."""
+    huggingface_hub's "with value ... doesn't match any type in (<class 'int'>, ...). Errors: ..." dump. Backbone
+    fields (all but `attnres_window` here) are typed by the family's config class (LlamaConfig for a flat config)."""
     with pytest.raises(ValueError) as error:
         tiny_config(**{name: value})
     assert str(error.value) == rule

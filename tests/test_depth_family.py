@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from attnres_hf import AttnResForCausalLM
 from attnres_hf.modeling.depth_mixing import (DEPTH_MIXING, MIXING_MODULES, depth_mixing_parameters,
@@ -256,9 +257,17 @@ class Parts:
         self.rope = self.inner.rotary_emb(self.embedding, positions)
 
     def attn(self, i, q, k=None, v=None):
+        """Llama attention written out (causal sdpa, GQA), with separate query, key and value inputs."""
         layer = self.inner.layers[i]
-        kv = None if k is None else (layer.input_layernorm(k), layer.input_layernorm(v))
-        return layer.self_attn(layer.input_layernorm(q), self.rope, None, key_value_states=kv)[0]
+        attn, norm = layer.self_attn, layer.input_layernorm
+        k, v = (q, q) if k is None else (k, v)
+        shape = (*q.shape[:-1], -1, attn.head_dim)
+        query, key, value = (proj(norm(x)).view(shape).transpose(1, 2)  # (B, heads, T, head_dim)
+                             for proj, x in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)))
+        query, key = apply_rotary_pos_emb(query, key, *self.rope)
+        key, value = repeat_kv(key, attn.num_key_value_groups), repeat_kv(value, attn.num_key_value_groups)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(*q.shape[:-1], -1))
 
     def mlp(self, i, x):
         layer = self.inner.layers[i]

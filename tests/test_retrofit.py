@@ -63,7 +63,7 @@ def test_residual_retrofit_and_config_carry_over():
     model = retrofit(source, depth_mixing="residual", dtype=torch.float64)
     config = model.config
     assert config.depth_mixing == "residual" and model.dtype == torch.float64
-    assert config.attention_bias and not config.attention_out_bias
+    assert type(config.backbone) is type(source.config)  # the source's own config class: bias on q/k/v, not o_proj
     assert config.rms_norm_eps == source.config.rms_norm_eps and config.num_key_value_heads == 2
     assert torch.equal(model.model.layers[1].self_attn.q_proj.bias, source.model.layers[1].self_attn.q_proj.bias.double())
 

@@ -1,6 +1,7 @@
 """Checkpoints: native and remote-code loading, Auto classes, dtype, missing routers."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -101,7 +102,9 @@ def test_remote_code_and_package_coexist_in_one_process(saved, input_ids, tmp_pa
     result = subprocess.run(
         [sys.executable, "-c", COEXIST_SCRIPT, str(folder), json.dumps(input_ids.tolist())],
         capture_output=True, text=True, check=False, cwd=tmp_path_factory.mktemp("cwd"),
-        env={"HF_HOME": str(tmp_path_factory.mktemp("hf_home")), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        # the package under test (a checkout's `src` on PYTHONPATH), not another installed copy
+        env={"HF_HOME": str(tmp_path_factory.mktemp("hf_home")), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+             **{key: os.environ[key] for key in ("PYTHONPATH",) if key in os.environ}},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for remote_logits in json.loads(result.stdout.strip().splitlines()[-1]):

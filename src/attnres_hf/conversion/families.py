@@ -1,101 +1,32 @@
-"""Supported source families: one key table and one config mapping per `model_type`.
+"""Supported source families, read from the backbone adapters (`attnres_hf.modeling.backbones.BACKBONES`).
 
-Parameter names of `AttnResForCausalLM` are Llama's, so every table maps a key to itself; the tables exist to
-say exactly which keys a family may carry. A source key that no table entry matches is an error, never a silent
-skip (the way litgpt's converters work). `{}` stands for a layer index.
+An AttnRes model is built from the source family's own classes, so its backbone parameter names are the family's
+and every source key maps to itself. The key table of a source is therefore derived, not written: the parameter
+names of the AttnRes model its config builds (`backbone_keys`, on the meta device). A source key outside that table is
+an error, never a silent skip (the way litgpt's converters work); so is a weight of the AttnRes backbone that the
+source does not hold. The config mapping is the source config itself, nested as `AttnResConfig.backbone`.
 """
 
-import re
-from collections.abc import Callable
+import copy
+import functools
+import json
 
+import torch
 from transformers import PretrainedConfig
 
-_BACKBONE = (
-    "model.embed_tokens.weight",
-    "model.layers.{}.self_attn.q_proj.weight",
-    "model.layers.{}.self_attn.k_proj.weight",
-    "model.layers.{}.self_attn.v_proj.weight",
-    "model.layers.{}.self_attn.o_proj.weight",
-    "model.layers.{}.mlp.gate_proj.weight",
-    "model.layers.{}.mlp.up_proj.weight",
-    "model.layers.{}.mlp.down_proj.weight",
-    "model.layers.{}.input_layernorm.weight",
-    "model.layers.{}.post_attention_layernorm.weight",
-    "model.norm.weight",
-    "lm_head.weight",
-)
-_QKV_BIAS = tuple(f"model.layers.{{}}.self_attn.{p}_proj.bias" for p in "qkv")
-_O_BIAS = ("model.layers.{}.self_attn.o_proj.bias",)
-_MLP_BIAS = tuple(f"model.layers.{{}}.mlp.{p}_proj.bias" for p in ("gate", "up", "down"))
-_QK_NORM = ("model.layers.{}.self_attn.q_norm.weight", "model.layers.{}.self_attn.k_norm.weight")
+from ..modeling.backbones import BACKBONES
+from ..modeling.depth_mixing import is_depth_mixing_parameter
 
-KEY_TABLES: dict[str, dict[str, str]] = {
-    "llama": {k: k for k in _BACKBONE + _QKV_BIAS + _O_BIAS + _MLP_BIAS},
-    "mistral": {k: k for k in _BACKBONE},
-    "qwen2": {k: k for k in _BACKBONE + _QKV_BIAS},
-    "qwen3": {k: k for k in _BACKBONE + _QKV_BIAS + _O_BIAS + _QK_NORM},
+SUPPORTED_MODEL_TYPES = tuple(BACKBONES)
+"""Source `model_type`s that retrofit and `attnres convert` accept (one per backbone adapter)."""
+
+GGUF_ARCHITECTURES: dict[str, str] = {
+    model_type: adapter.gguf_architecture for model_type, adapter in BACKBONES.items() if adapter.gguf_architecture
 }
-"""`model_type -> {source key pattern: AttnRes key pattern}`."""
-
-_COMMON_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_act",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "rope_parameters",
-    "tie_word_embeddings",
-    "attention_dropout",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
-
-
-def _llama(config: PretrainedConfig) -> dict:
-    return {"attention_bias": config.attention_bias, "mlp_bias": getattr(config, "mlp_bias", False)}
-
-
-def _mistral(config: PretrainedConfig) -> dict:
-    return {"sliding_window": config.sliding_window}  # Mistral slides on every layer when a window is set
-
-
-def _qwen_layers(config: PretrainedConfig) -> dict:
-    # Qwen2/3 configs resolve `use_sliding_window` / `max_window_layers` into `sliding_window` and `layer_types`.
-    return {"sliding_window": config.sliding_window, "layer_types": list(config.layer_types)}
-
-
-def _qwen2(config: PretrainedConfig) -> dict:
-    return {"attention_bias": True, "attention_out_bias": False, **_qwen_layers(config)}  # bias on q/k/v only
-
-
-def _qwen3(config: PretrainedConfig) -> dict:
-    return {"attention_bias": config.attention_bias, "use_qk_norm": True, **_qwen_layers(config)}
-
-
-CONFIG_MAPPINGS: dict[str, Callable[[PretrainedConfig], dict]] = {
-    "llama": _llama,
-    "mistral": _mistral,
-    "qwen2": _qwen2,
-    "qwen3": _qwen3,
-}
-"""`model_type -> (source config -> AttnResConfig fields beyond the common Llama ones)`."""
-
-SUPPORTED_MODEL_TYPES = tuple(KEY_TABLES)
-
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 """`model_type -> general.architecture` of its GGUF files (llama.cpp writes Mistral 7B as `llama`)."""
 
-GGUF_PERMUTED_QK = frozenset({"llama"})
+GGUF_PERMUTED_QK = frozenset(adapter.gguf_architecture for adapter in BACKBONES.values() if adapter.gguf_permuted_qk)
 """GGUF architectures whose q/k rows (weights and biases) llama.cpp stores interleaved per head for its rope."""
-
-# Fields whose presence means the backbone cannot be expressed (mixture-of-experts layers and the like).
-_UNSUPPORTED_FEATURES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 class UnsupportedSourceError(ValueError):
@@ -103,46 +34,58 @@ class UnsupportedSourceError(ValueError):
 
 
 def check_supported(config: PretrainedConfig) -> str:
-    """Return `config.model_type` if it can be retrofitted, else raise `UnsupportedSourceError` saying why."""
+    """Return `config.model_type` if it can be retrofitted, else raise `UnsupportedSourceError` saying why (an
+    unsupported family, or a setting its adapter refuses)."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in KEY_TABLES:
+    if model_type not in BACKBONES:
         raise UnsupportedSourceError(
             f"unsupported model_type {model_type!r}: retrofit supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    for feature in _UNSUPPORTED_FEATURES:
-        if getattr(config, feature, None):
-            raise UnsupportedSourceError(
-                f"{model_type} config has {feature}={getattr(config, feature)!r}: mixture-of-experts layers are not "
-                "supported by the AttnRes backbone"
-            )
+    try:
+        BACKBONES[model_type].check_config(config)
+    except ValueError as error:
+        raise UnsupportedSourceError(str(error)) from None
     return model_type
 
 
 def attnres_config_fields(config: PretrainedConfig) -> dict:
-    """AttnResConfig fields that reproduce `config`'s architecture (raises `UnsupportedSourceError`)."""
-    model_type = check_supported(config)
-    fields = {name: getattr(config, name) for name in _COMMON_FIELDS if hasattr(config, name)}
-    fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return fields | CONFIG_MAPPINGS[model_type](config)
+    """AttnResConfig fields that reproduce `config`'s architecture: the config itself as the backbone (a copy; raises
+    `UnsupportedSourceError`)."""
+    check_supported(config)
+    backbone = copy.deepcopy(config)
+    for name in ("quantization_config", "auto_map", "architectures"):  # the source checkpoint's, not the backbone's
+        if name in vars(backbone):
+            delattr(backbone, name)
+    return {"backbone": backbone}
 
 
-def map_keys(model_type: str, keys: list[str]) -> dict[str, str]:
-    """Map source state-dict keys to AttnRes keys with the family's table.
+@functools.lru_cache(maxsize=32)
+def _keys(config_json: str) -> tuple[str, ...]:
+    from ..modeling import AttnResConfig, AttnResForCausalLM
+
+    config = AttnResConfig(backbone=json.loads(config_json), depth_mixing="residual")
+    with torch.device("meta"):
+        model = AttnResForCausalLM(config)
+    return tuple(name for name in model.state_dict() if not is_depth_mixing_parameter(name))
+
+
+def backbone_keys(config: PretrainedConfig) -> tuple[str, ...]:
+    """The state-dict keys of the backbone an AttnRes model of source `config` holds (its key table: every key the
+    source may carry; the family's own names). Built on the meta device (no memory)."""
+    check_supported(config)
+    fields = attnres_config_fields(config)["backbone"].to_dict()
+    return _keys(json.dumps(fields, sort_keys=True, default=str))
+
+
+def map_keys(config: PretrainedConfig, keys: list[str]) -> dict[str, str]:
+    """Map source state-dict keys to AttnRes keys: the identity, over the table `backbone_keys(config)`.
 
     Raises:
-        KeyError: naming every source key the table does not map.
+        KeyError: naming every source key the table does not hold.
     """
-    table = KEY_TABLES[model_type]
-    mapped, unmapped = {}, []
-    for key in keys:
-        pattern = re.sub(r"\.(\d+)\.", ".{}.", key, count=1)
-        target = table.get(pattern)
-        if target is None:
-            unmapped.append(key)
-            continue
-        index = re.search(r"\.(\d+)\.", key)
-        mapped[key] = target.format(index.group(1)) if index else target
+    table = set(backbone_keys(config))
+    unmapped = [key for key in keys if key not in table]
     if unmapped:
         shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
-        raise KeyError(f"{model_type} checkpoint has keys with no AttnRes counterpart: {shown}")
-    return mapped
+        raise KeyError(f"{config.model_type} checkpoint has keys with no AttnRes counterpart: {shown}")
+    return {key: key for key in keys}

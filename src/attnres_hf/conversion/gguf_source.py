@@ -4,7 +4,7 @@ transformers' GGUF loader builds the model from its own config mapping and silen
 has no parameter for: a Llama file with `blk.N.attn_q.bias` loads without its biases (the mapping never sets
 `attention_bias`), a Qwen3 file with `head_dim != 128` ends in a size mismatch (the mapping never reads
 `attention.key_length`). This module closes those gaps: the config fields the mapping leaves out are read from the
-file's metadata and tensor names (`gguf_config_fields`), a file tensor with no counterpart in the family's key table
+file's metadata and tensor names (`gguf_config_fields`), a file tensor with no counterpart in the family's key table (`families.backbone_keys`)
 stops the conversion naming it (`gguf_tensor_map`), and the loaded weights are compared with the file's own tensors,
 dequantised by the `gguf` package and un-permuted independently of transformers (`check_against_gguf`).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .families import GGUF_ARCHITECTURES, GGUF_PERMUTED_QK, KEY_TABLES
+from .families import GGUF_ARCHITECTURES, GGUF_PERMUTED_QK, backbone_keys
 
 # llama.cpp writes these for Llama 3.1-style rope scaling; transformers' GGUF loader ignores them, so a model built
 # from such a file would use unscaled rotary frequencies.
@@ -66,8 +66,9 @@ def gguf_config_fields(path: str | os.PathLike, config) -> dict:
     return fields
 
 
-def gguf_tensor_map(path: str | os.PathLike, model_type: str, num_hidden_layers: int) -> dict[str, str]:
-    """`{GGUF tensor name: HF parameter name}` for every tensor of the file, by the family's key table.
+def gguf_tensor_map(path: str | os.PathLike, config) -> dict[str, str]:
+    """`{GGUF tensor name: HF parameter name}` for every tensor of the file, by the key table of the source `config`'s
+    family (`families.backbone_keys`).
 
     Raises:
         ValueError: naming the file's tensors that have no parameter in a `model_type` model (the conversion would
@@ -75,6 +76,7 @@ def gguf_tensor_map(path: str | os.PathLike, model_type: str, num_hidden_layers:
     """
     import gguf
 
+    model_type, num_hidden_layers = config.model_type, config.num_hidden_layers
     reader = _reader(path)
     arch = gguf_architecture(reader)
     arch_id = next((key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch), None)
@@ -85,12 +87,10 @@ def gguf_tensor_map(path: str | os.PathLike, model_type: str, num_hidden_layers:
         )
     name_map = gguf.get_tensor_name_map(arch_id, num_hidden_layers)
     to_hf = {}
-    for pattern in KEY_TABLES[model_type]:
-        for index in range(num_hidden_layers) if "{}" in pattern else [None]:
-            hf_name = pattern.format(index)
-            gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if gguf_name is not None:
-                to_hf[gguf_name] = hf_name
+    for hf_name in backbone_keys(config):
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            to_hf[gguf_name] = hf_name
     unmapped = [tensor.name for tensor in reader.tensors if tensor.name not in to_hf]
     if unmapped:
         why = (
@@ -111,7 +111,7 @@ def check_gguf_coverage(path: str | os.PathLike, config) -> None:
     """
     from transformers import AutoModelForCausalLM
 
-    mapping = gguf_tensor_map(path, config.model_type, config.num_hidden_layers)
+    mapping = gguf_tensor_map(path, config)
     with torch.device("meta"):
         expected = set(AutoModelForCausalLM.from_config(config).state_dict())
     if getattr(config, "tie_word_embeddings", False):
@@ -145,7 +145,7 @@ def read_gguf_tensors(path: str | os.PathLike, config):
     from gguf import dequantize
 
     reader = _reader(path)
-    mapping = gguf_tensor_map(path, config.model_type, config.num_hidden_layers)
+    mapping = gguf_tensor_map(path, config)
     permuted = gguf_architecture(reader) in GGUF_PERMUTED_QK
     for tensor in reader.tensors:
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
@@ -178,7 +178,7 @@ def check_against_gguf(model: torch.nn.Module, path: str | os.PathLike, source_c
             `complete`, a weight of `model` that no file tensor holds.
     """
     config = source_config or model.config
-    if config.model_type not in KEY_TABLES:
+    if config.model_type not in GGUF_ARCHITECTURES:
         raise ValueError(f"pass source_config (the GGUF source's config) to check a {config.model_type} model")
     state = model.state_dict()
     name = Path(path).name

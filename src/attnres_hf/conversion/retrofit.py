@@ -1,7 +1,8 @@
-"""Retrofit a pretrained Llama / Mistral / Qwen2 / Qwen3 model into AttnRes, exactly at conversion time.
+"""Retrofit a pretrained model of a supported family (`SUPPORTED_MODEL_TYPES`: Llama, Mistral, Qwen2/3, SmolLM3,
+Granite, Phi-3, Gemma2/3, ...) into AttnRes, exactly at conversion time.
 
-Why it is exact: every reader of the residual stream of a pre-norm model is an RMSNorm, which is
-scale-invariant up to `eps`. With zero pseudo-queries an AttnRes router returns the *mean* of its sources, and the
+Why it is exact (per family: `attnres_hf.modeling.backbones`): every reader of the residual stream of a supported
+pre-norm model is a norm that is scale-invariant up to `eps`. With zero pseudo-queries an AttnRes router returns the *mean* of its sources, and the
 sources (Full: embedding and every sub-layer output; Block: embedding and block sums, paper Eq. 6) partition the
 residual sum. So copying every weight unchanged and zeroing the routers gives the same normalised inputs, the same
 sub-layer outputs and the same logits: exactly when `eps = 0`, up to an `eps` effect otherwise. Retrofitted models
@@ -31,7 +32,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.depth_mixing import MIXING_MODULES
-from ..modeling.modeling_attnres import AttnResRotaryEmbedding
 from .families import attnres_config_fields, check_supported, map_keys
 from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields
 
@@ -262,13 +262,16 @@ def retrofit(
     config = retrofit_config(source.config, **config_overrides)
 
     # source names -> AttnRes names (identity for every supported family; an unmapped key raises KeyError)
-    mapped = map_keys(source.config.model_type, list(source.state_dict()))
+    mapped = map_keys(source.config, list(source.state_dict()))
     state = {mapped[key]: tensor for key, tensor in source.state_dict().items()}
     dtype = dtype or next(source.parameters()).dtype
     with torch.device("meta"):  # no random init: every weight is copied or set below
         model = AttnResForCausalLM(config)
     model.to_empty(device="cpu").to(dtype)
-    model.model.rotary_emb = AttnResRotaryEmbedding(config)  # non-persistent rope buffers, recomputed in fp32
+    with torch.no_grad():  # non-persistent buffers (rotary frequencies, Gemma's embed_scale) are in no state dict:
+        for module in model.modules():  # the family's own initialisation computes them (in fp32)
+            if module._non_persistent_buffers_set:
+                model._init_weights(module.float())
     model.tie_weights()
     targets = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(targets[k].shape)}" for k, v in state.items()

@@ -1,185 +1,378 @@
-"""The backbone blocks of the AttnRes decoder: Llama's rotary embedding, MLP and attention, with Qwen2's q/k/v bias,
-Qwen3's q/k norm and Mistral/Qwen sliding windows, and one AttnRes departure (separate key/value inputs for
-MUDDFormer and DCA). Parameter names are Llama's, so Llama/Qwen checkpoints convert by identity.
+"""Backbone adapters: the source family's own transformers classes, driven by the AttnRes depth state.
+
+`BACKBONES` holds one `BackboneAdapter` record per supported `model_type` and is the only list of backbone families:
+the config (`AttnResConfig.backbone`), the decoder (`modeling_attnres.py`), the conversion (`conversion/families.py`,
+key tables and GGUF layouts), the tests and the README's table read it. AttnRes keeps none of a family's code: the
+decoder builds the family's own decoder layer (`adapter.decoder_layer(config.backbone, layer_idx)`), adopts its
+children under their own names (`self_attn`, `mlp`, `input_layernorm`, Phi-3's `qkv_proj` inside `self_attn`,
+Gemma's `pre_feedforward_layernorm`, ...) and never calls its `forward`: the depth state replaces the residual adds
+(`modeling_attnres.AttnResDecoderLayer`). Parameter names are therefore the family's own and a checkpoint maps by
+identity; AttnRes adds only its mixing modules (`attn_res`, `mlp_res`, `final_res`, `dwa`, ...).
+
+How a sub-layer runs (`SubLayer`; paper Eq. 1-6 for what `read`/`write` do):
+
+    x   = state.read_attn(mixing).hidden                       # AttnRes: the depth mix replaces the residual sum
+    out = layer.<module>(layer.<norm>(x), ...)                  # the family's pre-norm and sub-layer
+    out = layer.<post[0]>(out) ...                              # Gemma's post-norms, Phi-3's residual dropout
+    out = out * config.<output_multiplier>                      # Granite's residual_multiplier
+    state = state.write_attn(mixing, out)                       # the output joins the depth stream
+
+Why retrofit is exact (DESIGN): a pre-norm family computes `h + f(Norm(h))` where every reader of the stream `h` is
+a norm that is scale-invariant up to `eps` (RMSNorm `x / rms(x) * w`, Gemma's `x / rms(x) * (1 + w)`): the attention
+and MLP pre-norms and the final norm. AttnRes with zero pseudo-queries feeds each reader the mean (rescaled: the sum)
+of sources that partition the residual sum, so every reader sees the same normalised input. Everything applied to a
+sub-layer's *output* before it joins the stream (Gemma's post-attention / post-feedforward norms, Phi-3's dropout,
+Granite's `residual_multiplier`) is part of that sub-layer's source, and everything applied to the embedding before
+the first layer (Gemma's `sqrt(hidden_size)` scale, Granite's `embedding_multiplier`) is part of the embedding
+source; what is applied after the final norm (Granite's `logits_scaling`, Gemma's final logit soft-capping) is the
+head's. Inside a sub-layer (Granite's `attention_multiplier`, Gemma's attention soft-capping and
+`query_pre_attn_scalar`, sliding windows, Qwen3's q/k norms, SmolLM3's no-rope layers) nothing reads the stream.
+So each family below is exact at conversion time (tested: `tests/test_backbones.py`). Granite's
+`residual_multiplier` in particular is representable exactly: the residual model's stream is
+`m_e e + m_r sum_l f_l`, whose terms are exactly the sources AttnRes mixes when each sub-layer writes `m_r f_l`.
+A family with a reader of the stream that is not scale-invariant (e.g. a linear map of the un-normalised stream, as
+in a parallel block without its own norm) would not be exact; such a family gets no record, and `check_config`
+refuses the settings of a registered family that AttnRes cannot serve, naming the reason.
+
+Adding a family (tens of lines): one `BackboneAdapter(...)` in `_DENSE` (or in a sibling module whose tuple of
+records is joined into `BACKBONES` at the bottom of this file), declaring:
+
+- `model_type`, `config_class`, `causal_lm` (the family's `*ForCausalLM`, the source of a retrofit),
+  `pretrained_model` (its `*PreTrainedModel`, whose `_init_weights` initialises the family's modules, incl.
+  non-persistent buffers such as Gemma's `embed_scale` and the rotary frequencies), `decoder_layer`;
+- `attention`, `mlp`: `SubLayer(module, norm, post=(), output_multiplier=None)`, the names of the layer's children
+  (`module` may be a tuple of candidates: the first the layer has is used, e.g. Kimi Linear's `self_attn` /
+  `linear_attn`);
+- `norm` (the final norm class), `rotary` (the rotary class, `None` when the family has none) and, when its rotary
+  embedding differs per layer type (Gemma3's local/global), `position_embeddings`;
+- `embedding` (a factory; default `nn.Embedding`), `embedding_multiplier` (a config field name), `logits`
+  (the head's post-processing: soft-capping, scaling);
+- `key_value_inputs`: how MUDDFormer / DCA feed separate key and value inputs (`KeyValueInputs`: the k/v projection
+  names, or a fused q/k/v projection and its split); `None` refuses those methods for the family;
+- `make_cache`, `attention_masks`, `layer_types` (defaults: `DynamicCache(config=...)`, causal / sliding-window
+  masks per `layer_types`); `record_outputs` (`_can_record_outputs` entries, e.g. MoE `router_logits`);
+  `aux_loss` (MoE load balancing: `aux_loss(config, router_logits, attention_mask) -> scalar`, added to the LM loss
+  times `config.router_aux_loss_coef` when `output_router_logits`); `check_config` (refusals, with the reason);
+  `gguf_architecture` / `gguf_permuted_qk` (llama.cpp's layout of the family, if transformers' GGUF loader reads it).
 
 Travels with checkpoints as remote code (a relative import of `modeling_attnres.py`): imports only torch,
 transformers and its siblings.
 """
 
+import contextlib
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
-
-from .configuration_attnres import AttnResConfig
-from .mixing_base import AttnResRMSNorm
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Backbone: Llama blocks (with Qwen2 q/k/v bias, Qwen3 q/k norm and Mistral/Qwen sliding windows).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class AttnResRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Llama's, incl. scaled variants such as `rope_type="llama3"`)."""
-
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        self.config = config
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config: AttnResConfig, **kwargs) -> tuple[torch.Tensor, float]:
-        base = config.rope_parameters["rope_theta"]
-        dim = config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, 1.0
-
-    @dynamic_rope_update
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.gemma2 import modeling_gemma2 as gemma2
+from transformers.models.gemma2.configuration_gemma2 import Gemma2Config
+from transformers.models.gemma3 import modeling_gemma3 as gemma3
+from transformers.models.gemma3.configuration_gemma3 import Gemma3TextConfig
+from transformers.models.granite import modeling_granite as granite
+from transformers.models.granite.configuration_granite import GraniteConfig
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.llama.configuration_llama import LlamaConfig
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.mistral.configuration_mistral import MistralConfig
+from transformers.models.phi3 import modeling_phi3 as phi3
+from transformers.models.phi3.configuration_phi3 import Phi3Config
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
+from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.smollm3 import modeling_smollm3 as smollm3
+from transformers.models.smollm3.configuration_smollm3 import SmolLM3Config
 
 
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+@dataclass(frozen=True)
+class SubLayer:
+    """One sub-layer of a family's decoder layer, by the names of the layer's children.
+
+    - `module`: the sub-layer (`"self_attn"`, `"mlp"`), or a tuple of candidates (the first the layer has).
+    - `norm`: its pre-norm, the reader of the depth stream (must be scale-invariant for an exact retrofit).
+    - `post`: modules applied, in order, to its output before the output joins the stream (Gemma's
+      `post_attention_layernorm` / `post_feedforward_layernorm`, Phi-3's `resid_attn_dropout`).
+    - `output_multiplier`: a config field the output is multiplied by before it joins the stream (Granite's
+      `residual_multiplier`).
+    """
+
+    module: str | tuple[str, ...]
+    norm: str
+    post: tuple[str, ...] = ()
+    output_multiplier: str | None = None
+
+    def module_name(self, layer: nn.Module) -> str:
+        """The name of this sub-layer's module in `layer` (the first candidate `layer` has)."""
+        names = (self.module,) if isinstance(self.module, str) else self.module
+        found = next((name for name in names if name in layer._modules), None)
+        if found is None:
+            raise ValueError(f"{type(layer).__name__} has none of the sub-layer modules {names}")
+        return found
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+@dataclass(frozen=True)
+class KeyValueInputs:
+    """How an attention module takes separate key and value inputs (MUDDFormer's and DCA's k/v streams).
+
+    - `key`, `value`: the names (inside the attention module) of the key and value input projections; their input is
+      replaced by the routed stream (a forward pre-hook for the call, so a PEFT-wrapped projection sees it too).
+    - `fused`: the name of a fused q/k/v projection (Phi-3's `qkv_proj`) instead, with `fused_sizes(config)` the
+      `(q, k, v)` widths of its output: the projection runs on each input and the k and v slices are swapped in.
+    """
+
+    key: str = "k_proj"
+    value: str = "v_proj"
+    fused: str | None = None
+    fused_sizes: Callable | None = None
+
+    @contextlib.contextmanager
+    def routed(self, attention: nn.Module, config, key_input: torch.Tensor, value_input: torch.Tensor):
+        """Within the block, `attention`'s key/value projections read `key_input` / `value_input`
+        (`(batch, seq_len, hidden_size)` each) instead of the attention's `hidden_states`."""
+        handles = []
+        try:
+            if self.fused is None:
+                for name, routed_input in ((self.key, key_input), (self.value, value_input)):
+                    module = attention.get_submodule(name)
+                    handles.append(module.register_forward_pre_hook(
+                        lambda module, args, routed_input=routed_input: (routed_input, *args[1:])))
+            else:
+                q, k, _ = self.fused_sizes(config)
+                module = attention.get_submodule(self.fused)
+
+                def splice(module, args, output):  # `forward` directly: the projection without this hook
+                    keys, values = module.forward(key_input), module.forward(value_input)
+                    return torch.cat([output[..., :q], keys[..., q : q + k], values[..., q + k :]], dim=-1)
+
+                handles.append(module.register_forward_hook(splice))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
-class AttnResMLP(nn.Module):
-    def __init__(self, config: AttnResConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+KEY_VALUE_METHODS = ("muddformer", "dca")
+"""Depth-mixing methods whose attention read routes separate key and value inputs (`DepthRead.key_value`); a family
+without `key_value_inputs` refuses them. `tests/test_backbones.py` checks this list against the methods' states."""
 
 
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(batch, num_key_value_heads, seq_len, head_dim) -> (batch, num_attention_heads, seq_len, head_dim)"""
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+def default_layer_types(config) -> list[str]:
+    """`config.layer_types` when the family has them, else every layer sliding when `sliding_window` is set
+    (Mistral, Phi-3) or full attention (Llama)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    return [kind] * config.num_hidden_layers
 
 
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Unpack[TransformersKwargs],
-):
-    key_states = repeat_kv(key, module.num_key_value_groups)
-    value_states = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value_states)
-    return attn_output.transpose(1, 2).contiguous(), attn_weights
+def default_attention_masks(config, layer_types, **mask_kwargs) -> dict:
+    """`{layer type: mask}` for the layer types present: causal, and sliding-window causal (transformers' own)."""
+    masks = {}
+    if "full_attention" in layer_types:
+        masks["full_attention"] = create_causal_mask(config=config, **mask_kwargs)
+    if "sliding_attention" in layer_types:
+        masks["sliding_attention"] = create_sliding_window_causal_mask(config=config, **mask_kwargs)
+    return masks
 
 
-class AttnResAttention(nn.Module):
-    """Multi-head attention with grouped-query heads (Llama), optional q/k/v bias (Qwen2), q/k norm (Qwen3) and
-    sliding window (Mistral, Qwen2/3), dispatched through transformers' attention interface."""
+def shared_position_embeddings(rotary, hidden_states, position_ids, layer_types) -> dict:
+    """One rotary embedding `(cos, sin)` for every layer type (Llama and most families)."""
+    if rotary is None:
+        return dict.fromkeys(layer_types)
+    embeddings = rotary(hidden_states, position_ids)
+    return dict.fromkeys(layer_types, embeddings)
 
-    def __init__(self, config: AttnResConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
-        if config.use_qk_norm:
-            self.q_norm = AttnResRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = AttnResRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if is_sliding else None
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None = None,
-        key_value_states: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`key_value_states`: separate (normed) inputs of `k_proj` and `v_proj`, `(batch, seq_len, hidden_size)`
-        each (MUDDFormer, DCA); `None` projects `hidden_states` for all three, as Llama."""
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        # AttnRes: MUDDFormer and DCA route a different depth mix into each of q, k and v.
-        key_input, value_input = key_value_states if key_value_states is not None else (hidden_states, hidden_states)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, nh, hd)
-        key_states = self.k_proj(key_input).view(hidden_shape)  # (B, T, nkv, hd)
-        value_states = self.v_proj(value_input).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
-        if self.config.use_qk_norm:
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+def per_type_position_embeddings(rotary, hidden_states, position_ids, layer_types) -> dict:
+    """One rotary embedding per layer type (Gemma3: local and global frequencies)."""
+    return {layer_type: rotary(hidden_states, position_ids, layer_type) for layer_type in set(layer_types)}
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+def plain_embedding(config) -> nn.Module:
+    return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+
+def scaled_embedding(embedding_class) -> Callable:
+    """Gemma's embedding: `sqrt(hidden_size)` times the table, in the family's own class (`embed_scale` buffer)."""
+    return lambda config: embedding_class(config.vocab_size, config.hidden_size, config.pad_token_id,
+                                          embed_scale=config.hidden_size**0.5)
+
+
+def soft_capped_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """Gemma's final logit soft-capping `cap * tanh(logits / cap)` (none when `final_logit_softcapping` is None)."""
+    cap = config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def scaled_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """Granite's head: logits divided by `logits_scaling`."""
+    return logits / config.logits_scaling
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _no_check(config) -> None:
+    return None
+
+
+def _check_gemma3(config) -> None:
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("gemma3 with use_bidirectional_attention=True (an embedding model, not a causal LM) is not "
+                         "supported: AttnRes backbones are causal decoders")
+
+
+@dataclass(frozen=True)
+class BackboneAdapter:
+    """Everything AttnRes needs to know about one backbone family (see the module docstring for how to add one)."""
+
+    model_type: str
+    config_class: type
+    causal_lm: type
+    pretrained_model: type
+    decoder_layer: type
+    attention: SubLayer
+    mlp: SubLayer
+    norm: type
+    rotary: type | None
+    attention_class: type
+    position_embeddings: Callable = shared_position_embeddings
+    embedding: Callable = plain_embedding
+    embedding_multiplier: str | None = None
+    logits: Callable | None = None
+    key_value_inputs: KeyValueInputs | None = KeyValueInputs()
+    make_cache: Callable = field(default=lambda config: DynamicCache(config=config))
+    attention_masks: Callable = default_attention_masks
+    layer_types: Callable = default_layer_types
+    record_outputs: dict = field(default_factory=dict)
+    aux_loss: Callable | None = None
+    check_config: Callable = _no_check
+    gguf_architecture: str | None = None
+    gguf_permuted_qk: bool = False
+    tested: str = ""  # kept for compatibility; what is tested is the README's table (checked by test_backbones)
+
+    def can_record_outputs(self) -> dict:
+        """This family's `_can_record_outputs` entries: its attention weights, plus `record_outputs`."""
+        return {"attentions": self.attention_class, **self.record_outputs}
+
+
+_LLAMA_LAYOUT = dict(
+    attention=SubLayer("self_attn", "input_layernorm"),
+    mlp=SubLayer("mlp", "post_attention_layernorm"),
+)
+_SANDWICH_LAYOUT = dict(  # Gemma: post-norms on each sub-layer's output
+    attention=SubLayer("self_attn", "input_layernorm", post=("post_attention_layernorm",)),
+    mlp=SubLayer("mlp", "pre_feedforward_layernorm", post=("post_feedforward_layernorm",)),
+)
+
+_DENSE = (
+    BackboneAdapter(
+        "llama", LlamaConfig, llama.LlamaForCausalLM, llama.LlamaPreTrainedModel, llama.LlamaDecoderLayer,
+        norm=llama.LlamaRMSNorm, rotary=llama.LlamaRotaryEmbedding, attention_class=llama.LlamaAttention,
+        gguf_architecture="llama", gguf_permuted_qk=True, **_LLAMA_LAYOUT,
+    ),
+    BackboneAdapter(
+        "mistral", MistralConfig, mistral.MistralForCausalLM, mistral.MistralPreTrainedModel,
+        mistral.MistralDecoderLayer, norm=mistral.MistralRMSNorm, rotary=mistral.MistralRotaryEmbedding,
+        attention_class=mistral.MistralAttention, gguf_architecture="llama", gguf_permuted_qk=True, **_LLAMA_LAYOUT,
+    ),
+    BackboneAdapter(
+        "qwen2", Qwen2Config, qwen2.Qwen2ForCausalLM, qwen2.Qwen2PreTrainedModel, qwen2.Qwen2DecoderLayer,
+        norm=qwen2.Qwen2RMSNorm, rotary=qwen2.Qwen2RotaryEmbedding, attention_class=qwen2.Qwen2Attention,
+        gguf_architecture="qwen2", **_LLAMA_LAYOUT,
+    ),
+    BackboneAdapter(
+        "qwen3", Qwen3Config, qwen3.Qwen3ForCausalLM, qwen3.Qwen3PreTrainedModel, qwen3.Qwen3DecoderLayer,
+        norm=qwen3.Qwen3RMSNorm, rotary=qwen3.Qwen3RotaryEmbedding, attention_class=qwen3.Qwen3Attention,
+        gguf_architecture="qwen3", **_LLAMA_LAYOUT,
+    ),
+    BackboneAdapter(
+        "smollm3", SmolLM3Config, smollm3.SmolLM3ForCausalLM, smollm3.SmolLM3PreTrainedModel,
+        smollm3.SmolLM3DecoderLayer, norm=smollm3.SmolLM3RMSNorm, rotary=smollm3.SmolLM3RotaryEmbedding,
+        attention_class=smollm3.SmolLM3Attention, **_LLAMA_LAYOUT,
+    ),
+    BackboneAdapter(
+        "granite", GraniteConfig, granite.GraniteForCausalLM, granite.GranitePreTrainedModel,
+        granite.GraniteDecoderLayer, norm=granite.GraniteRMSNorm, rotary=granite.GraniteRotaryEmbedding,
+        attention_class=granite.GraniteAttention,
+        attention=SubLayer("self_attn", "input_layernorm", output_multiplier="residual_multiplier"),
+        mlp=SubLayer("mlp", "post_attention_layernorm", output_multiplier="residual_multiplier"),
+        embedding_multiplier="embedding_multiplier", logits=scaled_logits,
+    ),
+    BackboneAdapter(
+        "phi3", Phi3Config, phi3.Phi3ForCausalLM, phi3.Phi3PreTrainedModel, phi3.Phi3DecoderLayer,
+        norm=phi3.Phi3RMSNorm, rotary=phi3.Phi3RotaryEmbedding, attention_class=phi3.Phi3Attention,
+        attention=SubLayer("self_attn", "input_layernorm", post=("resid_attn_dropout",)),
+        mlp=SubLayer("mlp", "post_attention_layernorm", post=("resid_mlp_dropout",)),
+        key_value_inputs=KeyValueInputs(fused="qkv_proj", fused_sizes=lambda config: (
+            config.num_attention_heads * _head_dim(config), config.num_key_value_heads * _head_dim(config),
+            config.num_key_value_heads * _head_dim(config))),
+    ),
+    BackboneAdapter(
+        "gemma2", Gemma2Config, gemma2.Gemma2ForCausalLM, gemma2.Gemma2PreTrainedModel, gemma2.Gemma2DecoderLayer,
+        norm=gemma2.Gemma2RMSNorm, rotary=gemma2.Gemma2RotaryEmbedding, attention_class=gemma2.Gemma2Attention,
+        embedding=scaled_embedding(gemma2.Gemma2TextScaledWordEmbedding), logits=soft_capped_logits, **_SANDWICH_LAYOUT,
+    ),
+    BackboneAdapter(
+        "gemma3_text", Gemma3TextConfig, gemma3.Gemma3ForCausalLM, gemma3.Gemma3PreTrainedModel,
+        gemma3.Gemma3DecoderLayer, norm=gemma3.Gemma3RMSNorm, rotary=gemma3.Gemma3RotaryEmbedding,
+        attention_class=gemma3.Gemma3Attention, position_embeddings=per_type_position_embeddings,
+        embedding=scaled_embedding(gemma3.Gemma3TextScaledWordEmbedding), logits=soft_capped_logits,
+        check_config=_check_gemma3, **_SANDWICH_LAYOUT,
+    ),
+)
+
+BACKBONES: dict[str, BackboneAdapter] = {adapter.model_type: adapter for adapter in _DENSE}
+"""`model_type` of a backbone config -> its adapter: the one list of backbone families."""
+
+DEFAULT_BACKBONE = "llama"
+"""The backbone of a config that names none (and of legacy flat AttnRes configs without Qwen/Mistral features)."""
+
+
+def backbone_adapter(config) -> BackboneAdapter:
+    """The adapter of `config`'s backbone (an `AttnResConfig`, or a family config itself).
+
+    Raises:
+        ValueError: if the family has no adapter, naming the supported ones.
+    """
+    backbone = getattr(config, "backbone", config)
+    model_type = getattr(backbone, "model_type", None)
+    if model_type not in BACKBONES:
+        raise ValueError(
+            f"unsupported backbone model_type {model_type!r}: AttnRes supports {', '.join(BACKBONES)}"
         )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+    return BACKBONES[model_type]
 
 
-__all__ = ["AttnResAttention", "AttnResMLP", "AttnResRotaryEmbedding", "apply_rotary_pos_emb", "eager_attention_forward", "repeat_kv", "rotate_half"]
+def init_backbone_weights(adapter: BackboneAdapter, config, module: nn.Module) -> None:
+    """Initialise `module` (a backbone module) as the family's `PreTrainedModel._init_weights` does (Gemma's zero
+    norm weights and `embed_scale`, rotary frequencies, MoE experts, ...), with the backbone config."""
+    # The family's method reads only `self.config` (and calls up to `PreTrainedModel._init_weights`); an instance
+    # without `__init__` holding the config is enough.
+    proxy = adapter.pretrained_model.__new__(adapter.pretrained_model)
+    object.__setattr__(proxy, "config", config)
+    adapter.pretrained_model._init_weights(proxy, module)
+
+
+def recorded_outputs() -> dict:
+    """`_can_record_outputs` for every family at once (transformers keys that table by model class, and one AttnRes
+    class serves every backbone): each key maps to the list of every family's recorders."""
+    table = {}
+    for adapter in BACKBONES.values():
+        for key, recorder in adapter.can_record_outputs().items():
+            recorders = recorder if isinstance(recorder, list) else [recorder]
+            table.setdefault(key, [])
+            table[key] += [r for r in recorders if r not in table[key]]
+    return table
+
+
+__all__ = ["BACKBONES", "BackboneAdapter", "DEFAULT_BACKBONE", "KEY_VALUE_METHODS", "KeyValueInputs", "SubLayer",
+           "backbone_adapter", "default_attention_masks", "default_layer_types", "init_backbone_weights",
+           "recorded_outputs"]

@@ -1,10 +1,18 @@
-"""AttnRes configuration: a Llama/Qwen decoder whose residual stream is replaced by depth routing.
+"""AttnRes configuration: a backbone family's own config (`backbone`) plus the depth-mixing fields.
 
-Field names follow `LlamaConfig` / `Qwen2Config` / `Qwen3Config` so that a checkpoint of those families maps onto
-this config field by field. New fields are prefixed (`depth_mixing`, `attnres_*`).
+`AttnResConfig.backbone` is the source family's own config (`LlamaConfig`, `Qwen3Config`, `Gemma2Config`, ...; the
+families are the records of `backbones.BACKBONES`), a sub-config as in transformers' composite configs
+(`sub_configs_defaults`); it is saved nested under `"backbone"` and read back with the family's class. Its fields are
+read through the AttnRes config (`config.hidden_size` is `config.backbone.hidden_size`; assignments go to the
+backbone too), so code written for a flat Llama-style config keeps working. New fields are prefixed
+(`depth_mixing`, `attnres_*`, ...).
 
-Travels with checkpoints as remote code (`auto_map`): imports only `transformers` and its sibling `depth_mixing`
-(the method records).
+Flat configs (the backbone's fields at the top level, as AttnRes configs were saved before backbones) still load:
+they become a `llama` backbone, or `qwen3` (`use_qk_norm`), `qwen2` (q/k/v bias without `o_proj` bias) or `mistral`
+(a sliding window on every layer) as their fields say; `backbone="gemma2"` (a model type) with flat fields builds
+that family's config from them.
+
+Travels with checkpoints as remote code (`auto_map`): imports only `transformers` and its siblings.
 """
 
 import functools
@@ -15,10 +23,12 @@ from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 
 from transformers.activations import ACT2FN
-from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.utils.type_validators import interval
 
+from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_adapter
 from .depth_mixing import DEPTH_MIXING
 
 
@@ -38,32 +48,23 @@ def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> i
 @strict
 class AttnResConfig(PreTrainedConfig):
     r"""
-    Configuration of [`AttnResModel`] and [`AttnResForCausalLM`]: a pre-norm Llama/Qwen decoder with Attention
-    Residuals (Kimi Team, "Attention Residuals", arXiv:2603.15031, 2026).
-
-    Backbone fields are Llama's (`vocab_size`, `hidden_size`, `intermediate_size`, `num_hidden_layers`,
-    `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_act`, `max_position_embeddings`,
-    `rope_parameters` (incl. Llama-3 `rope_type="llama3"` scaling), `rms_norm_eps`, `attention_bias`, `mlp_bias`,
-    `tie_word_embeddings`, `attention_dropout`, `initializer_range`), plus:
+    Configuration of [`AttnResModel`] and [`AttnResForCausalLM`]: a pre-norm decoder of a transformers family
+    (Llama, Mistral, Qwen2/3, SmolLM3, Granite, Phi-3, Gemma2/3, ...; `backbones.BACKBONES`) with Attention Residuals
+    (Kimi Team, "Attention Residuals", arXiv:2603.15031, 2026) or another depth-mixing method.
 
     Args:
-        attention_bias (`bool`, defaults to `False`):
-            Bias on the q/k/v projections (Qwen2 sets it).
-        attention_out_bias (`bool`, *optional*):
-            Bias on `o_proj`. `None` follows `attention_bias` (Llama/Qwen3 semantics); Qwen2 checkpoints use
-            `attention_bias=True, attention_out_bias=False`.
-        use_qk_norm (`bool`, defaults to `False`):
-            Qwen3-style RMSNorm over `head_dim` on queries and keys (`self_attn.q_norm`, `self_attn.k_norm`).
-        sliding_window (`int`, *optional*), layer_types (`list[str]`, *optional*):
-            Sliding-window attention (Mistral, Qwen2/3). `layer_types[i]` is `"full_attention"` or
-            `"sliding_attention"`; by default every layer slides when `sliding_window` is set.
+        backbone (`PreTrainedConfig`, `dict` or `str`, *optional*):
+            The backbone family's own config (`LlamaConfig(...)`), its dict (with `model_type`), or a `model_type`
+            whose config is built from the flat backbone keyword arguments (`backbone="gemma2", hidden_size=...`).
+            `None`: a flat (pre-backbone) AttnRes config, see the module docstring. Its fields read through this
+            config (`config.hidden_size`), and assignments to them go to it.
         depth_mixing (`str`, defaults to `"attnres"`):
             How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
-            to Llama/Qwen), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6); the rest of the
+            to the backbone family's model), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6); the rest of the
             family: `"denseformer"` (Depth-Weighted Averages), `"muddformer"` (multiway dynamic dense connections),
             `"dca"` (DeepCrossAttention, GRN-v3 on the q/k/v inputs) and `"mhc"` (manifold-constrained
             hyper-connections). Each starts (at initialisation and after `retrofit`) as the residual model; see the
-            classes in `modeling_attnres.py` for the equations.
+            `mixing_*.py` modules for the equations.
         attnres_block_size (`int`, *optional*):
             Sub-layers per block (the paper's `S`). `1` is Full AttnRes (every sub-layer output is a source);
             otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
@@ -72,7 +73,7 @@ class AttnResConfig(PreTrainedConfig):
             Multiply each router's output by its number of sources. Every reader of the routed state is an
             RMSNorm, which is scale-invariant up to `rms_norm_eps`, so this changes only the `eps` effect; with
             zero pseudo-queries it makes the router output equal the residual *sum*, so a model retrofitted from
-            Llama/Qwen reproduces its logits to float noise. `False` is the paper's formulation (the mean). With
+            its source family reproduces its logits to float noise. `False` is the paper's formulation (the mean). With
             `attnres_score_fn="sigmoid"` the factor is 2 (`sigmoid(0) = 1/2`), which has the same effect.
 
         AttnRes ablation knobs (the paper's Table 4; `depth_mixing="attnres"` only, defaults are the paper's AttnRes):
@@ -112,60 +113,32 @@ class AttnResConfig(PreTrainedConfig):
     Raises:
         ValueError: on an unknown `depth_mixing`, a knob set for another method (e.g. `mhc_num_streams` with
             `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys), an
-            invalid knob value, a block size that is neither 1 nor a positive even number,
-            more key/value heads than attention heads or heads that do not divide, a `head_dim`-less config
-            whose `hidden_size` is not a multiple of the head count, an odd or non-positive `head_dim`, an unknown
-            `hidden_act` or `rope_type`, a non-positive `sliding_window`, or `layer_types` of the wrong length.
+            invalid knob value, a block size that is neither 1 nor a positive even number, an unsupported backbone
+            family (or a setting of it an adapter refuses, naming why), a flat config no family expresses, and on
+            backbone rules: more key/value heads than attention heads or heads that do not divide, a `head_dim`-less
+            config whose `hidden_size` is not a multiple of the head count, an odd or non-positive `head_dim`, an
+            unknown activation or `rope_type`, a non-positive `sliding_window`, or `layer_types` of the wrong length.
 
     Example:
 
     ```python
+    >>> from transformers import Qwen3Config
     >>> from attnres_hf import AttnResConfig, AttnResForCausalLM
-    >>> config = AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-    ...                        num_attention_heads=4, num_key_value_heads=2, attnres_block_size=2)
-    >>> model = AttnResForCausalLM(config)
+    >>> backbone = Qwen3Config(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    ...                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    >>> model = AttnResForCausalLM(AttnResConfig(backbone=backbone, attnres_block_size=2))
+    >>> flat = AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    ...                      num_attention_heads=4, num_key_value_heads=2)  # a Llama backbone
     ```
     """
 
     model_type = "attnres"
     keys_to_ignore_at_inference = ["cache"]
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
+    sub_configs_defaults = {"backbone": SubConfigSpec(config_class=AutoConfig, model_type=DEFAULT_BACKBONE)}
 
     # Field types, choices (`Literal`) and ranges (`interval`) are checked by huggingface_hub's `@strict`, as for
-    # `LlamaConfig`; rules across fields are in `validate_architecture`. Both raise `ValueError` (see the end).
-    vocab_size: int = interval(min=1)(default=32000)
-    hidden_size: int = interval(min=1)(default=4096)
-    intermediate_size: int = interval(min=1)(default=11008)
-    num_hidden_layers: int = interval(min=1)(default=32)
-    num_attention_heads: int = interval(min=1)(default=32)
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = interval(min=1)(default=2048)
-    # `float | int`: an integer-valued float (`"rms_norm_eps": 1`, `"initializer_range": 0`) loaded before `@strict`
-    initializer_range: float | int = interval(min=0.0)(default=0.02)
-    rms_norm_eps: float | int = interval(min=0.0)(default=1e-6)
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | None = 1
-    eos_token_id: int | list[int] | None = 2
-    tie_word_embeddings: bool = False
-    rope_parameters: RopeParameters | dict | None = None
-    attention_bias: bool = False
-    attention_out_bias: bool | None = None
-    attention_dropout: float | int = interval(min=0.0, max=1.0)(default=0.0)
-    mlp_bias: bool = False
-    use_qk_norm: bool = False
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None
+    # `LlamaConfig` (the backbone's by its own class); rules across fields are in `validate_architecture`.
+    backbone: dict | PreTrainedConfig | str | None = None
     depth_mixing: Literal[DEPTH_MIXING_METHODS] = "attnres"
     attnres_block_size: int | None = None
     attnres_rescale_output: bool = False
@@ -181,19 +154,33 @@ class AttnResConfig(PreTrainedConfig):
     mhc_sinkhorn_iterations: int = interval(min=1)(default=20)
 
     def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.attention_out_bias is None:
-            self.attention_out_bias = self.attention_bias
+        self.backbone, kwargs = _build_backbone(self.backbone, kwargs)
         if self.attnres_block_size is None:
             self.attnres_block_size = default_attnres_block_size(self.num_hidden_layers)
-        if self.layer_types is None:
-            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
-            self.layer_types = [kind] * self.num_hidden_layers
         self.validate_architecture()
         super().__post_init__(**kwargs)
+
+    @property
+    def base_model_tp_plan(self) -> dict | None:
+        """The backbone family's tensor-parallel plan (its parameter names are the family's)."""
+        return type(self.backbone).base_model_tp_plan
+
+    def __getattr__(self, name: str):
+        # AttnRes: the backbone's fields read through the AttnRes config (`config.hidden_size`), so everything that
+        # reads a decoder config (caches, masks, generation, the depth-mixing modules) sees the family's values.
+        backbone = self.__dict__.get("backbone")
+        if name.startswith("__") or name == "backbone" or not isinstance(backbone, PreTrainedConfig):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(backbone, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+
+    def _forwards_to_backbone(self, name: str) -> bool:
+        """Whether an assignment to `name` belongs to the backbone: a field the backbone has and AttnRes does not."""
+        backbone = self.__dict__.get("backbone")
+        return (isinstance(backbone, PreTrainedConfig) and name not in self.__dataclass_fields__
+                and not name.startswith("_") and name in _backbone_fields(backbone))
 
     def validate_architecture(self):
         """Check the rules of the architecture; raises `ValueError` naming the rule that is broken."""
@@ -204,46 +191,14 @@ class AttnResConfig(PreTrainedConfig):
                 "attnres_block_size must be 1 (Full AttnRes) or a positive even number of sub-layers "
                 f"(so every block starts at an attention sub-layer), got {size!r}"
             )
-        if self.num_key_value_heads < 1:
-            raise ValueError(f"num_key_value_heads must be a positive integer, got {self.num_key_value_heads!r}")
-        if self.num_key_value_heads > self.num_attention_heads:
+        adapter = backbone_adapter(self)
+        adapter.check_config(self.backbone)
+        if self.depth_mixing in KEY_VALUE_METHODS and adapter.key_value_inputs is None:
             raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads}) must not exceed num_attention_heads "
-                f"({self.num_attention_heads})"
+                f"depth_mixing={self.depth_mixing!r} routes separate key and value inputs into the attention, which "
+                f"the {adapter.model_type} backbone cannot take (its adapter declares no key/value inputs)"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads}) for grouped-query attention"
-            )
-        if self.head_dim is None:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
-                f"({self.num_attention_heads}) unless head_dim is given"
-            )
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"head_dim must be a positive even integer (rotary pairs), got {self.head_dim!r}")
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(f"hidden_act must be one of transformers' activations (e.g. 'silu'), got {self.hidden_act!r}")
-        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
-        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(
-                f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, got {rope_type!r}"
-            )
-        theta = (self.rope_parameters or {}).get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
-            raise ValueError(f"rope_parameters['rope_theta'] (rope_theta) must be a positive number, got {theta!r}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window!r}")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types must have one entry per layer ({self.num_hidden_layers}), got {len(self.layer_types)}"
-            )
-        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
-        if bad:
-            raise ValueError(f"layer_types entries must be 'full_attention' or 'sliding_attention', got {bad}")
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
+        _validate_backbone(self.backbone)
 
     def _validate_depth_knobs(self):
         if self.attnres_window is not None and self.attnres_window < 1:
@@ -281,6 +236,158 @@ class AttnResConfig(PreTrainedConfig):
         return -(-self.num_sublayers // self.attnres_block_size)
 
 
+_LEGACY_DEFAULTS = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    hidden_act="silu", max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
+    pad_token_id=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+"""The defaults of the flat (pre-backbone) AttnResConfig: a saved flat config omits the fields equal to them."""
+
+_LEGACY_FIELDS = frozenset({
+    *_LEGACY_DEFAULTS, "num_key_value_heads", "head_dim", "rope_parameters", "rope_theta", "rope_scaling",
+    "attention_bias", "attention_out_bias", "attention_dropout", "mlp_bias", "use_qk_norm", "sliding_window",
+    "layer_types",
+})
+"""Fields of the flat (pre-backbone) AttnResConfig, which now belong to the backbone."""
+
+_BASE_FIELDS = frozenset(PreTrainedConfig.__dataclass_fields__)
+
+
+def _backbone_fields(backbone) -> set[str]:
+    """Fields of a backbone config (its class's, and the attributes it was given) that are not `PreTrainedConfig`'s."""
+    names = set(getattr(backbone, "__dataclass_fields__", ())) | {k for k in vars(backbone) if not k.startswith("_")}
+    return names - _BASE_FIELDS
+
+
+def _legacy_backbone(flat: dict) -> tuple[str, dict]:
+    """`(model_type, fields)` of the family that a flat AttnRes config's fields describe (see the module docstring).
+
+    Raises:
+        ValueError: if no supported family has its combination of biases, q/k norm and sliding windows.
+    """
+    flat = _LEGACY_DEFAULTS | flat
+    if flat.get("head_dim", 0) is None:  # the family's default (Qwen2Config has no field: a None would stick)
+        del flat["head_dim"]
+    if flat.get("rope_parameters") is None and "rope_theta" not in flat:
+        flat["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}  # the flat config's default
+    qk_norm, bias = flat.pop("use_qk_norm", False), flat.get("attention_bias", False)
+    out_bias = flat.pop("attention_out_bias", None)
+    out_bias = bias if out_bias is None else out_bias
+    mlp_bias = flat.get("mlp_bias", False)
+    window, layer_types = flat.get("sliding_window"), flat.get("layer_types")
+    if layer_types is not None and len(layer_types) != flat["num_hidden_layers"]:
+        raise ValueError(f"layer_types must have one entry per layer ({flat['num_hidden_layers']}), "
+                         f"got {len(layer_types)}")
+    if layer_types is not None and "sliding_attention" in layer_types and window is None:
+        raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
+    if window is not None and layer_types is None:
+        layer_types = flat["layer_types"] = ["sliding_attention"] * flat["num_hidden_layers"]  # the flat default
+    slides = layer_types is not None and "sliding_attention" in layer_types
+    if qk_norm or (bias and not out_bias):
+        model_type = "qwen3" if qk_norm else "qwen2"
+        if qk_norm and out_bias != bias:
+            raise ValueError("a flat AttnRes config with use_qk_norm=True (Qwen3) has the same bias on q/k/v and o_proj "
+                             f"(attention_bias), got attention_bias={bias}, attention_out_bias={out_bias}")
+        if mlp_bias:
+            raise ValueError(f"a flat AttnRes config of the {model_type} layout cannot have mlp_bias=True")
+        if model_type == "qwen2":
+            flat.pop("attention_bias")  # Qwen2 always has q/k/v bias and no o_proj bias
+        if model_type == "qwen3" and "head_dim" not in flat:  # Qwen3Config's own default is 128
+            flat["head_dim"] = flat["hidden_size"] // flat["num_attention_heads"]
+        flat.pop("mlp_bias", None)
+        flat["use_sliding_window"] = slides
+        if not slides:
+            flat.pop("layer_types", None)
+        return model_type, flat
+    if out_bias != bias:
+        raise ValueError(f"attention_out_bias={out_bias} differs from attention_bias={bias}: only the Qwen2 layout "
+                         "(q/k/v bias, no o_proj bias) has that, and it needs attention_bias=True")
+    if not slides:
+        flat.pop("layer_types", None)
+        flat.pop("sliding_window", None)
+        return "llama", flat
+    if bias or mlp_bias or any(kind != "sliding_attention" for kind in layer_types):
+        raise ValueError("a flat AttnRes config with sliding-window layers is a Mistral layout (every layer slides, no "
+                         "biases) or a Qwen2/Qwen3 one (attention_bias=True with attention_out_bias=False, or "
+                         "use_qk_norm=True); pass backbone=<model_type> or a backbone config instead")
+    for name in ("layer_types", "attention_bias", "mlp_bias"):
+        flat.pop(name, None)
+    return "mistral", flat
+
+
+def _float_fields(config_class, fields: dict) -> dict:
+    """Integer values of float-typed fields as floats (`"rms_norm_eps": 1` in a hand-written config.json)."""
+    declared = getattr(config_class, "__dataclass_fields__", {})
+    return {name: float(value) if name in declared and declared[name].type is float and type(value) is int else value
+            for name, value in fields.items()}
+
+
+def _build_backbone(backbone, kwargs: dict):
+    """The backbone config from `backbone` (a config, a dict, a model type or `None`) and the flat keyword arguments
+    that are its fields; returns it and the keyword arguments left for the AttnRes config itself."""
+    if isinstance(backbone, PreTrainedConfig):
+        backbone = backbone.to_dict()  # a copy: the source model keeps its own config
+    if backbone is None:
+        flat = {name: kwargs.pop(name) for name in list(kwargs) if name in _LEGACY_FIELDS}
+        model_type, fields = _legacy_backbone(flat)
+    else:
+        fields = dict(backbone) if isinstance(backbone, dict) else {}
+        model_type = fields.pop("model_type", DEFAULT_BACKBONE) if isinstance(backbone, dict) else backbone
+    if model_type not in BACKBONES:
+        raise ValueError(f"unsupported backbone model_type {model_type!r}: AttnRes supports {', '.join(BACKBONES)}")
+    config_class = BACKBONES[model_type].config_class
+    own = set(AttnResConfig.__dataclass_fields__) | {"attn_implementation", "experts_implementation", "auto_map"}
+    family = (set(config_class.__dataclass_fields__) - _BASE_FIELDS) | _LEGACY_FIELDS
+    fields |= {name: kwargs.pop(name) for name in list(kwargs) if name in family and name not in own}
+    return config_class(**_float_fields(config_class, fields)), kwargs
+
+
+def _validate_backbone(backbone) -> None:
+    """The rules every rotary-attention backbone follows, checked with AttnRes's messages (fields a family lacks are
+    skipped; each family's own config checks the rest)."""
+    heads, kv_heads = getattr(backbone, "num_attention_heads", None), getattr(backbone, "num_key_value_heads", None)
+    if heads is not None and kv_heads is not None:
+        if kv_heads < 1:
+            raise ValueError(f"num_key_value_heads must be a positive integer, got {kv_heads!r}")
+        if kv_heads > heads:
+            raise ValueError(f"num_key_value_heads ({kv_heads}) must not exceed num_attention_heads ({heads})")
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads}) "
+                             "for grouped-query attention")
+    head_dim = getattr(backbone, "head_dim", None)
+    if head_dim is None and heads and backbone.hidden_size % heads:
+        raise ValueError(f"hidden_size ({backbone.hidden_size}) must be a multiple of num_attention_heads ({heads}) "
+                         "unless head_dim is given")
+    if head_dim is not None and (head_dim < 2 or head_dim % 2):
+        raise ValueError(f"head_dim must be a positive even integer (rotary pairs), got {head_dim!r}")
+    for name in ("hidden_act", "hidden_activation"):
+        act = getattr(backbone, name, None)
+        if act is not None and act not in ACT2FN:
+            raise ValueError(f"{name} must be one of transformers' activations (e.g. 'silu'), got {act!r}")
+    eps = getattr(backbone, "rms_norm_eps", None)
+    if eps is not None and not eps >= 0:
+        raise ValueError(f"rms_norm_eps must be greater or equal to 0.0, got {eps!r}")
+    rope = getattr(backbone, "rope_parameters", None) or {}
+    for params in rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]:
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_parameters['rope_type'] must be 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}, "
+                             f"got {rope_type!r}")
+        theta = params.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+            raise ValueError(f"rope_parameters['rope_theta'] (rope_theta) must be a positive number, got {theta!r}")
+    window = getattr(backbone, "sliding_window", None)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {window!r}")
+    layer_types = getattr(backbone, "layer_types", None)
+    if layer_types is not None:
+        if len(layer_types) != backbone.num_hidden_layers:
+            raise ValueError(f"layer_types must have one entry per layer ({backbone.num_hidden_layers}), "
+                             f"got {len(layer_types)}")
+        if "sliding_attention" in layer_types and window is None:
+            raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
+
+
 def _raise_value_errors(method):
     """Re-raise `@strict`'s validation errors as one-line `ValueError`s naming the field and the rule (the type users
     and the tests rely on), e.g. `attnres_num_heads must be greater or equal to 1, got 0.`"""
@@ -306,8 +413,19 @@ def _raise_value_errors(method):
 
 
 # AttnRes: after `@strict` wrapped them; assignments after construction are validated (and reported) the same way.
+_strict_setattr = AttnResConfig.__setattr__
+
+
+def _setattr(self, name, value):
+    # AttnRes: an assignment to a backbone field goes to the backbone (validated by the family's own `@strict`).
+    if self._forwards_to_backbone(name):
+        setattr(self.backbone, name, value)
+    else:
+        _strict_setattr(self, name, value)
+
+
 AttnResConfig.__init__ = _raise_value_errors(AttnResConfig.__init__)
-AttnResConfig.__setattr__ = _raise_value_errors(AttnResConfig.__setattr__)
+AttnResConfig.__setattr__ = _raise_value_errors(_setattr)
 
 ATTNRES_KNOB_DEFAULTS = {name: AttnResConfig.__dataclass_fields__[name].default
                          for name in DEPTH_MIXING["attnres"].config_fields}

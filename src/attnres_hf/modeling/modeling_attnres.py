@@ -1,4 +1,4 @@
-"""AttnRes: a Llama/Qwen decoder whose residual stream is replaced by Attention Residuals.
+"""AttnRes: a decoder of a transformers backbone family whose residual stream is replaced by Attention Residuals.
 
 Kimi Team, "Attention Residuals", arXiv:2603.15031 (2026). A pre-norm transformer computes
 `h_{l+1} = h_l + f_l(Norm(h_l))`. AttnRes instead feeds sub-layer `l` a softmax mix over depth of earlier
@@ -6,12 +6,16 @@ Kimi Team, "Attention Residuals", arXiv:2603.15031 (2026). A pre-norm transforme
 is a learned pseudo-query. Block AttnRes (Eq. 6) uses as sources the embedding, the sums of completed blocks of
 `S` sub-layers and the running sum of the current block.
 
-The classes follow `transformers`' `modeling_llama.py` in data-flow order; departures from Llama carry an
-`# AttnRes:` comment. The depth-mixing family (`depth_mixing`: residual, AttnRes, DenseFormer, MUDDFormer, DCA, mHC)
-is in the sibling `depth_mixing.py` (one record per method) and its `mixing_*.py` siblings. This file travels with
-checkpoints as remote code: it imports only torch, transformers and those siblings.
+The sub-layers, norms, rotary embedding, embedding and cache are the backbone family's own transformers classes,
+through its adapter in the sibling `backbones.py` (one record per family: Llama, Mistral, Qwen2/3, SmolLM3, Granite,
+Phi-3, Gemma2/3, ...); this file writes only what differs: the depth state between the sub-layers. The depth-mixing
+family (`depth_mixing`: residual, AttnRes, DenseFormer, MUDDFormer, DCA, mHC) is in `depth_mixing.py` (one record per
+method) and its `mixing_*.py` siblings. The classes follow `modeling_llama.py` in data-flow order; departures carry
+an `# AttnRes:` comment. This file travels with checkpoints as remote code: it imports only torch, transformers and
+those siblings.
 """
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,9 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
@@ -32,7 +35,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import AttnResAttention, AttnResMLP, AttnResRotaryEmbedding
+from .backbones import backbone_adapter, init_backbone_weights, recorded_outputs
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState,
                            modules_to_not_convert, naive_attnres, num_depth_mixing_parameters, register_modules,
@@ -41,24 +44,42 @@ from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnRes
 logger = logging.get_logger(__name__)
 
 
-# AttnRes: the backbone blocks (Llama's, with the Qwen/Mistral options) are in `backbones.py` and the depth mixing
-# (residual, AttnRes and its family) in `depth_mixing.py`: siblings that travel with this file as remote code.
-
 class AttnResDecoderLayer(GradientCheckpointingLayer):
-    """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`) that read their inputs from, and write
-    their outputs to, the depth state of `config.depth_mixing` instead of the residual sum. The method's record builds
-    its mixing modules (`record.layer_modules`), registered under their names (`attn_res`/`mlp_res`, `dwa`, ...)."""
+    """One attention and one MLP sub-layer (sub-layers `2 i` and `2 i + 1`) of the backbone family, reading their
+    inputs from, and writing their outputs to, the depth state of `config.depth_mixing` instead of the residual sum.
+
+    The family's own decoder layer (`adapter.decoder_layer`) is built and its children are adopted under their own
+    names (`self_attn`, `mlp`, `input_layernorm`, ...; its `forward`, which holds the residual adds, is not used). The
+    method's record builds its mixing modules (`record.layer_modules`), registered under their names (`attn_res`/
+    `mlp_res`, `dwa`, ...)."""
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = AttnResAttention(config=config, layer_idx=layer_idx)
-        self.mlp = AttnResMLP(config)
-        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.config = config
+        adapter = backbone_adapter(config)
+        family_layer = adapter.decoder_layer(config.backbone, layer_idx)
+        for name, child in family_layer.named_children():
+            self.add_module(name, child)
+        for name, param in family_layer.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self._attention, self._mlp = adapter.attention, adapter.mlp
+        self._attention_module = adapter.attention.module_name(self)
+        self._mlp_module = adapter.mlp.module_name(self)
+        self._key_value_inputs = adapter.key_value_inputs
         # AttnRes: the depth-mixing modules of this layer (paper Eq. 1-4, 6 for AttnRes).
         self._mixing_type = DEPTH_MIXING[config.depth_mixing].layer_modules
         register_modules(self, self._mixing_type.build(config, layer_idx))
+
+    def _finish(self, sublayer, output) -> torch.Tensor:
+        """The family's post-processing of a sub-layer output before it joins the stream (post-norms, dropout,
+        residual multiplier); a `(hidden, extras...)` tuple (MoE router logits) keeps its hidden states."""
+        output = output[0] if isinstance(output, tuple) else output
+        for name in sublayer.post:
+            output = self._modules[name](output)
+        if sublayer.output_multiplier is not None:
+            output = output * getattr(self.config, sublayer.output_multiplier)
+        return output
 
     def forward(
         self,
@@ -75,24 +96,26 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         mixing = registered_modules(self, self._mixing_type)
         # AttnRes: the attention input(s) come from the depth state, not the residual sum.
         attn_read = state.read_attn(mixing)
-        key_value_states = None
-        if attn_read.key_value is not None:  # one pre-norm per sub-layer, applied to each routed stream
-            key_value_states = tuple(self.input_layernorm(x) for x in attn_read.key_value)
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(attn_read.hidden),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            key_value_states=key_value_states,
-            **kwargs,
-        )
-        attn_write = attn_read.state.write_attn(mixing, hidden_states)
+        norm, attention = self._modules[self._attention.norm], self._modules[self._attention_module]
+        routed = contextlib.nullcontext()
+        if attn_read.key_value is not None:  # MUDDFormer, DCA: one pre-norm per sub-layer, on each routed stream
+            key_input, value_input = (norm(x) for x in attn_read.key_value)
+            routed = self._key_value_inputs.routed(attention, self.config.backbone, key_input, value_input)
+        with routed:
+            hidden_states = attention(
+                hidden_states=norm(attn_read.hidden),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        attn_write = attn_read.state.write_attn(mixing, self._finish(self._attention, hidden_states))
 
         mlp_read = attn_write.state.read_mlp(mixing)
-        hidden_states = self.mlp(self.post_attention_layernorm(mlp_read.hidden))
-        mlp_write = mlp_read.state.write_mlp(mixing, hidden_states)
+        hidden_states = self._modules[self._mlp_module](self._modules[self._mlp.norm](mlp_read.hidden))
+        mlp_write = mlp_read.state.write_mlp(mixing, self._finish(self._mlp, hidden_states))
         weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
                    *mlp_write.depth_weights)
         return mlp_write.state, attn_read.hidden, weights
@@ -108,11 +131,23 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_record_outputs = {"attentions": AttnResAttention}
+    # AttnRes: transformers keys this table by model class, and one class serves every backbone family: each entry
+    # lists every family's recorder (attention weights; MoE router logits).
+    _can_record_outputs = recorded_outputs()
 
     def __init__(self, config: AttnResConfig, *args, **kwargs):
         config.validate_architecture()  # also after `from_pretrained(..., attnres_block_size=...)` or a setattr
+        # AttnRes: the attention implementations the backbone family supports (Gemma2: no sdpa, which cannot
+        # soft-cap), checked by transformers on the instance when it picks the implementation.
+        family = backbone_adapter(config).pretrained_model
+        for flag in ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn", "_supports_attention_backend"):
+            if not getattr(family, flag, False):
+                setattr(self, flag, False)
         super().__init__(config, *args, **kwargs)
+        # AttnRes: the backbone's modules read their attention / experts implementation from the backbone config,
+        # which no sub-model checks (transformers sets the checked value on the top-level config only here).
+        config.backbone._attn_implementation_internal = config._attn_implementation_internal
+        config.backbone._experts_implementation_internal = config._experts_implementation_internal
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
@@ -148,11 +183,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        super()._init_weights(module)
         # AttnRes: every mixing module starts as the residual model (AttnRes: zero pseudo-queries, uniform depth
-        # weights at step 0, which the paper requires; see each module's `reset_parameters`).
+        # weights at step 0, which the paper requires; see each module's `reset_parameters`); its norms are its own.
         if isinstance(module, MIXING_MODULES):
             module.reset_parameters(self.config.initializer_range)
+        elif not isinstance(module, AttnResRMSNorm):  # the backbone's modules: as the family initialises them
+            init_backbone_weights(backbone_adapter(self.config), self.config.backbone, module)
 
 
 @dataclass
@@ -162,16 +198,22 @@ class AttnResModelOutputWithPast(BaseModelOutputWithPast):
     router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`; `(batch, seq_len, heads, n_sources)` with
     `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA; MUDDFormer: one `(batch, seq_len, C, n)`
     per layer; DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN; mHC: `H_res`, `(batch, seq_len, n_streams,
-    n_streams)`, per sub-layer. `None` for the residual baseline."""
+    n_streams)`, per sub-layer. `None` for the residual baseline. `router_logits`: a mixture-of-experts backbone's
+    router logits per MoE layer (with `output_router_logits=True`), as its family returns them."""
 
     depth_weights: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class AttnResCausalLMOutputWithPast(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus `depth_weights` (see `AttnResModelOutputWithPast`)."""
+    """`CausalLMOutputWithPast` plus `depth_weights` and `router_logits` (see `AttnResModelOutputWithPast`), and a
+    mixture-of-experts backbone's load-balancing `aux_loss` (scalar; already in `loss` times
+    `router_aux_loss_coef` when `labels` are given)."""
 
     depth_weights: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 class AttnResModel(AttnResPreTrainedModel):
@@ -179,15 +221,17 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        adapter = backbone_adapter(config)
+        self.embed_tokens = adapter.embedding(config.backbone)
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         # AttnRes: the method's final mixing (AttnRes: `final_res`, DCA: `final_dca`) builds the last norm's input.
         self._mixing_type = DEPTH_MIXING[config.depth_mixing].final_modules
         register_modules(self, self._mixing_type.build(config))
-        self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = AttnResRotaryEmbedding(config=config)
+        self.norm = adapter.norm(config.hidden_size, eps=config.rms_norm_eps)
+        if adapter.rotary is not None:
+            self.rotary_emb = adapter.rotary(config=config.backbone)
         self.gradient_checkpointing = False
         # AttnRes: every depth-mixing module keeps fp32 under any `dtype` and is never quantized (bitsandbytes and
         # torchao skip what `_keep_in_fp32_modules` names), so routing is computed at full precision.
@@ -217,7 +261,7 @@ class AttnResModel(AttnResPreTrainedModel):
             cache (`Cache`): the KV cache (`past_key_values` is accepted as its former name). AttnRes needs no
                 cache of its own: depth routing is per token.
             output_hidden_states (`bool`): return the embeddings, each layer's routed input and the final normed
-                state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is Llama's tuple).
+                state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is the backbone family's tuple).
             output_depth_weights (`bool`): return `depth_weights` (see `AttnResModelOutputWithPast`; AttnRes:
                 one `(batch, seq_len, n_sources)` fp32 tensor per router, rows summing to 1 with softmax).
 
@@ -227,35 +271,35 @@ class AttnResModel(AttnResPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         output_hidden_states = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        adapter = backbone_adapter(self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if adapter.embedding_multiplier is not None:  # Granite: part of the embedding source
+            inputs_embeds = inputs_embeds * getattr(self.config, adapter.embedding_multiplier)
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
+            cache = adapter.make_cache(self.config)
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
+        layer_types = adapter.layer_types(self.config)
         if not isinstance(mask_mapping := attention_mask, dict):
-            mask_kwargs = {
-                "config": self.config,
-                "inputs_embeds": inputs_embeds,
-                "attention_mask": attention_mask,
-                "cache": cache,
-                "position_ids": position_ids,
-            }
-            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
-            if "sliding_attention" in self.config.layer_types:
-                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+            mask_mapping = adapter.attention_masks(
+                self.config, layer_types, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                position_ids=position_ids,
+            )
+        position_embeddings = adapter.position_embeddings(
+            getattr(self, "rotary_emb", None), inputs_embeds, position_ids, layer_types
+        )
         state = DEPTH_MIXING[self.config.depth_mixing].state.start(inputs_embeds, self.config, bool(output_depth_weights))
         hidden_states, depth_weights = [], []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            layer_type = layer_types[decoder_layer.layer_idx]
             state, layer_input, layer_depth_weights = decoder_layer(
                 state,
-                attention_mask=mask_mapping[self.config.layer_types[decoder_layer.layer_idx]],
-                position_embeddings=position_embeddings,
+                attention_mask=mask_mapping[layer_type],
+                position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
@@ -317,11 +361,20 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state
         logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
-        loss = None
+        adapter = backbone_adapter(self.config)
+        if adapter.logits is not None:  # the family's head: Gemma's soft-capping, Granite's logits_scaling
+            logits = adapter.logits(self.config.backbone, logits)
+        loss = aux_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if adapter.aux_loss is not None and outputs.router_logits is not None:  # MoE load balancing, as the family
+            aux_loss = adapter.aux_loss(self.config.backbone, outputs.router_logits, attention_mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return AttnResCausalLMOutputWithPast(
             loss=loss,
+            aux_loss=aux_loss,
+            router_logits=outputs.router_logits,
             logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
