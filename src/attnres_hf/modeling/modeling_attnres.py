@@ -142,6 +142,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # which no sub-model checks (transformers sets the checked value on the top-level config only here).
         config.backbone._attn_implementation_internal = config._attn_implementation_internal
         config.backbone._experts_implementation_internal = config._experts_implementation_internal
+        # AttnRes: a family with recurrent state (Kimi Linear's KDA) cannot rewind its cache (no assisted decoding).
+        self._is_stateful = backbone_adapter(config).pretrained_model._is_stateful
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
