@@ -392,3 +392,30 @@ def test_kimi_linear_keeps_its_fp32_modules_in_bf16_and_is_stateful(sources, tmp
         assert torch.isfinite(model(ids()).logits).all()
     with pytest.raises(ValueError, match="stateful"):
         model.generate(ids()[:1], assistant_model=model, max_new_tokens=2)
+
+
+def test_kimi_linear_attention_modules_get_the_arguments_their_own_layer_gives(sources):
+    """KDA's keywords reach its kernels (`causal_conv1d_fn`, `chunk_kda`): each attention module of the AttnRes model
+    receives exactly the keyword arguments `KimiLinearDecoderLayer` gives it, with and without a cache."""
+    source = sources["kimi_linear"]
+    model = retrofitted(source)
+
+    def received(model, **kwargs):
+        seen = {}
+
+        def spy(index):
+            def hook(module, args, kw):
+                seen[index] = sorted(kw)
+            return hook
+
+        hooks = [layer.self_attn.register_forward_pre_hook(spy(i), with_kwargs=True)
+                 for i, layer in enumerate(model.model.layers)]
+        with torch.no_grad():
+            model(ids(), **kwargs)
+        for hook in hooks:
+            hook.remove()
+        return seen
+
+    for kwargs in ({}, {"use_cache": True}):
+        theirs, ours = received(source, **kwargs), received(model, **kwargs)
+        assert ours == theirs and "position_ids" not in ours[0] and "position_embeddings" not in ours[1]

@@ -132,6 +132,28 @@ def kimi_cache(config) -> DynamicCache:
     return DynamicCache(config=getattr(config, "backbone", config))
 
 
+_NOT_PASSED_BY_KIMI = {
+    kimi.KimiLinearDeltaAttention: ("position_ids", "use_cache", "position_embeddings"),
+    kimi.KimiLinearAttention: ("position_embeddings",),
+}
+"""Keyword arguments the AttnRes decoder gives every attention module that `KimiLinearDecoderLayer` does not give
+this one: KDA's keywords reach its kernels (`causal_conv1d_fn`, `chunk_kda`), which take no unknown ones; MLA has
+no rope."""
+
+
+def _called_as_kimi_linear_calls_it(module, args, kwargs):
+    dropped = _NOT_PASSED_BY_KIMI[type(module)]
+    return args, {name: value for name, value in kwargs.items() if name not in dropped}
+
+
+def kimi_decoder_layer(config, layer_idx: int) -> nn.Module:
+    """`KimiLinearDecoderLayer` (KDA or MLA by `layer_types`, MoE or dense MLP by `mlp_layer_types`) whose attention
+    module is called with the arguments Kimi Linear's own layer gives it (a forward pre-hook drops the others)."""
+    layer = kimi.KimiLinearDecoderLayer(config, layer_idx)
+    layer.self_attn.register_forward_pre_hook(_called_as_kimi_linear_calls_it, with_kwargs=True)
+    return layer
+
+
 def check_kimi_linear(config) -> None:
     """Refuse the Kimi Linear settings transformers' own model cannot run (raises `ValueError` naming why)."""
     if config.num_key_value_heads != config.num_attention_heads:
@@ -153,7 +175,7 @@ _TESTED = ("exact retrofit (every method), cached generation, save/reload (nativ
 MOE_BACKBONES = (
     BackboneAdapter(
         "kimi_linear", KimiLinearConfig, kimi.KimiLinearForCausalLM, kimi.KimiLinearPreTrainedModel,
-        kimi.KimiLinearDecoderLayer, norm=kimi.KimiLinearRMSNorm, rotary=None,  # MLA without rope (NoPE), KDA
+        kimi_decoder_layer, norm=kimi.KimiLinearRMSNorm, rotary=None,  # MLA without rope (NoPE), KDA
         attention_class=kimi.KimiLinearAttention,
         key_value_inputs=None,  # MLA: keys and values come from one latent of one input (no k/v inputs to route)
         make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_linear,
@@ -188,4 +210,4 @@ MOE_BACKBONES = (
 
 
 __all__ = ["EXPERT_ROUTING", "ExpertRouting", "MOE_BACKBONES", "backbone_model_type", "check_kimi_linear",
-           "expert_gate_modules", "kimi_attention_masks", "kimi_cache"]
+           "expert_gate_modules", "kimi_attention_masks", "kimi_cache", "kimi_decoder_layer"]
