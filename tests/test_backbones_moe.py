@@ -7,6 +7,7 @@ whole projection). Every source is transformers' own model at a tiny size; the A
 `retrofit` (and from its config by `retrofit_config` for models trained from scratch).
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -419,3 +420,16 @@ def test_kimi_linear_attention_modules_get_the_arguments_their_own_layer_gives(s
     for kwargs in ({}, {"use_cache": True}):
         theirs, ours = received(source, **kwargs), received(model, **kwargs)
         assert ours == theirs and "position_ids" not in ours[0] and "position_embeddings" not in ours[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_residual_retrofit_is_the_source_model_in_bfloat16(family, sources):
+    """The experts run with the source's experts implementation (transformers' `grouped_mm` by default), so the
+    residual baseline computes bit for bit the source's bfloat16 logits (the depth mixing differs only in rounding)."""
+    source = sources[family]
+    model = retrofitted(source, depth_mixing="residual")
+    assert model.config._experts_implementation == source.config._experts_implementation
+    bf16_source = copy.deepcopy(source).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = bf16_source(ids()).logits
+        torch.testing.assert_close(model.to(torch.bfloat16)(ids()).logits, expected, atol=0, rtol=0)
