@@ -137,6 +137,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: AttnResConfig, *args, **kwargs):
         config.validate_architecture()  # also after `from_pretrained(..., attnres_block_size=...)` or a setattr
+        # AttnRes: the attention implementations the backbone family supports (Gemma2: no sdpa, which cannot
+        # soft-cap), checked by transformers on the instance when it picks the implementation.
+        family = backbone_adapter(config).pretrained_model
+        for flag in ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn", "_supports_attention_backend"):
+            if not getattr(family, flag, False):
+                setattr(self, flag, False)
         super().__init__(config, *args, **kwargs)
         # AttnRes: the backbone's modules read their attention / experts implementation from the backbone config,
         # which no sub-model checks (transformers sets the checked value on the top-level config only here).
