@@ -16,6 +16,7 @@ another setting than the paper's (block size, window, heads), the row says so.
     python benchmarks/ablation.py --preset smoke              # < 1 minute, checks the pipeline end to end
     python benchmarks/ablation.py --preset cpu                # about 35 minutes on 2 CPU cores (34 min measured)
     python benchmarks/ablation.py --preset gpu --device cuda  # larger model and budget
+    python benchmarks/ablation.py --preset kimi-linear        # Kimi Linear backbone: baseline vs Block AttnRes S=6
 
 Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset.
 """
@@ -50,6 +51,8 @@ class Preset:
     max_chars_per_book: int | None  # None: the whole corpus
     jobs: int = 1  # runs in parallel, one single-threaded process each (CPU); 1: in this process
     threads: int | None = None  # torch threads of this process when jobs == 1 (None: torch's default)
+    backbone: str = "llama"  # the backbone family (`"kimi_linear"`: `kimi_linear_backbone`)
+    variants: tuple[str, ...] | None = None  # the variants run by default (None: every one of `VARIANTS` but S=6)
 
 
 PRESETS = {
@@ -60,6 +63,14 @@ PRESETS = {
     "gpu": Preset(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, seq_len=512, batch_size=32,
                   steps=5000, seeds=3, learning_rate=1e-3, eval_batches=64, max_chars_per_book=None),
 }
+
+# The paper's own backbone, Kimi Linear 48B A3B, shrunk: KDA linear attention and MLA layers 3:1, a dense first MLP
+# then mixture-of-experts MLPs with a shared expert, Block AttnRes with 6 sub-layers per block (paper: 54 sub-layers,
+# 9 blocks). On CPU transformers runs KDA with its pure-torch fallback (slow); flash-linear-attention is the kernel.
+PRESETS["kimi-linear"] = Preset(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, seq_len=64, batch_size=8,
+                                steps=300, seeds=2, learning_rate=3e-3, eval_batches=8, max_chars_per_book=200_000,
+                                jobs=2, backbone="kimi_linear", variants=("baseline", "Block AttnRes (S=6)"))
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -94,6 +105,8 @@ VARIANTS = {
 }
 """The variants, with the paper's Table 4 validation losses (Kimi Team, arXiv:2603.15031, Table 4: 16 + 16 layers,
 everything else fixed). MUDDFormer and DCA are not in the paper's table."""
+VARIANTS["Block AttnRes (S=6)"] = Variant({"depth_mixing": "attnres", "attnres_block_size": 6}, None,
+                                         "the paper's Kimi Linear 48B setting (6 sub-layers per block)")
 
 
 def paper_ordering(names) -> str:
@@ -107,7 +120,28 @@ def load_bytes(split: str, max_chars_per_book: int | None) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
+def kimi_linear_backbone(preset: Preset):
+    """A Kimi-Linear-shaped `KimiLinearConfig` (transformers' own family): every 4th layer MLA (`full_attention`, no
+    rope), the others KDA (`linear_attention`); a dense first MLP (`first_k_dense_replace=1`), then MoE layers with 8
+    routed experts (top 2) and one shared expert. Equal key/value and attention heads (transformers' MLA needs it)."""
+    from transformers import KimiLinearConfig
+
+    h, n, heads = preset.hidden_size, preset.num_hidden_layers, preset.num_attention_heads
+    return KimiLinearConfig(
+        vocab_size=256, hidden_size=h, intermediate_size=8 * h // 3, moe_intermediate_size=h, num_hidden_layers=n,
+        num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=h // 2, q_lora_rank=None,
+        qk_nope_head_dim=h // heads, qk_rope_head_dim=h // (2 * heads), v_head_dim=h // heads,
+        linear_num_heads=heads, linear_head_dim=h // heads, num_local_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, max_position_embeddings=preset.seq_len, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+    )
+
+
 def _config(preset: Preset, overrides: dict) -> AttnResConfig:
+    if preset.backbone == "kimi_linear":
+        return AttnResConfig(backbone=kimi_linear_backbone(preset), attn_implementation="sdpa", **overrides)
     return AttnResConfig(
         vocab_size=256, hidden_size=preset.hidden_size, intermediate_size=8 * preset.hidden_size // 3,
         num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.num_attention_heads,
@@ -283,7 +317,8 @@ def main(argv=None):
     if preset.threads:
         torch.set_num_threads(preset.threads)
     torch.set_flush_denormal(True)  # denormal floats (e.g. exp of very negative logits) slow CPUs many times over
-    names = list(VARIANTS) if not args.variants else [n.strip() for n in args.variants.split(",")]
+    default = preset.variants or [name for name in VARIANTS if name != "Block AttnRes (S=6)"]
+    names = list(default) if not args.variants else [n.strip() for n in args.variants.split(",")]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")

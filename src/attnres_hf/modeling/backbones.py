@@ -373,6 +373,11 @@ def recorded_outputs() -> dict:
     return table
 
 
+# Mixture-of-experts families and Kimi Linear: a sibling module (it imports `BackboneAdapter` and `SubLayer` above).
+from .backbones_moe import MOE_BACKBONES  # noqa: E402
+
+BACKBONES.update({adapter.model_type: adapter for adapter in MOE_BACKBONES})
+
 __all__ = ["BACKBONES", "BackboneAdapter", "DEFAULT_BACKBONE", "KEY_VALUE_METHODS", "KeyValueInputs", "SubLayer",
            "backbone_adapter", "default_attention_masks", "default_layer_types", "init_backbone_weights",
            "recorded_outputs"]

@@ -377,9 +377,10 @@ def _validate_backbone(backbone) -> None:
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
             raise ValueError(f"rope_parameters['rope_theta'] (rope_theta) must be a positive number, got {theta!r}")
     window = getattr(backbone, "sliding_window", None)
-    if window is not None and window < 1:
-        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {window!r}")
     layer_types = getattr(backbone, "layer_types", None)
+    # transformers' Qwen2-MoE config writes `sliding_window=0` for "no window" when no layer slides
+    if window is not None and window < 1 and (layer_types is None or "sliding_attention" in layer_types):
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {window!r}")
     if layer_types is not None:
         if len(layer_types) != backbone.num_hidden_layers:
             raise ValueError(f"layer_types must have one entry per layer ({backbone.num_hidden_layers}), "

@@ -148,6 +148,15 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # which no sub-model checks (transformers sets the checked value on the top-level config only here).
         config.backbone._attn_implementation_internal = config._attn_implementation_internal
         config.backbone._experts_implementation_internal = config._experts_implementation_internal
+        # AttnRes: a family with recurrent state (Kimi Linear's KDA) cannot rewind its cache (no assisted decoding).
+        self._is_stateful = backbone_adapter(config).pretrained_model._is_stateful
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # AttnRes: a mixture-of-experts backbone's experts are the family's own `@use_experts_implementation` modules,
+        # so they take transformers' experts implementations (`grouped_mm` by default, as in the source model);
+        # transformers looks for that decorator in the model class's file, which here is not the family's.
+        return True
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1

@@ -7,13 +7,15 @@ import torch
 from transformers import PreTrainedModel
 
 from .._checks import check_int
+from ..modeling.backbones_moe import expert_gate_modules
 from ..modeling.depth_mixing import MIXING_MODULE_NAMES, is_depth_mixing_parameter
 
 ROUTER_MODULES = MIXING_MODULE_NAMES
 """Module names of the depth-mixing modules, read from the method records (`DEPTH_MIXING[name].module_names`):
 AttnRes routers (`model.layers.N.attn_res`, `model.layers.N.mlp_res`, `model.final_res`) and the rest of the family's
 (DenseFormer `dwa`, MUDDFormer `mudd`, DCA `dca` / `final_dca`, mHC `attn_mhc` / `mlp_mhc`). `--method routers` trains
-exactly these."""
+exactly these. A mixture-of-experts model's routing gates (`mlp.gate`, `expert_gate_modules`) route tokens to
+experts, not over depth: they are backbone weights, trained by `lora`'s targets only when named, and by `full`."""
 
 METHODS = ("routers", "lora", "qlora", "full")
 DEFAULT_LEARNING_RATES = {"routers": 2e-4, "lora": 2e-4, "qlora": 2e-4, "full": 5e-5}
@@ -41,12 +43,16 @@ def lora_module_names(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 def default_lora_targets(model: PreTrainedModel) -> list[str]:
-    """LoRA targets when none are given: every linear layer but the output head (PEFT's `all-linear`), by name.
-    For a Llama-style model: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`. Depth
-    routers hold no linear layer; they train in full beside the adapters."""
+    """LoRA targets when none are given: every linear layer but the output head (PEFT's `all-linear`) and the
+    mixture-of-experts routing gates of the model's family (`expert_gate_modules`, e.g. Qwen2-MoE's
+    `shared_expert_gate`), by name. For a Llama-style model: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
+    `up_proj`, `down_proj`; the experts' stacked weights (`experts.gate_up_proj`, `experts.down_proj`) are parameters,
+    not linear layers, and are not adapted. Depth routers hold no linear layer; they train in full beside the
+    adapters."""
     head = model.get_output_embeddings()
+    gates = set(expert_gate_modules(model.config))
     linear = [name for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and module is not head]
+              if isinstance(module, torch.nn.Linear) and module is not head and name.rsplit(".", 1)[-1] not in gates]
     return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear))
 
 

@@ -49,6 +49,10 @@ class AttnResArguments:
     entropy_batches: int = field(default=4, metadata={"help": "eval batches used for the depth-weight entropy"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
     trust_remote_code: bool = False
+    output_router_logits: bool | None = field(
+        default=None, metadata={"help": "mixture-of-experts models: add the experts' load-balancing loss "
+                                "(router_aux_loss_coef * aux_loss) to the training loss, as transformers' MoE models "
+                                "do with this config flag; default: the model config's value"})
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)):
@@ -59,6 +63,8 @@ class AttnResArguments:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         check_int("seq_len", self.seq_len, 2, "tokens")
         check_int("entropy_batches", self.entropy_batches, 0)
+        if self.output_router_logits is not None and not isinstance(self.output_router_logits, bool):
+            raise TypeError(f"output_router_logits must be True, False or None, got {self.output_router_logits!r}")
         for name, kind in (("text_field", str), ("resume", bool), ("trust_remote_code", bool)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be {kind.__name__}, got {getattr(self, name)!r}")
@@ -96,11 +102,15 @@ def depth_entropy(model, batches) -> dict:
 
 class AttnResTrainer(Trainer):
     """`Trainer` that keeps router pseudo-queries out of weight decay (like norms and biases) and logs, at each
-    evaluation, perplexity and the entropy of the depth weights (how far routing has moved from uniform)."""
+    evaluation, perplexity and the entropy of the depth weights (how far routing has moved from uniform). On a
+    mixture-of-experts model that returns the experts' load-balancing loss (`aux_loss`, with
+    `output_router_logits`), the training logs carry its mean over the logged steps as `aux_loss` (the `loss` already
+    includes `router_aux_loss_coef * aux_loss`, as the model computes it)."""
 
     def __init__(self, *args, entropy_batches: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
         self.entropy_batches = entropy_batches
+        self._aux_losses: list[torch.Tensor] = []
         if self.args.device.type == "cpu":
             self.args.dataloader_pin_memory = False  # nothing to pin to; torch warns on every dataloader
 
@@ -111,6 +121,19 @@ class AttnResTrainer(Trainer):
         from ..modeling.depth_mixing import is_no_weight_decay_parameter
 
         return [name for name in super().get_decay_parameter_names(model) if not is_no_weight_decay_parameter(name)]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        aux_loss = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+        if aux_loss is not None and model.training:  # the experts' load-balancing loss, for the logs
+            self._aux_losses.append(aux_loss.detach().float())
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._aux_losses:  # a training log entry: the mean aux loss since the last one
+            logs = {**logs, "aux_loss": torch.stack(self._aux_losses).mean().item()}
+            self._aux_losses.clear()
+        super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Without `compute_metrics` the logits are never used: keeping them (vocab x tokens per batch) is slow.
@@ -161,6 +184,9 @@ def _check_before_loading(args: AttnResArguments) -> None:
         raise ValueError(f"method 'routers' needs depth routers: {args.model} has none (model_type "
                          f"{config.model_type!r}, depth_mixing {getattr(config, 'depth_mixing', None)!r}); convert it "
                          "with `attnres convert`, or train with --method lora or full")
+    if args.output_router_logits and not hasattr(config, "router_aux_loss_coef"):
+        raise ValueError(f"output_router_logits: {args.model} has no mixture-of-experts load-balancing loss "
+                         f"(model_type {config.model_type!r} has no router_aux_loss_coef)")
     if args.method in ("lora", "qlora") and args.lora_target_modules is not None:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
@@ -212,6 +238,8 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     model = AutoModelForCausalLM.from_pretrained(
         args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32, **load_kwargs(args.method)
     )
+    if args.output_router_logits is not None:  # the MoE load-balancing loss enters the training loss (or not)
+        model.config.output_router_logits = args.output_router_logits
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
 
     trainer = AttnResTrainer(
@@ -241,6 +269,7 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
         "tokens_seen": trainer.state.global_step * training_args.train_batch_size
         * training_args.gradient_accumulation_steps * args.seq_len * training_args.world_size,
         "train_loss": result.training_loss,
+        "aux_loss_last": next((e["aux_loss"] for e in reversed(trainer.state.log_history) if "aux_loss" in e), None),
         "eval_loss_before": before.get("eval_loss"),
         "eval_perplexity_before": before.get("eval_perplexity"),
         "eval_loss_after": after.get("eval_loss"),
@@ -270,4 +299,6 @@ def format_summary(summary: dict) -> str:
         f"depth entropy / max   {number(summary['depth_entropy_ratio_after'], '.4f')} (1 = uniform routing)",
         f"wall time             {summary['wall_time_s']:.0f} s",
     ]
+    if summary.get("aux_loss_last") is not None:  # a mixture-of-experts model trained with its load-balancing loss
+        lines.insert(-1, f"experts' aux loss     {summary['aux_loss_last']:.4f} (last logged, load balancing)")
     return "\n".join(lines)
