@@ -46,3 +46,59 @@ def test_paper_column_is_table_4_and_its_ordering(ablation):
     assert ablation.VARIANTS["MUDDFormer"].paper is None
     assert ablation.paper_ordering(["baseline", "Full AttnRes", "MUDDFormer", "AttnRes input-dependent query"]) == (
         "AttnRes input-dependent query < Full AttnRes < baseline")
+
+
+RETROFIT_ROUTING = Path(__file__).parents[1] / "benchmarks" / "retrofit_routing.py"
+
+
+@pytest.fixture(scope="module")
+def retrofit_routing():
+    spec = importlib.util.spec_from_file_location("retrofit_routing_benchmark", RETROFIT_ROUTING)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import TINY, counting_text, word_tokenizer
+
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(source)
+    tokenizer = word_tokenizer()
+    pairs = [{"a": "w3 w4 w5 w6 w7 w8", "b": "w3 w9 w5 w6 w7 w8"}, {"a": "w10 w11 w12 w13", "b": "w10 w40 w12 w13"}]
+    results = retrofit_routing.run(source, tokenizer, counting_text(60), counting_text(20, seed=1), tmp_path / "out",
+                                   steps=4, batch_size=2, seq_len=16, learning_rate=1e-2, eval_every=2,
+                                   eval_tokens=128, window=32, pairs=pairs, log=lambda line: None)
+    ppl = results["perplexity"]
+    assert list(ppl) == ["no training", "routers", "norms", "lora"] and ppl["no training"]["windows"] == 4
+    arms = results["arms"]
+    # every arm starts from the same function (the retrofit is exact; LoRA's B starts at zero)
+    assert arms["routers"]["curve"]["held_out_loss"][0] == pytest.approx(arms["norms"]["curve"]["held_out_loss"][0])
+    assert arms["lora"]["curve"]["held_out_loss"][0] == pytest.approx(arms["norms"]["curve"]["held_out_loss"][0])
+    assert arms["routers"]["train_loss_per_step"][0] == pytest.approx(arms["lora"]["train_loss_per_step"][0])
+    assert arms["routers"]["curve"]["step"] == [0, 2, 4]
+    assert arms["routers"]["curve"]["depth_entropy_ratio"][0] == pytest.approx(1.0)
+    assert arms["routers"]["curve"]["depth_entropy_ratio"][-1] < 1.0  # lr 1e-2 moves the routers
+    assert arms["norms"]["curve"]["depth_entropy_ratio"] == [pytest.approx(1.0)] * 3  # routers stay uniform
+    assert arms["routers"]["trainable_parameters"] == results["router_parameters"]
+    assert arms["norms"]["trainable_parameters"] == 32 * (2 * TINY["num_hidden_layers"] + 1)
+    assert arms["lora"]["trainable_parameters"] == results["lora"]["parameters"]
+    assert 0.0 <= results["routing"]["static_share"] <= 1.0 and results["probe"]["pairs_used"] == 2
+    assert (tmp_path / "out" / "routing_average.png").is_file() and (tmp_path / "out" / "retrofit_routing.json").is_file()
+    assert "| routers |" in retrofit_routing.report(results)
+
+
+def test_matched_lora_picks_the_closest_parameter_count(retrofit_routing):
+    from attnres_hf.conversion import retrofit
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import TINY
+
+    model = retrofit(LlamaForCausalLM(LlamaConfig(**TINY)))
+    # TINY: q/o 32+32, k/v 32+16, gate/up 32+64, down 64+32 per layer, 3 layers
+    rank, targets, count = retrofit_routing.matched_lora(model, target=3 * (64 + 48))
+    assert count == 3 * (64 + 48) and rank == 1 and len(targets) == 2
+    assert retrofit_routing.matched_lora(model, target=2 * 3 * 64)[2] == 2 * 3 * 64
