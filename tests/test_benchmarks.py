@@ -1,6 +1,7 @@
 """The ablation benchmark's own logic: paired variants start from one backbone, and its statistics."""
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -102,3 +103,30 @@ def test_matched_lora_picks_the_closest_parameter_count(retrofit_routing):
     rank, targets, count = retrofit_routing.matched_lora(model, target=3 * (64 + 48))
     assert count == 3 * (64 + 48) and rank == 1 and len(targets) == 2
     assert retrofit_routing.matched_lora(model, target=2 * 3 * 64)[2] == 2 * 3 * 64
+
+
+def test_ablation_runs_with_a_bpe_tokenizer_from_a_data_dir(ablation, tmp_path, monkeypatch):
+    """The long preset's code path (tokenizer.json and books from --data-dir, results under --out), tiny."""
+    from attnres_hf import assets
+    from utils import counting_text, word_tokenizer
+
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(tmp_path / "elsewhere"))  # load_data points it at the data dir
+    data = tmp_path / "data"
+    (data / "gutenberg").mkdir(parents=True)
+    word_tokenizer().backend_tokenizer.save(str(data / "tokenizer.json"))
+    names = list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]
+    for i, name in enumerate(names):
+        (data / "gutenberg" / f"{name}.txt").write_text(counting_text(30, seed=i).replace("\n", "\n\n"))
+    out = tmp_path / "out"
+    ablation.main(["--preset", "smoke", "--tokenizer", "smollm2", "--data-dir", str(data), "--out", str(out),
+                   "--variants", "baseline,Full AttnRes", "--steps", "3", "--seeds", "2"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["preset"]["tokenizer"] == "smollm2" and results["preset"]["vocab_size"] == 99
+    assert set(results["results"]) == {"baseline", "Full AttnRes"} and len(results["results"]["baseline"]) == 2
+    report = (out / "results.md").read_text()
+    assert "nats/token" in report and "| Full AttnRes |" in report and "ordering, paper Table 4" in report
+    preset = ablation.Preset(**{**ablation.asdict(ablation.PRESETS["smoke"]), "tokenizer": "smollm2"})
+    train = ablation.load_data("train", preset, str(data))
+    assert int(train.max()) < 99 and float((train >= 3).float().mean()) > 0.9  # word ids (and separators)
+    with pytest.raises(SystemExit):
+        ablation.main(["--preset", "smoke", "--data-dir", str(tmp_path / "missing")])
