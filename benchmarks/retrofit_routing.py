@@ -44,19 +44,11 @@ from ablation import paired_difference  # noqa: E402  (one home for the paired s
 from attnres_hf import assets  # noqa: E402
 from attnres_hf.analysis import compare_pairs, largest_shifts, load_pairs, record_routing, summarize  # noqa: E402
 from attnres_hf.analysis.compare import EXAMPLE_PAIRS  # noqa: E402
+from attnres_hf.demo import norm_parameter_names  # noqa: E402  (the demo's control: the same parameters)
 from attnres_hf.training.recipes import is_router_parameter, prepare_model  # noqa: E402
 from attnres_hf.training.trainer import depth_entropy  # noqa: E402
 
 ARMS = ("routers", "norms", "lora")
-
-
-def norm_parameter_names(model: torch.nn.Module) -> list[str]:
-    """The backbone's RMSNorm weights (every `*RMSNorm` module outside the depth routers): the `norms` control."""
-    names = []
-    for module_name, module in model.named_modules():
-        if type(module).__name__.endswith("RMSNorm") and not is_router_parameter(module_name + ".weight"):
-            names += [f"{module_name}.{n}" if module_name else n for n, _ in module.named_parameters()]
-    return names
 
 
 def matched_lora(model: torch.nn.Module, target: int, max_rank: int = 8) -> tuple[int, list[str], int]:

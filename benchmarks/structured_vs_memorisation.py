@@ -26,13 +26,12 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ablation import VARIANTS, Preset, build_model, optimizer_and_schedule, paired_difference  # noqa: E402
+from ablation import VARIANTS, Preset, autocast, build_model, optimizer_and_schedule, paired_difference  # noqa: E402
 
 TASKS = ("recall", "memorisation")
 MODELS = ("baseline", "Block AttnRes (S=2)", "Full AttnRes")
@@ -94,13 +93,14 @@ def evaluation_batches(task: str, settings: dict, seed: int):
 
 
 @torch.no_grad()
-def score(model, batches) -> tuple[float, float]:
+def score(model, batches, device="cpu") -> tuple[float, float]:
     """`(mean NLL per scored token, accuracy of the argmax)` over `batches`."""
     model.eval()
     nll = correct = count = 0.0
     for input_ids, labels in batches:
-        logits = model(input_ids).logits[:, :-1]
-        target = labels[:, 1:]
+        with autocast(device):
+            logits = model(input_ids.to(device)).logits[:, :-1].float()
+        target = labels[:, 1:].to(device)
         mask = target != IGNORE
         nll += torch.nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum").item()
         correct += (logits[mask].argmax(-1) == target[mask]).sum().item()
@@ -109,18 +109,19 @@ def score(model, batches) -> tuple[float, float]:
     return nll / count, correct / count
 
 
-def run_one(task: str, name: str, seed: int, preset: Preset, settings: dict) -> dict:
-    model = build_model(preset, VARIANTS[name].overrides, seed).train()
+def run_one(task: str, name: str, seed: int, preset: Preset, settings: dict, device="cpu") -> dict:
+    model = build_model(preset, VARIANTS[name].overrides, seed).to(device).train()
     optimizer, schedule = optimizer_and_schedule(model, preset)
     started = time.perf_counter()
     for input_ids, labels in training_batches(task, settings, seed):
-        loss = model(input_ids, labels=labels).loss
+        with autocast(device):
+            loss = model(input_ids.to(device), labels=labels.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-    nll, accuracy = score(model, evaluation_batches(task, settings, seed))
+    nll, accuracy = score(model, evaluation_batches(task, settings, seed), device)
     return {"loss": nll, "accuracy": accuracy, "seconds": time.perf_counter() - started}
 
 
@@ -155,6 +156,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--items", type=int, default=2048, help="memorisation: inputs with a random label")
     parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
     parser.add_argument("--output", help="write the per-run results as JSON here")
     args = parser.parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",")]
@@ -176,7 +178,7 @@ def main(argv=None):
     for task in tasks:
         for seed in range(args.seeds):
             for name in MODELS:
-                result = run_one(task, name, seed, replace(preset), settings)
+                result = run_one(task, name, seed, preset, settings, torch.device(args.device))
                 results[task][name].append(result)
                 print(f"  {task} seed {seed} {name}: loss {result['loss']:.4f} accuracy {result['accuracy']:.3f} "
                       f"({result['seconds']:.0f} s)", flush=True)
