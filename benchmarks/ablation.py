@@ -351,6 +351,47 @@ def our_ordering(results: dict) -> str:
     return " < ".join(name for _, name in ranked)
 
 
+PAPER_ORDERINGS = (
+    # (claim, variant, reference, the paper's sign of variant minus reference: -1 better, +1 worse, 0 on par)
+    ("Full AttnRes beats the baseline", "Full AttnRes", "baseline", -1),
+    ("Block AttnRes beats the baseline", "Block AttnRes (S=2)", "baseline", -1),
+    ("Full AttnRes beats Block AttnRes", "Full AttnRes", "Block AttnRes (S=2)", -1),
+    ("softmax beats sigmoid scoring", "AttnRes w/ sigmoid", "Full AttnRes", +1),
+    ("the key RMSNorm helps", "AttnRes w/o key RMSNorm", "Full AttnRes", +1),
+    ("the sliding window is behind Full AttnRes", "AttnRes sliding window (W=2)", "Full AttnRes", +1),
+    ("the sliding window is on par with the baseline", "AttnRes sliding window (W=2)", "baseline", 0),
+    ("DenseFormer is on par with the baseline", "DenseFormer", "baseline", 0),
+    ("mHC beats the baseline", "mHC (n=4)", "baseline", -1),
+    ("mHC is behind Full AttnRes", "mHC (n=4)", "Full AttnRes", +1),
+    ("the input-dependent query beats Full AttnRes", "AttnRes input-dependent query", "Full AttnRes", -1),
+)
+"""The paper's Table 4 orderings that the README checks (Kimi Team, arXiv:2603.15031: baseline 1.766, Full 1.737,
+Block 1.746, sigmoid 1.741, w/o key norm 1.743, window 1.764, DenseFormer 1.767, mHC 1.747, input-dependent 1.731)."""
+
+
+def ordering_checks(results: dict) -> list[str]:
+    """One line per `PAPER_ORDERINGS` claim whose variants ran: the paired difference (variant minus reference) with
+    its 95% interval and whether this run recovers it. A strict ordering is recovered when the interval excludes 0
+    on the paper's side, "same sign, not significant" when only the mean is; "on par" claims are consistent when the
+    interval contains 0 (a weak check: a short run has wide intervals)."""
+    lines = []
+    for claim, variant, reference, sign in PAPER_ORDERINGS:
+        if variant not in results or reference not in results:
+            continue
+        mean, low, high = paired_difference([r["val_loss"] for r in results[variant]],
+                                            [r["val_loss"] for r in results[reference]])
+        if sign == 0:
+            verdict = "consistent (interval contains 0)" if low <= 0 <= high else "NOT recovered (interval excludes 0)"
+        elif (high < 0) if sign < 0 else (low > 0):
+            verdict = "recovered"
+        elif mean * sign > 0:
+            verdict = "same sign, not significant"
+        else:
+            verdict = "NOT recovered (opposite sign)" + (", significant" if (low > 0 or high < 0) else "")
+        lines.append(f"- {claim}: {variant} minus {reference} {mean:+.4f} [{low:+.4f}, {high:+.4f}]: {verdict}")
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="smoke")
@@ -407,6 +448,8 @@ def main(argv=None):
         table(results, baseline="baseline" if "baseline" in results else names[0], unit=f"nats/{unit}"), "",
         f"ordering, ours (mean val loss, best first): {our_ordering(results)}",
         f"ordering, paper Table 4 (same variants):     {paper_ordering(results)}", "",
+        "the paper's orderings, paired over seeds (variant minus reference, 95% t-interval):",
+        *ordering_checks(results), "",
         f"preset {args.preset} on {device}{' (bf16 autocast)' if device.type == 'cuda' else ' (fp32)'}: "
         f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
         f"{preset.seeds} seeds; wall time {wall / 60:.1f} min; same initial backbone, data order, token budget and "

@@ -188,3 +188,23 @@ def test_structured_vs_memorisation_runs_and_pairs_its_variants(synthetic):
     # the same seed's batches for every variant: the residual-exact init gives identical first losses
     text = synthetic.table(results)
     assert text.count("| recall |") == 3 and "verdict" in text
+
+
+def test_ordering_checks_judge_each_claim_by_its_paired_interval(ablation):
+    def runs(*losses):
+        return [{"val_loss": x} for x in losses]
+
+    results = {"baseline": runs(2.0, 2.1, 2.2), "Full AttnRes": runs(1.9, 2.0, 2.1),  # -0.1 every seed
+               "Block AttnRes (S=2)": runs(1.95, 2.15, 2.15),  # mean -0.0167, interval contains 0
+               "DenseFormer": runs(2.0, 2.1, 2.2),  # on par
+               "mHC (n=4)": runs(2.1, 2.2, 2.3)}  # +0.1 every seed: worse than the baseline
+    lines = "\n".join(ablation.ordering_checks(results))
+    assert "Full AttnRes beats the baseline: Full AttnRes minus baseline -0.1000" in lines
+    assert "beats the baseline: Full AttnRes minus baseline -0.1000 [-0.1000, -0.1000]: recovered" in lines
+    assert "Block AttnRes beats the baseline: Block AttnRes (S=2) minus baseline -0.0167" in lines
+    assert "same sign, not significant" in lines
+    assert "DenseFormer is on par with the baseline: DenseFormer minus baseline +0.0000 [+0.0000, +0.0000]: " \
+           "consistent" in lines
+    assert "mHC beats the baseline: mHC (n=4) minus baseline +0.1000 [+0.1000, +0.1000]: NOT recovered " \
+           "(opposite sign), significant" in lines
+    assert "sigmoid" not in lines  # claims whose variants did not run are left out
