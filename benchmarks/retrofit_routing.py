@@ -199,6 +199,8 @@ def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, steps
         log(f"[{arm}] training {sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters")
         results["arms"][arm] = train_arm(model, arm, train_blocks, order, settings, probe, held_blocks, log)
         nll[arm] = window_nll(model, held_ids, window)
+        results["held_out_nll_per_window"] = nll  # kept after each arm: a long run leaves what it measured
+        (out / "retrofit_routing.json").write_text(json.dumps(results, indent=1) + "\n")
         if arm == "routers":
             trained_router_model = model
         else:

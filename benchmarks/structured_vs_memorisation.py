@@ -152,9 +152,10 @@ def table(results: dict) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--items", type=int, default=2048, help="memorisation: inputs with a random label")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--items", type=int, default=1024, help="memorisation: inputs with a random label")
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
     parser.add_argument("--output", help="write the per-run results as JSON here")
@@ -162,11 +163,11 @@ def main(argv=None):
     tasks = [t.strip() for t in args.tasks.split(",")]
     if unknown := sorted(set(tasks) - set(TASKS)):
         parser.error(f"unknown tasks {unknown}; choose from {TASKS}")
-    if args.seeds < 2 or args.steps < 1:
-        parser.error("--seeds must be at least 2 (for an interval), --steps at least 1")
+    if args.seeds < 2 or args.steps < 1 or args.batch_size < 1:
+        parser.error("--seeds must be at least 2 (for an interval), --steps and --batch-size at least 1")
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    settings = {"steps": args.steps, "batch_size": 64, "pairs": 16, "keys": 6, "items": args.items}
+    settings = {"steps": args.steps, "batch_size": args.batch_size, "pairs": 12, "keys": 6, "items": args.items}
     preset = Preset(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, seq_len=2 * settings["pairs"],
                     batch_size=settings["batch_size"], steps=args.steps, seeds=args.seeds, learning_rate=3e-3,
                     eval_batches=0, max_chars_per_book=None)
