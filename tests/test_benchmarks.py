@@ -88,7 +88,8 @@ def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, t
     assert arms["norms"]["trainable_parameters"] == 32 * (2 * TINY["num_hidden_layers"] + 1)
     assert arms["lora"]["trainable_parameters"] == results["lora"]["parameters"]
     assert 0.0 <= results["routing"]["static_share"] <= 1.0 and results["probe"]["pairs_used"] == 2
-    assert (tmp_path / "out" / "routing_average.png").is_file() and (tmp_path / "out" / "retrofit_routing.json").is_file()
+    assert (tmp_path / "out" / "routing_average.png").is_file()
+    assert (tmp_path / "out" / "retrofit_routing.json").is_file()
     assert "| routers |" in retrofit_routing.report(results)
 
 

@@ -238,7 +238,8 @@ def norms_control_step(state: DemoState) -> None:
     shutil.rmtree(settings.output_dir / "norms-control", ignore_errors=True)  # nothing saved: a measurement only
     model.eval()
     state.results["norms_control"] = {
-        "steps": trainer.state.global_step, "trainable_parameters": sum(p.numel() for n, p in model.named_parameters() if n in trainable),
+        "steps": trainer.state.global_step,
+        "trainable_parameters": sum(p.numel() for n, p in model.named_parameters() if n in trainable),
         "wall_time_s": round(time.perf_counter() - started, 1)}
     state.results["perplexity"]["norms_control"] = perplexity(model, state.held_out_ids, window=settings.window)
 
