@@ -119,6 +119,47 @@ def static_share(record) -> float | None:
     return static / total if total > 1e-12 else None
 
 
+def perplexity_rows(nll: dict[str, list[float]]) -> dict:
+    """Held-out perplexity per arm from the per-window NLLs, with the paired differences (over windows) to the
+    model without training and to the routers."""
+    rows = {}
+    for name, values in nll.items():
+        row = {"perplexity": math.exp(float(np.mean(values))), "nll": float(np.mean(values)), "windows": len(values)}
+        if name != "no training":
+            row["paired_delta_nll_vs_no_training"] = paired_difference(values, nll["no training"])
+            if name != "routers" and "routers" in nll:
+                row["paired_delta_nll_vs_routers"] = paired_difference(values, nll["routers"])
+        rows[name] = row
+    return rows
+
+
+def merge(folders: list[str | Path]) -> dict:
+    """One result from runs of separate arms (`--arms routers` and `--arms norms` run side by side, each with its
+    own `--out`): their settings and held-out windows must be the same (the model without training scores the same
+    NLL on every window in each)."""
+    parts = [json.loads((Path(f) / "retrofit_routing.json").read_text()) for f in folders]
+    merged = parts[0]
+    for part in parts[1:]:
+        if part["settings"] != merged["settings"]:
+            raise ValueError(f"different settings: {part['settings']} vs {merged['settings']}")
+        if not np.allclose(part["held_out_nll_per_window"]["no training"],
+                           merged["held_out_nll_per_window"]["no training"], rtol=0, atol=1e-5):
+            raise ValueError("the runs scored different held-out windows (or another model)")
+        merged["arms"] |= part["arms"]
+        merged["held_out_nll_per_window"] |= {k: v for k, v in part["held_out_nll_per_window"].items()
+                                              if k != "no training"}
+        for key in ("routing", "probe"):
+            if key in part:
+                merged[key] = part[key]
+    order = ["no training", *[a for a in ARMS if a in merged["held_out_nll_per_window"]]]
+    nll = {k: merged["held_out_nll_per_window"][k] for k in order}
+    merged["held_out_nll_per_window"] = nll
+    merged["perplexity"] = perplexity_rows(nll)
+    merged["arms"] = {a: merged["arms"][a] for a in order[1:]}
+    merged["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
+    return merged
+
+
 def train_arm(model, arm, train_blocks, order, settings, probe, held_out_blocks, log) -> dict:
     """Train with AdamW (constant learning rate, no weight decay, clip 1.0) on `order`'s batches of
     `train_blocks`; every `eval_every` steps record the held-out loss and (routers) the depth entropy."""
@@ -205,15 +246,7 @@ def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, steps
             trained_router_model = model
         else:
             del model
-    base_nll = nll["no training"]
-    results["perplexity"] = {}
-    for name, values in nll.items():
-        row = {"perplexity": math.exp(float(np.mean(values))), "nll": float(np.mean(values)), "windows": len(values)}
-        if name != "no training":
-            row["paired_delta_nll_vs_no_training"] = paired_difference(values, base_nll)
-            if name != "routers" and "routers" in nll:
-                row["paired_delta_nll_vs_routers"] = paired_difference(values, nll["routers"])
-        results["perplexity"][name] = row
+    results["perplexity"] = perplexity_rows(nll)
 
     if trained_router_model is not None:
         from attnres_hf.analysis.plots import plot_average_routing, plot_shift, plot_token_routing
@@ -298,7 +331,14 @@ def main(argv=None):
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {ARMS}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="outputs/retrofit_routing")
+    parser.add_argument("--merge", nargs="+", metavar="OUT", help="print one report from runs of separate arms")
     args = parser.parse_args(argv)
+    if args.merge:
+        results = merge(args.merge)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "retrofit_routing.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(report(results))
+        return
     arms = [a.strip() for a in args.arms.split(",")]
     if unknown := sorted(set(arms) - set(ARMS)):
         parser.error(f"unknown arms {unknown}; choose from {ARMS}")

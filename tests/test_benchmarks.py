@@ -91,6 +91,17 @@ def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, t
     assert (tmp_path / "out" / "routing_average.png").is_file()
     assert (tmp_path / "out" / "retrofit_routing.json").is_file()
     assert "| routers |" in retrofit_routing.report(results)
+    # arms run side by side (separate processes and folders) merge into the same report
+    for arm in ("routers", "norms"):
+        retrofit_routing.run(source, tokenizer, counting_text(60), counting_text(20, seed=1), tmp_path / arm,
+                             steps=4, batch_size=2, seq_len=16, learning_rate=1e-2, eval_every=2, eval_tokens=128,
+                             window=32, arms=[arm], pairs=pairs, log=lambda line: None)
+    merged = retrofit_routing.merge([tmp_path / "routers", tmp_path / "norms"])
+    assert list(merged["perplexity"]) == ["no training", "routers", "norms"] and "probe" in merged
+    for name in ("routers", "norms"):
+        assert merged["perplexity"][name]["nll"] == pytest.approx(ppl[name]["nll"], rel=1e-5)
+    assert merged["perplexity"]["norms"]["paired_delta_nll_vs_routers"] == pytest.approx(
+        ppl["norms"]["paired_delta_nll_vs_routers"], rel=1e-4, abs=1e-6)
 
 
 def test_matched_lora_picks_the_closest_parameter_count(retrofit_routing):
