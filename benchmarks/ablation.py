@@ -17,6 +17,12 @@ another setting than the paper's (block size, window, heads), the row says so.
     python benchmarks/ablation.py --preset cpu                # about 35 minutes on 2 CPU cores (34 min measured)
     python benchmarks/ablation.py --preset gpu --device cuda  # larger model and budget
     python benchmarks/ablation.py --preset kimi-linear        # Kimi Linear backbone: baseline vs Block AttnRes S=6
+    python benchmarks/ablation.py --prepare-data DATA         # copy SmolLM2's tokenizer.json and the books to DATA
+    python benchmarks/ablation.py --preset long --device cuda --data-dir DATA --out results/
+        # 12 layers, SmolLM2's BPE tokenizer (49,152 ids), 13 variants x 3 seeds x 4.1M tokens, 8 runs at a time;
+        # sized (not yet measured) for a few minutes on one H200. CUDA runs use bf16 autocast (fp32 weights,
+        # optimizer state and loss; TF32 for the fp32 matmuls); CPU runs are fp32. Needs torch, transformers,
+        # tokenizers, numpy and tqdm only: no scipy, no network, no cache (DATA holds the text and tokenizer).
 
 Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset.
 """
@@ -25,11 +31,15 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import queue
+import shutil
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -53,6 +63,8 @@ class Preset:
     threads: int | None = None  # torch threads of this process when jobs == 1 (None: torch's default)
     backbone: str = "llama"  # the backbone family (`"kimi_linear"`: `kimi_linear_backbone`)
     variants: tuple[str, ...] | None = None  # the variants run by default (None: every one of `VARIANTS` but S=6)
+    tokenizer: str = "bytes"  # "bytes" (vocab 256) or "smollm2": SmolLM2's BPE tokenizer (tokenizer.json, vocab 49152)
+    vocab_size: int = 256  # set from the tokenizer by `main`
 
 
 PRESETS = {
@@ -60,6 +72,10 @@ PRESETS = {
                     seeds=2, learning_rate=3e-3, eval_batches=2, max_chars_per_book=20_000, threads=1),
     "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=360,
                   seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, jobs=2),
+    # 12 layers, SmolLM2's BPE tokenizer, 4.1M tokens per run; sized for one H200 (bf16 autocast, 8 runs at a time)
+    "long": Preset(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, seq_len=256, batch_size=32,
+                   steps=500, seeds=3, learning_rate=2e-3, eval_batches=32, max_chars_per_book=None, jobs=8,
+                   tokenizer="smollm2"),
     "gpu": Preset(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, seq_len=512, batch_size=32,
                   steps=5000, seeds=3, learning_rate=1e-3, eval_batches=64, max_chars_per_book=None),
 }
@@ -128,7 +144,8 @@ def kimi_linear_backbone(preset: Preset):
 
     h, n, heads = preset.hidden_size, preset.num_hidden_layers, preset.num_attention_heads
     return KimiLinearConfig(
-        vocab_size=256, hidden_size=h, intermediate_size=8 * h // 3, moe_intermediate_size=h, num_hidden_layers=n,
+        vocab_size=preset.vocab_size, hidden_size=h, intermediate_size=8 * h // 3, moe_intermediate_size=h,
+        num_hidden_layers=n,
         num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=h // 2, q_lora_rank=None,
         qk_nope_head_dim=h // heads, qk_rope_head_dim=h // (2 * heads), v_head_dim=h // heads,
         linear_num_heads=heads, linear_head_dim=h // heads, num_local_experts=8, num_experts_per_tok=2,
@@ -139,11 +156,54 @@ def kimi_linear_backbone(preset: Preset):
     )
 
 
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_path(data_dir: str | None) -> Path:
+    """SmolLM2's `tokenizer.json`: in `data_dir` when given (see `prepare_data`), else the demo's cached HF copy."""
+    if data_dir is not None:
+        return Path(data_dir) / TOKENIZER_FILE
+    from attnres_hf.demo import smollm2_hf_folder
+
+    return smollm2_hf_folder() / TOKENIZER_FILE
+
+
+def load_data(split: str, preset: Preset, data_dir: str | None = None) -> torch.Tensor:
+    """The split as one int64 token stream: bytes, or SmolLM2 BPE ids (`tokenizers`, no transformers needed).
+    `data_dir` (a folder written by `prepare_data`) holds the books and the tokenizer, for a machine without
+    the cache or a network; it is read as the `attnres_hf.assets` cache (`ATTNRES_HF_CACHE`)."""
+    if data_dir is not None:
+        if not (Path(data_dir) / "gutenberg").is_dir():
+            raise FileNotFoundError(f"{data_dir}/gutenberg/ not found: write the folder with --prepare-data")
+        os.environ["ATTNRES_HF_CACHE"] = str(data_dir)
+    if preset.tokenizer == "bytes":
+        return load_bytes(split, preset.max_chars_per_book)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path(data_dir)))
+    text = assets.text_split(split, max_chars_per_book=preset.max_chars_per_book)
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    separator = [tokenizer.token_to_id("<|endoftext|>") or 0]
+    ids = [i for encoding in tokenizer.encode_batch(paragraphs) for i in encoding.ids + separator]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def prepare_data(data_dir: str | Path) -> Path:
+    """Copy SmolLM2's tokenizer and the books into `data_dir` (`tokenizer.json`, `gutenberg/*.txt`): everything
+    `--data-dir` needs on a machine without the cache or a network."""
+    data_dir = Path(data_dir)
+    (data_dir / "gutenberg").mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_path(None), data_dir / TOKENIZER_FILE)
+    for book in sorted(assets.gutenberg_dir().glob("*.txt")):
+        shutil.copy(book, data_dir / "gutenberg" / book.name)
+    return data_dir
+
+
 def _config(preset: Preset, overrides: dict) -> AttnResConfig:
     if preset.backbone == "kimi_linear":
         return AttnResConfig(backbone=kimi_linear_backbone(preset), attn_implementation="sdpa", **overrides)
     return AttnResConfig(
-        vocab_size=256, hidden_size=preset.hidden_size, intermediate_size=8 * preset.hidden_size // 3,
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size, intermediate_size=8 * preset.hidden_size // 3,
         num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_attention_heads, max_position_embeddings=preset.seq_len,
         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
@@ -175,27 +235,42 @@ def batches(data: torch.Tensor, preset: Preset, count: int, seed: int):
         yield torch.stack([data[s : s + preset.seq_len] for s in starts.tolist()])
 
 
+def autocast(device):
+    """bf16 autocast on CUDA (weights, optimizer state and the loss reduction stay fp32); nothing on CPU."""
+    device = torch.device(device)
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
 @torch.no_grad()
 def evaluate(model, data: torch.Tensor, preset: Preset, device) -> float:
     model.eval()
-    losses = [model(batch.to(device), labels=batch.to(device)).loss.item()
-              for batch in batches(data, preset, preset.eval_batches, seed=12345)]
+    with autocast(device):
+        losses = [model(batch.to(device), labels=batch.to(device)).loss.item()
+                  for batch in batches(data, preset, preset.eval_batches, seed=12345)]
     model.train()
     return sum(losses) / len(losses)
+
+
+def optimizer_and_schedule(model, preset: Preset):
+    """AdamW (betas 0.9/0.95, no weight decay) at `preset.learning_rate`: linear warm-up over 5% of the steps,
+    then cosine to 10%; the same for every variant (step the schedule once per optimizer step)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, preset.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / preset.steps)))))
+    return optimizer, schedule
 
 
 def train_one(preset, overrides, seed, train_data, val_data, device, progress) -> dict:
     """Train one variant from scratch; `progress(loss)` is called after every step."""
     model = build_model(preset, overrides, seed).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, preset.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine to 10%
-        optimizer, lambda step: min(1.0, (step + 1) / warmup)
-        * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / preset.steps)))))
+    optimizer, schedule = optimizer_and_schedule(model, preset)
     start, last_loss = time.perf_counter(), float("nan")
     for batch in batches(train_data, preset, preset.steps, seed=seed):
         batch = batch.to(device)
-        loss = model(batch, labels=batch).loss
+        with autocast(device):
+            loss = model(batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -210,12 +285,11 @@ def train_one(preset, overrides, seed, train_data, val_data, device, progress) -
 _WORKER = {}
 
 
-def _worker_init(preset, device, updates):
+def _worker_init(preset, device, updates, train, val):
     torch.set_num_threads(1)  # one core per run: no thread oversubscription when runs share the cores
     torch.set_flush_denormal(True)
-    _WORKER.update(preset=preset, device=torch.device(device), updates=updates,
-                   train=load_bytes("train", preset.max_chars_per_book),
-                   val=load_bytes("held_out", preset.max_chars_per_book))
+    torch.backends.cuda.matmul.allow_tf32 = True  # what autocast leaves in fp32
+    _WORKER.update(preset=preset, device=torch.device(device), updates=updates, train=train, val=val)
 
 
 def _worker_run(name, seed):
@@ -241,7 +315,7 @@ def run_all(names, preset, device, train_data, val_data) -> dict:
         with context.Manager() as manager:
             updates = manager.Queue()
             with ProcessPoolExecutor(preset.jobs, mp_context=context, initializer=_worker_init,
-                                     initargs=(preset, str(device), updates)) as pool:
+                                     initargs=(preset, str(device), updates, train_data, val_data)) as pool:
                 pending = {pool.submit(_worker_run, name, seed) for name, seed in runs}
                 while pending:
                     try:
@@ -257,21 +331,33 @@ def run_all(names, preset, device, train_data, val_data) -> dict:
     return results
 
 
+_T_975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+          2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+          2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (6 decimals; a table up to 30, then the
+    Cornish-Fisher expansion, within 1e-4): no scipy needed on the machine that runs the benchmark."""
+    if df <= len(_T_975):
+        return _T_975[df - 1]
+    z = 1.959963985
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
 def paired_difference(losses: list[float], baseline: list[float]) -> tuple[float, float, float]:
     """Mean of the per-seed differences `losses[s] - baseline[s]` and its 95% t-interval `(mean, low, high)`
     (the interval is `(nan, nan)` with one seed)."""
-    from scipy import stats
-
     diffs = [a - b for a, b in zip(losses, baseline, strict=True)]
     mean = statistics.mean(diffs)
     if len(diffs) < 2:
         return mean, math.nan, math.nan
-    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    half = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return mean, mean - half, mean + half
 
 
-def table(results: dict, baseline: str = "baseline") -> str:
-    rows = ["| variant | val loss (nats/byte), mean ± std | paired Δ vs baseline [95% CI] | paper Table 4 (Δ) "
+def table(results: dict, baseline: str = "baseline", unit: str = "nats/byte") -> str:
+    rows = [f"| variant | val loss ({unit}), mean ± std | paired Δ vs baseline [95% CI] | paper Table 4 (Δ) "
             "| params | s / run |", "|---|---|---|---|---|---|"]
     base = [r["val_loss"] for r in results[baseline]] if baseline in results else None
     paper_base = VARIANTS[baseline].paper if baseline in VARIANTS else None
@@ -300,6 +386,47 @@ def our_ordering(results: dict) -> str:
     return " < ".join(name for _, name in ranked)
 
 
+PAPER_ORDERINGS = (
+    # (claim, variant, reference, the paper's sign of variant minus reference: -1 better, +1 worse, 0 on par)
+    ("Full AttnRes beats the baseline", "Full AttnRes", "baseline", -1),
+    ("Block AttnRes beats the baseline", "Block AttnRes (S=2)", "baseline", -1),
+    ("Full AttnRes beats Block AttnRes", "Full AttnRes", "Block AttnRes (S=2)", -1),
+    ("softmax beats sigmoid scoring", "AttnRes w/ sigmoid", "Full AttnRes", +1),
+    ("the key RMSNorm helps", "AttnRes w/o key RMSNorm", "Full AttnRes", +1),
+    ("the sliding window is behind Full AttnRes", "AttnRes sliding window (W=2)", "Full AttnRes", +1),
+    ("the sliding window is on par with the baseline", "AttnRes sliding window (W=2)", "baseline", 0),
+    ("DenseFormer is on par with the baseline", "DenseFormer", "baseline", 0),
+    ("mHC beats the baseline", "mHC (n=4)", "baseline", -1),
+    ("mHC is behind Full AttnRes", "mHC (n=4)", "Full AttnRes", +1),
+    ("the input-dependent query beats Full AttnRes", "AttnRes input-dependent query", "Full AttnRes", -1),
+)
+"""The paper's Table 4 orderings that the README checks (Kimi Team, arXiv:2603.15031: baseline 1.766, Full 1.737,
+Block 1.746, sigmoid 1.741, w/o key norm 1.743, window 1.764, DenseFormer 1.767, mHC 1.747, input-dependent 1.731)."""
+
+
+def ordering_checks(results: dict) -> list[str]:
+    """One line per `PAPER_ORDERINGS` claim whose variants ran: the paired difference (variant minus reference) with
+    its 95% interval and whether this run recovers it. A strict ordering is recovered when the interval excludes 0
+    on the paper's side, "same sign, not significant" when only the mean is; "on par" claims are consistent when the
+    interval contains 0 (a weak check: a short run has wide intervals)."""
+    lines = []
+    for claim, variant, reference, sign in PAPER_ORDERINGS:
+        if variant not in results or reference not in results:
+            continue
+        mean, low, high = paired_difference([r["val_loss"] for r in results[variant]],
+                                            [r["val_loss"] for r in results[reference]])
+        if sign == 0:
+            verdict = "consistent (interval contains 0)" if low <= 0 <= high else "NOT recovered (interval excludes 0)"
+        elif (high < 0) if sign < 0 else (low > 0):
+            verdict = "recovered"
+        elif mean * sign > 0:
+            verdict = "same sign, not significant"
+        else:
+            verdict = "NOT recovered (opposite sign)" + (", significant" if (low > 0 or high < 0) else "")
+        lines.append(f"- {claim}: {variant} minus {reference} {mean:+.4f} [{low:+.4f}, {high:+.4f}]: {verdict}")
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="smoke")
@@ -307,13 +434,29 @@ def main(argv=None):
     parser.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", type=int, help="override the preset's number of seeds")
     parser.add_argument("--steps", type=int, help="override the preset's number of training steps")
-    parser.add_argument("--jobs", type=int, help="override the preset's number of parallel runs (CPU processes)")
+    parser.add_argument("--jobs", type=int, help="override the preset's number of parallel runs (processes)")
+    parser.add_argument("--tokenizer", choices=("bytes", "smollm2"), help="override the preset's tokenizer")
     parser.add_argument("--output", help="write the per-run results as JSON here")
+    parser.add_argument("--out", help="folder for results.json and results.md (the table and orderings)")
+    parser.add_argument("--data-dir", help="folder written by --prepare-data (books and tokenizer), for a machine "
+                                           "without the attnres-hf cache or a network")
+    parser.add_argument("--prepare-data", metavar="DIR", help="copy the books and SmolLM2's tokenizer into DIR, exit")
     args = parser.parse_args(argv)
+    if args.prepare_data:
+        print(f"wrote {prepare_data(args.prepare_data)}: {TOKENIZER_FILE}, gutenberg/*.txt")
+        return
+    if args.data_dir is not None and not Path(args.data_dir, TOKENIZER_FILE).is_file():
+        parser.error(f"--data-dir {args.data_dir} has no {TOKENIZER_FILE}: write it with --prepare-data")
 
     preset = PRESETS[args.preset]
-    overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("jobs", args.jobs)) if v is not None}
+    overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("jobs", args.jobs),
+                                   ("tokenizer", args.tokenizer)) if v is not None}
     preset = Preset(**(asdict(preset) | overrides))
+    if preset.tokenizer != "bytes":
+        from tokenizers import Tokenizer
+
+        vocab_size = Tokenizer.from_file(str(tokenizer_path(args.data_dir))).get_vocab_size()
+        preset = Preset(**(asdict(preset) | {"vocab_size": vocab_size}))
     if preset.threads:
         torch.set_num_threads(preset.threads)
     torch.set_flush_denormal(True)  # denormal floats (e.g. exp of very negative logits) slow CPUs many times over
@@ -323,24 +466,40 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     device = torch.device(args.device)
-    train_data = load_bytes("train", preset.max_chars_per_book)
-    val_data = load_bytes("held_out", preset.max_chars_per_book)
+    torch.backends.cuda.matmul.allow_tf32 = True  # CUDA: matmuls autocast leaves in fp32 use TF32
+    train_data = load_data("train", preset, args.data_dir)
+    val_data = load_data("held_out", preset, args.data_dir)
     tokens = preset.steps * preset.batch_size * preset.seq_len
+    unit = "byte" if preset.tokenizer == "bytes" else "token"
     print(f"preset {args.preset}: {preset}")
-    print(f"corpus: {len(train_data):,} training bytes, {len(val_data):,} held-out bytes ({assets.text_source()}); "
+    print(f"corpus: {len(train_data):,} training {unit}s, {len(val_data):,} held-out {unit}s ({assets.text_source()}"
+          f"{', SmolLM2 BPE' if unit == 'token' else ''}); "
           f"{tokens:,} training tokens per run; {len(names)} variants x {preset.seeds} seeds on {device}"
           f"{f', {preset.jobs} runs at a time' if preset.jobs > 1 else ''}")
 
     start = time.perf_counter()
     results = run_all(names, preset, device, train_data, val_data)
     wall = time.perf_counter() - start
+    report = "\n".join([
+        table(results, baseline="baseline" if "baseline" in results else names[0], unit=f"nats/{unit}"), "",
+        f"ordering, ours (mean val loss, best first): {our_ordering(results)}",
+        f"ordering, paper Table 4 (same variants):     {paper_ordering(results)}", "",
+        "the paper's orderings, paired over seeds (variant minus reference, 95% t-interval):",
+        *ordering_checks(results), "",
+        f"preset {args.preset} on {device}{' (bf16 autocast)' if device.type == 'cuda' else ' (fp32)'}: "
+        f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
+        f"{preset.seeds} seeds; wall time {wall / 60:.1f} min; same initial backbone, data order, token budget and "
+        f"hyperparameters for every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far "
+        f"longer (nats per token of its tokenizer, ours are nats per {unit}), so only orderings and signs can be "
+        f"compared."])
     print()
-    print(table(results, baseline="baseline" if "baseline" in results else names[0]))
-    print(f"\nordering, ours (mean val loss, best first): {our_ordering(results)}")
-    print(f"ordering, paper Table 4 (same variants):     {paper_ordering(results)}")
-    print(f"\nwall time {wall / 60:.1f} min; same initial backbone, data order, token budget and hyperparameters for "
-          f"every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far longer (nats per token "
-          f"of its tokenizer, ours are nats per byte), so only orderings and signs can be compared.")
+    print(report)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "results.md").write_text(report + "\n")
+        Path(args.out, "results.json").write_text(json.dumps(
+            {"preset": asdict(preset), "device": str(device), "results": results, "wall_seconds": wall}, indent=1))
+        print(f"wrote {args.out}/results.md, results.json")
     if args.output:
         with open(args.output, "w") as handle:
             json.dump({"preset": asdict(preset), "results": results, "wall_seconds": wall}, handle, indent=1)

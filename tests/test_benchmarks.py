@@ -1,6 +1,7 @@
 """The ablation benchmark's own logic: paired variants start from one backbone, and its statistics."""
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -46,3 +47,176 @@ def test_paper_column_is_table_4_and_its_ordering(ablation):
     assert ablation.VARIANTS["MUDDFormer"].paper is None
     assert ablation.paper_ordering(["baseline", "Full AttnRes", "MUDDFormer", "AttnRes input-dependent query"]) == (
         "AttnRes input-dependent query < Full AttnRes < baseline")
+
+
+RETROFIT_ROUTING = Path(__file__).parents[1] / "benchmarks" / "retrofit_routing.py"
+
+
+@pytest.fixture(scope="module")
+def retrofit_routing():
+    spec = importlib.util.spec_from_file_location("retrofit_routing_benchmark", RETROFIT_ROUTING)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import TINY, counting_text, word_tokenizer
+
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(source)
+    tokenizer = word_tokenizer()
+    pairs = [{"a": "w3 w4 w5 w6 w7 w8", "b": "w3 w9 w5 w6 w7 w8"}, {"a": "w10 w11 w12 w13", "b": "w10 w40 w12 w13"}]
+    results = retrofit_routing.run(source, tokenizer, counting_text(60), counting_text(20, seed=1), tmp_path / "out",
+                                   steps=4, batch_size=2, seq_len=16, learning_rate=1e-2, eval_every=2,
+                                   eval_tokens=128, window=32, pairs=pairs, log=lambda line: None)
+    ppl = results["perplexity"]
+    assert list(ppl) == ["no training", "routers", "norms", "lora"] and ppl["no training"]["windows"] == 4
+    arms = results["arms"]
+    # every arm starts from the same function (the retrofit is exact; LoRA's B starts at zero)
+    assert arms["routers"]["curve"]["held_out_loss"][0] == pytest.approx(arms["norms"]["curve"]["held_out_loss"][0])
+    assert arms["lora"]["curve"]["held_out_loss"][0] == pytest.approx(arms["norms"]["curve"]["held_out_loss"][0])
+    assert arms["routers"]["train_loss_per_step"][0] == pytest.approx(arms["lora"]["train_loss_per_step"][0])
+    assert arms["routers"]["curve"]["step"] == [0, 2, 4]
+    assert arms["routers"]["curve"]["depth_entropy_ratio"][0] == pytest.approx(1.0)
+    assert arms["routers"]["curve"]["depth_entropy_ratio"][-1] < 1.0  # lr 1e-2 moves the routers
+    assert arms["norms"]["curve"]["depth_entropy_ratio"] == [pytest.approx(1.0)] * 3  # routers stay uniform
+    assert arms["routers"]["trainable_parameters"] == results["router_parameters"]
+    assert arms["norms"]["trainable_parameters"] == 32 * (2 * TINY["num_hidden_layers"] + 1)
+    assert arms["lora"]["trainable_parameters"] == results["lora"]["parameters"]
+    assert 0.0 <= results["routing"]["static_share"] <= 1.0 and results["probe"]["pairs_used"] == 2
+    assert (tmp_path / "out" / "routing_average.png").is_file()
+    assert (tmp_path / "out" / "retrofit_routing.json").is_file()
+    assert "| routers |" in retrofit_routing.report(results)
+    # arms run side by side (separate processes and folders) merge into the same report
+    for arm in ("routers", "norms"):
+        retrofit_routing.run(source, tokenizer, counting_text(60), counting_text(20, seed=1), tmp_path / arm,
+                             steps=4, batch_size=2, seq_len=16, learning_rate=1e-2, eval_every=2, eval_tokens=128,
+                             window=32, arms=[arm], pairs=pairs, log=lambda line: None)
+    merged = retrofit_routing.merge([tmp_path / "routers", tmp_path / "norms"])
+    assert list(merged["perplexity"]) == ["no training", "routers", "norms"] and "probe" in merged
+    for name in ("routers", "norms"):
+        assert merged["perplexity"][name]["nll"] == pytest.approx(ppl[name]["nll"], rel=1e-5)
+    assert merged["perplexity"]["norms"]["paired_delta_nll_vs_routers"] == pytest.approx(
+        ppl["norms"]["paired_delta_nll_vs_routers"], rel=1e-4, abs=1e-6)
+
+
+def test_matched_lora_picks_the_closest_parameter_count(retrofit_routing):
+    from attnres_hf.conversion import retrofit
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import TINY
+
+    model = retrofit(LlamaForCausalLM(LlamaConfig(**TINY)))
+    # TINY: q/o 32+32, k/v 32+16, gate/up 32+64, down 64+32 per layer, 3 layers
+    rank, targets, count = retrofit_routing.matched_lora(model, target=3 * (64 + 48))
+    assert count == 3 * (64 + 48) and rank == 1 and len(targets) == 2
+    assert retrofit_routing.matched_lora(model, target=2 * 3 * 64)[2] == 2 * 3 * 64
+
+
+def test_ablation_runs_with_a_bpe_tokenizer_from_a_data_dir(ablation, tmp_path, monkeypatch):
+    """The long preset's code path (tokenizer.json and books from --data-dir, results under --out), tiny."""
+    from attnres_hf import assets
+    from utils import counting_text, word_tokenizer
+
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(tmp_path / "elsewhere"))  # load_data points it at the data dir
+    data = tmp_path / "data"
+    (data / "gutenberg").mkdir(parents=True)
+    word_tokenizer().backend_tokenizer.save(str(data / "tokenizer.json"))
+    names = list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]
+    for i, name in enumerate(names):
+        (data / "gutenberg" / f"{name}.txt").write_text(counting_text(30, seed=i).replace("\n", "\n\n"))
+    out = tmp_path / "out"
+    ablation.main(["--preset", "smoke", "--tokenizer", "smollm2", "--data-dir", str(data), "--out", str(out),
+                   "--variants", "baseline,Full AttnRes", "--steps", "3", "--seeds", "2"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["preset"]["tokenizer"] == "smollm2" and results["preset"]["vocab_size"] == 99
+    assert set(results["results"]) == {"baseline", "Full AttnRes"} and len(results["results"]["baseline"]) == 2
+    report = (out / "results.md").read_text()
+    assert "nats/token" in report and "| Full AttnRes |" in report and "ordering, paper Table 4" in report
+    preset = ablation.Preset(**{**ablation.asdict(ablation.PRESETS["smoke"]), "tokenizer": "smollm2"})
+    train = ablation.load_data("train", preset, str(data))
+    assert int(train.max()) < 99 and float((train >= 3).float().mean()) > 0.9  # word ids (and separators)
+    with pytest.raises(SystemExit):
+        ablation.main(["--preset", "smoke", "--data-dir", str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize("df, expected", [(1, 12.706205), (2, 4.302653), (9, 2.262157), (30, 2.042272),
+                                          (31, 2.039513), (60, 2.000298), (1000, 1.962339)])
+def test_t_quantile_matches_students_t(ablation, df, expected):
+    assert ablation.t_quantile_975(df) == pytest.approx(expected, abs=1e-4)
+
+
+SYNTHETIC = Path(__file__).parents[1] / "benchmarks" / "structured_vs_memorisation.py"
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    spec = importlib.util.spec_from_file_location("structured_vs_memorisation_benchmark", SYNTHETIC)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_recall_labels_are_the_values_of_keys_seen_before(synthetic, seed):
+    input_ids, labels = synthetic.recall_batch(torch.Generator().manual_seed(seed), 8, pairs=12, keys=4)
+    assert input_ids.shape == labels.shape == (8, 24) and int(input_ids.max()) < 256
+    for row, label in zip(input_ids.tolist(), labels.tolist()):
+        table = {}
+        for i in range(0, 24, 2):
+            key, value = row[i], row[i + 1]
+            assert synthetic.KEY <= key < synthetic.VALUE <= value < synthetic.LABEL and label[i] == synthetic.IGNORE
+            assert table.setdefault(key, value) == value  # one value per key within a sequence
+            assert label[i + 1] == (value if key in row[:i:2] else synthetic.IGNORE)
+        assert len(table) <= 4
+    assert (labels != synthetic.IGNORE).any()
+
+
+def test_memorisation_table_is_fixed_per_seed_and_its_labels_ignore_the_input(synthetic):
+    inputs, labels = synthetic.memorisation_table(512, seed=3)
+    again, _ = synthetic.memorisation_table(512, seed=3)
+    other, _ = synthetic.memorisation_table(512, seed=4)
+    assert torch.equal(inputs, again) and not torch.equal(inputs, other)
+    assert len({tuple(r) for r in inputs[:, :2].tolist()}) == 512  # distinct inputs
+    assert (labels[:, :2] == synthetic.IGNORE).all() and torch.equal(labels[:, 2], inputs[:, 2])
+    assert len(set(inputs[:, 2].tolist())) > 48  # labels spread over the 64 classes
+    with pytest.raises(ValueError, match="items"):
+        synthetic.memorisation_table(5000, seed=0)
+
+
+def test_structured_vs_memorisation_runs_and_pairs_its_variants(synthetic):
+    settings = {"steps": 3, "batch_size": 8, "pairs": 6, "keys": 3, "items": 64}
+    preset = synthetic.Preset(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, seq_len=12, batch_size=8,
+                              steps=3, seeds=2, learning_rate=3e-3, eval_batches=0, max_chars_per_book=None)
+    results = {task: {name: [synthetic.run_one(task, name, seed, preset, settings) for seed in range(2)]
+                      for name in synthetic.MODELS} for task in synthetic.TASKS}
+    for task in synthetic.TASKS:
+        for runs in results[task].values():
+            assert all(math.isfinite(r["loss"]) and 0 <= r["accuracy"] <= 1 for r in runs)
+    # the same seed's batches for every variant: the residual-exact init gives identical first losses
+    text = synthetic.table(results)
+    assert text.count("| recall |") == 3 and "verdict" in text
+
+
+def test_ordering_checks_judge_each_claim_by_its_paired_interval(ablation):
+    def runs(*losses):
+        return [{"val_loss": x} for x in losses]
+
+    results = {"baseline": runs(2.0, 2.1, 2.2), "Full AttnRes": runs(1.9, 2.0, 2.1),  # -0.1 every seed
+               "Block AttnRes (S=2)": runs(1.95, 2.15, 2.15),  # mean -0.0167, interval contains 0
+               "DenseFormer": runs(2.0, 2.1, 2.2),  # on par
+               "mHC (n=4)": runs(2.1, 2.2, 2.3)}  # +0.1 every seed: worse than the baseline
+    lines = "\n".join(ablation.ordering_checks(results))
+    assert "Full AttnRes beats the baseline: Full AttnRes minus baseline -0.1000" in lines
+    assert "beats the baseline: Full AttnRes minus baseline -0.1000 [-0.1000, -0.1000]: recovered" in lines
+    assert "Block AttnRes beats the baseline: Block AttnRes (S=2) minus baseline -0.0167" in lines
+    assert "same sign, not significant" in lines
+    assert "DenseFormer is on par with the baseline: DenseFormer minus baseline +0.0000 [+0.0000, +0.0000]: " \
+           "consistent" in lines
+    assert "mHC beats the baseline: mHC (n=4) minus baseline +0.1000 [+0.1000, +0.1000]: NOT recovered " \
+           "(opposite sign), significant" in lines
+    assert "sigmoid" not in lines  # claims whose variants did not run are left out

@@ -34,17 +34,22 @@ def test_demo_runs_its_steps_in_order_and_writes_the_summary(tiny_source, tmp_pa
                             eval_questions=0)
     printed = capsys.readouterr().out
     progress = [line for line in printed.splitlines() if line.startswith("[")]
-    assert [line.split("]")[0] for line in progress] == [f"[{n}/7" for n in range(1, 8)]
-    assert "2 steps x 4 x 32 tokens" in progress[4] and progress[-1].startswith("[7/7] Chat")
+    assert [line.split("]")[0] for line in progress] == [f"[{n}/8" for n in range(1, 9)]
+    assert "2 steps x 4 x 32 tokens" in progress[4] and progress[-1].startswith("[8/8] Chat")
+    assert progress[5].startswith("[6/8] Control: the RMSNorm weights alone")
     assert results["verification"]["max_abs_logit_delta"] < 1e-4 and results["verification"]["greedy_match"]
-    assert set(results["perplexity"]) == {"source", "converted", "router_trained", "window", "text"}
+    assert set(results["perplexity"]) == {"source", "converted", "router_trained", "norms_control", "window", "text"}
+    # the control trains the 2 x 3 + 1 RMSNorm weights of hidden size 32, never a router
+    assert results["norms_control"]["steps"] == 2 and results["norms_control"]["trainable_parameters"] == 7 * 32
+    assert results["perplexity"]["norms_control"]["perplexity"] != results["perplexity"]["converted"]["perplexity"]
     assert results["perplexity"]["converted"]["perplexity"] == pytest.approx(
         results["perplexity"]["source"]["perplexity"], rel=1e-4)
     assert results["router_training"]["steps"] == 2 and results["evaluation"] is None
     assert set(results["chat"]["answers"]) == {"converted", "router_trained"}
     assert json.loads((out / "demo.json").read_text()) == json.loads(json.dumps(results))
     summary = (out / "summary.md").read_text()
-    for label in ("max |delta logits| vs source", "held-out perplexity, source", "router-trained", "wall time"):
+    for label in ("max |delta logits| vs source", "held-out perplexity, source", "router-trained",
+                  "control: RMSNorm weights only", "wall time"):
         assert label in summary and label in printed
     assert (out / "routing_average.png").is_file() and not (out / "train_text.txt").exists()
 
@@ -56,7 +61,7 @@ def test_demo_without_training_skips_its_steps_and_replaces_only_an_earlier_demo
         results = demo.run_demo(out, ppl_tokens=100, window=32, chat_tokens=2, train_steps=0, eval_questions=0)
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert progress[-1].startswith("[5/5] Chat") and results["router_training"] is None
-    assert "router-trained" not in (out / "summary.md").read_text()
+    assert "router-trained" not in (out / "summary.md").read_text() and results["norms_control"] is None
     def interrupted(state):
         """Interrupted ..."""
         raise KeyboardInterrupt

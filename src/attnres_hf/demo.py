@@ -4,8 +4,10 @@ The steps, each a function below run in order by `run_demo`: fetch the GGUF chec
 and cache an HF-format copy (the GGUF tokenizer conversion is the slow part, so later runs skip it); convert to
 Block AttnRes with `convert` (verified against the source); compare with the paper's plain-mean formulation; measure
 held-out perplexity of source and converted model; score both with lm-eval on MMLU and ARC-Challenge questions;
-train the routers alone for a few steps on other text and measure again; draw the depth-routing maps of the trained
-model; answer a chat prompt. Everything lands in `output_dir` (an earlier demo output there is replaced; any other
+train the routers alone for a few steps on other text and measure again, beside a control that trains only the
+RMSNorm weights (no routing) with the same steps, learning rate and data, so that the routers' gain is not mistaken
+for depth routing when most of it is adaptation to the text; draw the depth-routing maps of the trained model;
+answer a chat prompt. Everything lands in `output_dir` (an earlier demo output there is replaced; any other
 existing folder is refused): the converted model folder, `demo.json` and `summary.md`.
 """
 
@@ -184,14 +186,62 @@ def router_training_step(state: DemoState) -> None:
     state.results["router_training"] = train(
         AttnResArguments(model=str(state.model_dir), data=[str(train_file)], method="routers",
                          seq_len=settings.train_seq_len, eval_fraction=0.02, entropy_batches=1),
-        TrainingArguments(output_dir=str(trained_dir), max_steps=settings.train_steps, per_device_train_batch_size=4,
-                          learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                          logging_steps=5, eval_strategy="no", save_strategy="no", report_to="none", seed=0),
+        _training_arguments(settings, trained_dir),
     )
-    train_file.unlink()
     trained = AutoModelForCausalLM.from_pretrained(trained_dir).eval()
     state.models["router_trained"] = trained
     state.results["perplexity"]["router_trained"] = perplexity(trained, state.held_out_ids, window=settings.window)
+
+
+def _training_arguments(settings: DemoSettings, output_dir: Path):
+    """The router run's optimisation, shared by the norms-only control."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(output_dir), max_steps=settings.train_steps, per_device_train_batch_size=4,
+                             learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                             logging_steps=5, eval_strategy="no", save_strategy="no", report_to="none", seed=0)
+
+
+def norm_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The backbone's RMSNorm weights: parameters of every `*RMSNorm` module outside the depth routers (the key
+    norms of AttnRes routers are router parameters). SmolLM2-135M: 61 x 576 = 35,136."""
+    from .training.recipes import is_router_parameter
+
+    names = []
+    for module_name, module in model.named_modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            names += [f"{module_name}.{n}" if module_name else n for n, _ in module.named_parameters()
+                      if not is_router_parameter(f"{module_name}.{n}")]
+    return names
+
+
+def norms_control_step(state: DemoState) -> None:
+    """Control: the RMSNorm weights alone (no routing; the routers stay uniform), same steps, learning rate and
+    batches as the routers ..."""
+    from transformers import default_data_collator
+
+    from .training import AttnResTrainer, packed_lm_dataset
+
+    settings = state.settings
+    train_file = settings.output_dir / "train_text.txt"
+    data = packed_lm_dataset([str(train_file)], state.tokenizer, settings.train_seq_len, eval_fraction=0.02)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(state.model_dir, dtype=torch.float32)
+    trainable = set(norm_parameter_names(model))
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in trainable)
+    started = time.perf_counter()
+    trainer = AttnResTrainer(model=model, args=_training_arguments(settings, settings.output_dir / "norms-control"),
+                             train_dataset=data["train"], data_collator=default_data_collator, entropy_batches=0)
+    trainer.train()
+    train_file.unlink()
+    shutil.rmtree(settings.output_dir / "norms-control", ignore_errors=True)  # nothing saved: a measurement only
+    model.eval()
+    state.results["norms_control"] = {
+        "steps": trainer.state.global_step,
+        "trainable_parameters": sum(p.numel() for n, p in model.named_parameters() if n in trainable),
+        "wall_time_s": round(time.perf_counter() - started, 1)}
+    state.results["perplexity"]["norms_control"] = perplexity(model, state.held_out_ids, window=settings.window)
 
 
 def routing_maps_step(state: DemoState) -> None:
@@ -252,6 +302,11 @@ def summary_rows(results: dict, source_folder: str | Path) -> list[tuple[str, st
                                  f"{training['wall_time_s']:.0f} s)"),
             ("depth entropy / uniform", f"{training['depth_entropy_ratio_after']:.4f} after training (1.0 at init)"),
         ]
+    control = results.get("norms_control")
+    if control:
+        rows.append(("  control: RMSNorm weights only", f"{ppl['norms_control']['perplexity']:.4f} "
+                     f"({control['steps']} steps, {control['trainable_parameters']:,} parameters, no routing; same "
+                     f"data and learning rate: the part of the gain that is adaptation to the text)"))
     evaluation = results.get("evaluation")
     for row in evaluation["rows"] if evaluation else []:
         same = evaluation["comparison"][row["benchmark"]]
@@ -312,9 +367,9 @@ def run_demo(
     if eval_questions:
         steps.append(evaluation_step)
     if train_steps:
-        steps += [router_training_step, routing_maps_step]
+        steps += [router_training_step, norms_control_step, routing_maps_step]
     steps.append(chat_step)
-    state = DemoState(settings, results={"evaluation": None, "router_training": None})
+    state = DemoState(settings, results={"evaluation": None, "router_training": None, "norms_control": None})
     for number, step in enumerate(steps, start=1):  # each step's docstring is its progress line
         print(f"[{number}/{len(steps)}] " + " ".join(step.__doc__.split()).format(settings=settings), flush=True)
         step(state)
