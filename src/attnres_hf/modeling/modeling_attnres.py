@@ -249,7 +249,8 @@ class AttnResModel(AttnResPreTrainedModel):
                 mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
 
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        state = DEPTH_MIXING[self.config.depth_mixing].state.start(inputs_embeds, self.config, bool(output_depth_weights))
+        state = DEPTH_MIXING[self.config.depth_mixing].state.start(inputs_embeds, self.config, bool(output_depth_weights),
+                                                                  model=self)
         hidden_states, depth_weights = [], []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             state, layer_input, layer_depth_weights = decoder_layer(
