@@ -108,6 +108,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # every depth_mixing traces as one graph (tests/test_compile.py)
     _can_record_outputs = {"attentions": AttnResAttention}
 
     def __init__(self, config: AttnResConfig, *args, **kwargs):
