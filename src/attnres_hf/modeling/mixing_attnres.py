@@ -128,11 +128,16 @@ def attnres_source_norms(state: "AttnResState") -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without a dispatch when it is one already (a decoded token runs hundreds of these)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _scores(values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     """`values (n, B, T, D)` (slot-major, contiguous) against `queries (S, D)` -> `(B, T, S, n)`, in the queries'
     dtype: one `(n B T, D) @ (D, S)` product (a view, no copy of the sources in fp32 models)."""
     n, batch, seq, dim = values.shape
-    flat = values.reshape(n * batch * seq, dim).to(queries.dtype)
+    flat = _as(values.reshape(n * batch * seq, dim), queries.dtype)
     return (flat @ queries.T).view(n, batch, seq, -1).permute(1, 2, 3, 0)
 
 
@@ -164,7 +169,7 @@ class _SourceScores(torch.autograd.Function):
         flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
         grad_queries = None
         if ctx.needs_input_grad[2]:
-            grad_queries = flat_grad.T @ values.reshape(flat_grad.shape[0], -1).to(queries.dtype)
+            grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
         grad_values = (flat_grad @ queries).view(values.shape) if any(ctx.needs_input_grad[3:]) else None
         return None, None, grad_queries, *_per_source(grad_values, ctx, n)
 
@@ -241,11 +246,13 @@ class Phase1(NamedTuple):
     - `lse`: `(B, T, S)` fp32: the log-sum-exp of those logits (softmax only; the online-softmax statistics that the
       running max and normaliser reduce to);
     - `mixed`: `(B, T, S, D)` in the stream dtype: `sum_i probs_i v_i`, the completed sources' share of each router's
-      output before the partial sum joins.
+      output before the partial sum joins;
+    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in).
     """
 
     start: int
     stop: int
+    queries: torch.Tensor
     probs: torch.Tensor
     lse: torch.Tensor | None
     mixed: torch.Tensor
@@ -311,9 +318,9 @@ class AttnResState(NamedTuple):
         if self.block_size == 1 or not routers or not all(type(r) is AttnResRouter for r in routers):
             return self._replace(phase1=None)
         key_norm, score_fn = routers[0].key_norm is not None, routers[0].score_fn
-        queries = torch.stack([r.query for r in routers]).float()  # (S, D): the block's query bank
+        queries = _as(torch.stack([r.query for r in routers]), torch.float32)  # (S, D): the block's query bank
         if key_norm:  # fold each router's key-norm weight into its query (see `AttnResRouter._logits`)
-            queries = queries * torch.stack([r.key_norm.weight for r in routers]).float()
+            queries = queries * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
         n = len(self.sources)
         logits = _read_sources(_SourceScores, _scores, self.buffer, n, queries, self.sources)  # (B, T, S, n)
         if key_norm:
@@ -322,8 +329,8 @@ class AttnResState(NamedTuple):
             probs, lse = torch.sigmoid(logits), None
         else:
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
-        mixed = _read_sources(_SourceMix, _mix, self.buffer, n, probs.to(self.buffer.dtype), self.sources)
-        return self._replace(phase1=Phase1(start, stop, probs, lse, mixed))
+        mixed = _read_sources(_SourceMix, _mix, self.buffer, n, _as(probs, self.buffer.dtype), self.sources)
+        return self._replace(phase1=Phase1(start, stop, queries, probs, lse, mixed))
 
     def begin_sublayer(self) -> "AttnResState":
         """Close the current block when the next sub-layer starts a new one (Eq. 6: `b_n^0` is no source)."""
@@ -479,13 +486,16 @@ class AttnResRouter(nn.Module):
 
     def _folded_query(self) -> torch.Tensor:
         """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`)."""
-        query = self.query.float()
-        return query * self.key_norm.weight.float() if self.key_norm is not None else query
+        query = _as(self.query, torch.float32)
+        return query * _as(self.key_norm.weight, torch.float32) if self.key_norm is not None else query
 
     def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
-        """The partial block sum's logit `(B, T)` fp32."""
-        logit = partial.float() @ query
-        return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
+        """The partial block sum's logit `(B, T)` fp32 (with the key norm: `RMSNorm(partial) . query`, one fused
+        norm and one product, two kernels per router on a decoded token)."""
+        partial = _as(partial, torch.float32)
+        if self.key_norm is not None:
+            return nn.functional.rms_norm(partial, (partial.shape[-1],), eps=eps) @ query
+        return partial @ query
 
     def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """One router over the source buffer (views of it, no stacking) and the partial sum."""
@@ -500,7 +510,7 @@ class AttnResRouter(nn.Module):
             weights, factor = torch.sigmoid(logits), 2.0
         else:
             weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
-        mix = (weights * factor if self.rescale_output else weights).to(buffer.dtype)
+        mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
         hidden = _read_sources(_SourceMix, _mix, buffer, n, mix[..., None, :n], sources)[..., 0, :]
         if partial is not None:
             hidden = hidden + mix[..., n:] * partial
@@ -520,14 +530,14 @@ class AttnResRouter(nn.Module):
             hidden, weights = mixed, probs
         else:
             count += 1
-            logit = self._partial_logit(partial, self._folded_query(), state.eps)
+            logit = self._partial_logit(partial, phase1.queries[j], state.eps)
             if self.score_fn == "sigmoid":
                 gate = torch.sigmoid(logit)
-                hidden = mixed + gate.unsqueeze(-1).to(partial.dtype) * partial
+                hidden = mixed + _as(gate.unsqueeze(-1), partial.dtype) * partial
                 weights = torch.cat([probs, gate[..., None]], dim=-1) if state.keep_weights else None
             else:
                 completed_share = torch.sigmoid(phase1.lse[..., j] - logit)
-                hidden = torch.lerp(partial, mixed, completed_share.unsqueeze(-1).to(partial.dtype))
+                hidden = torch.lerp(partial, mixed, _as(completed_share.unsqueeze(-1), partial.dtype))
                 weights = None
                 if state.keep_weights:
                     partial_share = torch.sigmoid(logit - phase1.lse[..., j])

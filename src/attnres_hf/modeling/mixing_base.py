@@ -180,7 +180,8 @@ class AttnResRMSNorm(nn.Module):
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`1 / RMS(x)` over the last axis in fp32: `(..., d) -> (...)`."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+    x = x if x.dtype == torch.float32 else x.float()
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
