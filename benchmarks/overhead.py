@@ -200,31 +200,37 @@ def verdict(low: float, high: float, target: float | None) -> str:
     return f"not shown (~{target})"
 
 
+_START = time.perf_counter()
+
+
+def elapsed() -> str:
+    return f"{time.perf_counter() - _START:.0f} s since start"
+
+
 def run_mode(mode: str, models: dict, args, inputs: dict, device) -> dict:
     """Interleaved timings of every model in one mode: `{name: {workload: [seconds per repeat]}}` and the Llama
     brackets."""
     runners = {name: Runner(model, mode, device, inputs, args.decode_tokens) for name, model in models.items()}
+    workloads = args.workloads
     for name, runner in runners.items():  # warm-up (and compilation)
         start = time.perf_counter()
-        for _ in range(2 if mode == "compiled" else 1):
-            runner.train()
-            runner.prefill()
-            runner.decode(4)
-        print(f"  [{mode}] {name}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
+        for workload in workloads:
+            runner.decode(4) if workload == "decode" else getattr(runner, workload)()
+        print(f"  [{mode}] {name}: warm-up {time.perf_counter() - start:.1f} s ({elapsed()})", flush=True)
     others = [name for name in runners if name != "llama"]
-    times = {name: {w: [] for w in WORKLOADS} for name in runners}
-    llama = {w: [runners["llama"].timed(w) for _ in range(1)] for w in WORKLOADS}
+    times = {name: {w: [] for w in workloads} for name in runners}
+    llama = {w: [runners["llama"].timed(w)] for w in workloads}
     for repeat in range(args.repeats):
         order = others[repeat % len(others):] + others[: repeat % len(others)]
         for name in order:
-            for workload in WORKLOADS:
+            for workload in workloads:
                 times[name][workload].append(runners[name].timed(workload))
-        for workload in WORKLOADS:
+        for workload in workloads:
             llama[workload].append(runners["llama"].timed(workload))
-        print(f"  [{mode}] repeat {repeat + 1}/{args.repeats} done", flush=True)
+        print(f"  [{mode}] repeat {repeat + 1}/{args.repeats} done ({elapsed()})", flush=True)
     times["llama"] = llama  # R + 1 runs: run r and r + 1 bracket repeat r
     peaks = {}
-    if mode == "eager" and not args.no_memory:
+    if mode == "eager" and not args.no_memory and "train" in workloads:
         peaks = {name: training_peak_bytes(runner) for name, runner in runners.items()}
     return {"times": times, "peaks": peaks}
 
@@ -234,10 +240,11 @@ def report(mode: str, result: dict, args) -> None:
     llama = times["llama"]
     print(f"\n== {mode} ==  (ratio to Llama: median of {args.repeats} paired repeats [95% interval]; "
           f"Llama: median seconds)")
-    columns = list(WORKLOADS) + (["memory"] if peaks else [])
+    workloads = list(llama)
+    columns = workloads + (["memory"] if peaks else [])
     print(f"{'model':<22}" + "".join(f"{c:>34}" for c in columns))
     cells = []
-    for workload in WORKLOADS:
+    for workload in workloads:
         base = statistics.median(llama[workload])
         unit = (1e3, "ms") if workload == "decode" else (1, "s")
         cells.append(f"{base * unit[0]:.4g} {unit[1]}")
@@ -250,7 +257,7 @@ def report(mode: str, result: dict, args) -> None:
             continue
         targets = TARGETS.get((name, mode), {})
         cells = []
-        for workload in WORKLOADS:
+        for workload in workloads:
             ratios = [t / ((llama[workload][r] + llama[workload][r + 1]) / 2)
                       for r, t in enumerate(times[name][workload])]
             med, low, high, cover = median_interval(ratios)
@@ -277,10 +284,10 @@ def profile_models(models: dict, inputs: dict, device, args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for name in ("llama", "block", "full"):
         runner = Runner(models[name], "eager", device, inputs, args.decode_tokens)
-        for workload in WORKLOADS:
+        for workload in args.workloads:
             runner.timed(workload)  # warm
             with profile(activities=activities) as prof:
                 runner.timed(workload)
@@ -298,25 +305,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-len", type=int, default=256)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: train, prefill, decode")
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"],
                         help="decoder layers (the SmolLM2-135M shape has 30)")
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the training peak-memory measurement")
     parser.add_argument("--quick", action="store_true",
-                        help="5 repeats, 32 decoded tokens, compiled mode for Llama and Block only (a GPU run of "
-                        "everything in a few minutes)")
+                        help="5 repeats, 16 decoded tokens, compiled mode for Llama and Block only (on a GPU the "
+                        "compilation of the 30-layer graphs takes most of the time: add --workloads or --modes to "
+                        "split a run)")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
     parser.add_argument("--profile-rows", type=int, default=15)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
+    args.workloads = [w for w in args.workloads.split(",") if w]
     knobs = [] if args.knobs in ("", "none") else args.knobs.split(",")
-    if unknown := [m for m in modes if m not in ("eager", "compiled")] + [k for k in knobs if k not in KNOBS]:
-        parser.error(f"unknown mode or knob: {', '.join(unknown)} (modes: eager, compiled; knobs: {', '.join(KNOBS)})")
+    unknown = ([m for m in modes if m not in ("eager", "compiled")] + [k for k in knobs if k not in KNOBS]
+               + [w for w in args.workloads if w not in WORKLOADS])
+    if unknown or not modes or not args.workloads:
+        parser.error(f"unknown or missing mode, knob or workload: {', '.join(unknown) or 'none given'} (modes: eager, "
+                     f"compiled; knobs: {', '.join(KNOBS)}; workloads: {', '.join(WORKLOADS)})")
     if args.repeats < 2:
         parser.error("--repeats must be at least 2 (paired intervals)")
     if args.quick:
-        args.repeats, args.decode_tokens = min(args.repeats, 5), min(args.decode_tokens, 32)
+        args.repeats, args.decode_tokens = min(args.repeats, 5), min(args.decode_tokens, 16)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -344,8 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         if mode == "compiled":  # the compiled targets are Block's; Full for reference; knobs eager only
             chosen = {k: v for k, v in models.items() if k in (("llama", "block") if args.quick else COMPILED)}
         results[mode] = run_mode(mode, chosen, args, inputs, device)
-    for mode, result in results.items():
-        report(mode, result, args)
+        report(mode, results[mode], args)  # at once: a run cut short keeps the modes it finished
     if args.profile:
         profile_models(models, inputs, device, args)
 

@@ -304,8 +304,7 @@ class AttnResState(NamedTuple):
                        None, keep_weights)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
-        with torch.no_grad():
-            buffer[0].copy_(embeddings)
+        _write_slot(buffer, 0, embeddings)
         statistics = _source_inverse_rms(buffer, 0, eps, embeddings).unsqueeze(-1)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights)
         return state._start_block()
@@ -339,8 +338,7 @@ class AttnResState(NamedTuple):
         # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
         slot, partial = len(self.sources), self.partial
         if self.buffer is not None:
-            with torch.no_grad():
-                self.buffer[slot].copy_(partial)
+            _write_slot(self.buffer, slot, partial)
             inv, stacked = _source_inverse_rms(self.buffer, slot, self.eps, partial), None
         else:
             inv = inverse_rms(partial, self.eps)
@@ -374,6 +372,15 @@ class AttnResState(NamedTuple):
         # The last block stays a partial sum: the same sources and numbers as closing it first.
         hidden, weights = mixing.final_res(self)
         return DepthRead(self, hidden, None, () if weights is None else (weights,))
+
+
+def _write_slot(buffer: torch.Tensor, slot: int, source: torch.Tensor) -> None:
+    """Copy `source` into `buffer[slot]`, outside autograd (the reads route gradients to `source` themselves)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            buffer[slot].copy_(source)
+    else:
+        buffer[slot].copy_(source)
 
 
 def _source_inverse_rms(buffer, slot, eps, source):
