@@ -193,9 +193,13 @@ class _SourceMix(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             per_token = values.reshape(n, batch * seq, dim).permute(1, 2, 0)  # (B T, D, n)
             grad_weights = torch.bmm(grad, per_token).view(weights.shape)
-        if any(ctx.needs_input_grad[3:]):  # (B T, n, S) @ (B T, S, D) -> (n, B, T, D)
-            grad_values = torch.bmm(weights.reshape(batch * seq, -1, n).transpose(1, 2), grad)
-            grad_values = grad_values.transpose(0, 1).view(n, batch, seq, dim)
+        if any(ctx.needs_input_grad[3:]):  # (n, B, T, D), slot-major and contiguous: autograd sums each slot's
+            flat = weights.reshape(batch * seq, -1, n)  # gradient with the source's others (3x faster than strided)
+            if flat.shape[1] == 1:  # one router: w_i * grad, a broadcast product
+                grad_values = flat[:, 0].T.unsqueeze(-1) * grad[:, 0]
+            else:  # a block's routers: (B T, n, S) @ (B T, S, D)
+                grad_values = torch.bmm(flat.transpose(1, 2), grad).transpose(0, 1).contiguous()
+            grad_values = grad_values.view(n, batch, seq, dim)
         return None, None, grad_weights, *_per_source(grad_values, ctx, n)
 
 
