@@ -29,7 +29,7 @@ below the target, FAIL when it is entirely above, "not shown" when it straddles:
     Full,  eager:                       train <= 1.45, prefill <= 1.35, decode <= 1.05, train memory <= 1.35
 
     python benchmarks/overhead.py                              # CPU, eager and compiled, every knob
-    python benchmarks/overhead.py --device cuda --quick        # a GPU in a few minutes
+    python benchmarks/overhead.py --device cuda --quick        # a GPU in a few minutes (no compiled train step)
     python benchmarks/overhead.py --modes eager --knobs none --profile   # plus where the time goes
 
 `--profile` prints, per workload, the operators with the most self time for Llama, Block and Full (eager,
@@ -212,6 +212,8 @@ def run_mode(mode: str, models: dict, args, inputs: dict, device) -> dict:
     brackets."""
     runners = {name: Runner(model, mode, device, inputs, args.decode_tokens) for name, model in models.items()}
     workloads = args.workloads
+    if mode == "compiled" and args.quick:  # compiling the 30-layer training graph takes minutes by itself
+        workloads = [w for w in workloads if w != "train"] or workloads
     for name, runner in runners.items():  # warm-up (and compilation)
         start = time.perf_counter()
         for workload in workloads:
@@ -280,19 +282,33 @@ def report(mode: str, result: dict, args) -> None:
 
 
 def profile_models(models: dict, inputs: dict, device, args) -> None:
-    """Where the time goes: the operators with the most self time per workload (eager)."""
+    """Where the time goes (eager): per workload, the operators with the most self time for Llama, Block and Full,
+    then, for Block and Full, the operators whose self time grew most over Llama's (what the routing costs)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    self_times: dict[tuple[str, str], dict[str, tuple[float, int]]] = {}
     for name in ("llama", "block", "full"):
         runner = Runner(models[name], "eager", device, inputs, args.decode_tokens)
         for workload in args.workloads:
             runner.timed(workload)  # warm
             with profile(activities=activities) as prof:
                 runner.timed(workload)
+            averages = prof.key_averages()
+            self_times[name, workload] = {e.key: (getattr(e, sort) / 1e3, e.count) for e in averages}
             print(f"\n-- profile: {name}, {workload} --")
-            print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows))
+            print(averages.table(sort_by=sort, row_limit=args.profile_rows))
+    for name in ("block", "full"):
+        for workload in args.workloads:
+            ours, base = self_times[name, workload], self_times["llama", workload]
+            growth = sorted(((ours[k][0] - base.get(k, (0.0, 0))[0], ours[k][1] - base.get(k, (0.0, 0))[1], k)
+                             for k in ours), reverse=True)[: args.profile_rows]
+            total = sum(v[0] for v in ours.values()) - sum(v[0] for v in base.values())
+            print(f"\n-- {name} - llama, {workload}: {total:+.1f} ms self time in all; the largest increases "
+                  f"(ms, calls) --")
+            for delta, calls, key in growth:
+                print(f"  {key:<60}{delta:>+10.2f} ms{calls:>+8d} calls")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,9 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the training peak-memory measurement")
     parser.add_argument("--quick", action="store_true",
-                        help="5 repeats, 16 decoded tokens, compiled mode for Llama and Block only (on a GPU the "
-                        "compilation of the 30-layer graphs takes most of the time: add --workloads or --modes to "
-                        "split a run)")
+                        help="5 repeats, 16 decoded tokens; compiled mode for Llama and Block, prefill and decode "
+                        "only (compiling the 30-layer graphs takes most of a GPU run; run `--modes compiled "
+                        "--workloads train` on its own for the compiled training step)")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
     parser.add_argument("--profile-rows", type=int, default=15)
     args = parser.parse_args(argv)
