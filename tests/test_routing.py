@@ -121,6 +121,6 @@ def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch)
     model = tiny_model(attnres_block_size=2, num_hidden_layers=4)
     with torch.no_grad():
         model(input_ids)
-    # 1 (embedding) + 3 block closures (blocks 1-3; block 4 stays partial); a router's partial sum is normed by its
-    # own logit (`AttnResRouter._partial_logit`), not through these statistics.
-    assert len(calls) == 1 + 3
+    # 1 (embedding) + 3 block closures (blocks 1-3; block 4 stays partial) + one per router that has a partial
+    # source (the MLP router of each layer and the final router): 4 + 1.
+    assert len(calls) == 1 + 3 + 5

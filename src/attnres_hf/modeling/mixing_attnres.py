@@ -252,14 +252,16 @@ class Phase1(NamedTuple):
     - `mixed`: `(B, T, S, D)` in the stream dtype: `sum_i probs_i v_i`, the completed sources' share of each router's
       output before the partial sum joins;
     - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in).
+
+    Each is kept as a tuple of the `S` routers' views (`unbind`), which a merge picks by position.
     """
 
     start: int
     stop: int
-    queries: torch.Tensor
-    probs: torch.Tensor
-    lse: torch.Tensor | None
-    mixed: torch.Tensor
+    queries: tuple[torch.Tensor, ...]
+    probs: tuple[torch.Tensor, ...]
+    lse: tuple[torch.Tensor, ...] | None
+    mixed: tuple[torch.Tensor, ...]
 
 
 class AttnResState(NamedTuple):
@@ -333,7 +335,8 @@ class AttnResState(NamedTuple):
         else:
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
         mixed = _read_sources(_SourceMix, _mix, self.buffer, n, _as(probs, self.buffer.dtype), self.sources)
-        return self._replace(phase1=Phase1(start, stop, queries, probs, lse, mixed))
+        return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
+                                           None if lse is None else lse.unbind(-1), mixed.unbind(-2)))
 
     def begin_sublayer(self) -> "AttnResState":
         """Close the current block when the next sub-layer starts a new one (Eq. 6: `b_n^0` is no source)."""
@@ -501,30 +504,28 @@ class AttnResRouter(nn.Module):
         return query * _as(self.key_norm.weight, torch.float32) if self.key_norm is not None else query
 
     def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
-        """The partial block sum's logit `(B, T)` fp32 (with the key norm: `RMSNorm(partial) . query`, one fused
-        norm and one product, two kernels per router on a decoded token)."""
-        partial = _as(partial, torch.float32)
-        if self.key_norm is not None:
-            return nn.functional.rms_norm(partial, (partial.shape[-1],), eps=eps) @ query
-        return partial @ query
+        """The partial block sum's logit `(B, T)` fp32."""
+        logit = _as(partial, torch.float32) @ query
+        return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
 
     def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """One router over the source buffer (views of it, no stacking) and the partial sum."""
         sources, partial, buffer, n = state.sources, state.partial, state.buffer, len(state.sources)
         query = self._folded_query()
-        logits = _read_sources(_SourceScores, _scores, buffer, n, query[None], sources)[..., 0, :]  # (B, T, n)
+        logits = _read_sources(_SourceScores, _scores, buffer, n, query.unsqueeze(0), sources).squeeze(-2)  # (B, T, n)
         if self.key_norm is not None:
             logits = logits * state.inv_rms
         if partial is not None:
-            logits = torch.cat([logits, self._partial_logit(partial, query, state.eps)[..., None]], dim=-1)
+            logits = torch.cat([logits, self._partial_logit(partial, query, state.eps).unsqueeze(-1)], dim=-1)
         if self.score_fn == "sigmoid":
             weights, factor = torch.sigmoid(logits), 2.0
         else:
             weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
         mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
-        hidden = _read_sources(_SourceMix, _mix, buffer, n, mix[..., None, :n], sources)[..., 0, :]
+        completed = mix if partial is None else mix.narrow(-1, 0, n)
+        hidden = _read_sources(_SourceMix, _mix, buffer, n, completed.unsqueeze(-2), sources).squeeze(-2)
         if partial is not None:
-            hidden = hidden + mix[..., n:] * partial
+            hidden = hidden + mix.narrow(-1, n, 1) * partial
         return hidden, weights
 
     def _merge(self, state: AttnResState, phase1: Phase1, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -535,24 +536,25 @@ class AttnResRouter(nn.Module):
         `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
         max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`.
         """
-        probs, mixed, partial = phase1.probs[..., j, :], phase1.mixed[..., j, :], state.partial
+        probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
         count = len(state.sources)
         if partial is None:  # the block's first sub-layer: the completed sources only
             hidden, weights = mixed, probs
         else:
             count += 1
             logit = self._partial_logit(partial, phase1.queries[j], state.eps)
+            lse = phase1.lse[j] if phase1.lse is not None else None
             if self.score_fn == "sigmoid":
                 gate = torch.sigmoid(logit)
                 hidden = mixed + _as(gate.unsqueeze(-1), partial.dtype) * partial
                 weights = torch.cat([probs, gate[..., None]], dim=-1) if state.keep_weights else None
             else:
-                completed_share = torch.sigmoid(phase1.lse[..., j] - logit)
+                completed_share = torch.sigmoid(lse - logit)
                 hidden = torch.lerp(partial, mixed, _as(completed_share.unsqueeze(-1), partial.dtype))
                 weights = None
                 if state.keep_weights:
-                    partial_share = torch.sigmoid(logit - phase1.lse[..., j])
-                    weights = torch.cat([probs * completed_share[..., None], partial_share[..., None]], dim=-1)
+                    partial_share = torch.sigmoid(logit - lse)
+                    weights = torch.cat([probs * completed_share.unsqueeze(-1), partial_share.unsqueeze(-1)], dim=-1)
         if self.rescale_output:
             hidden = hidden * (2.0 if self.score_fn == "sigmoid" else float(count))
         return hidden, weights
