@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.generation import CompileConfig
 
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING
 from utils import tiny_model
 
 
@@ -72,3 +73,15 @@ def test_generate_with_a_static_cache_matches_a_dynamic_cache(block_size, input_
         none = model.generate(input_ids, use_cache=False, **kwargs)
     torch.testing.assert_close(static, dynamic, atol=0, rtol=0)
     torch.testing.assert_close(none, dynamic, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("depth_mixing", list(DEPTH_MIXING))
+def test_every_depth_mixing_traces_as_one_graph(depth_mixing, input_ids):
+    """`_can_compile_fullgraph = True` holds for every method: dynamo captures the whole forward (backend "eager":
+    capture only, no code generation)."""
+    torch._dynamo.reset()
+    model = tiny_model(depth_mixing=depth_mixing, num_hidden_layers=1)
+    with torch.no_grad():
+        eager = model(input_ids, output_depth_weights=True).logits
+        captured = torch.compile(model, fullgraph=True, backend="eager")(input_ids, output_depth_weights=True).logits
+    torch.testing.assert_close(captured, eager, atol=1e-5, rtol=1e-5)
