@@ -1,31 +1,49 @@
-"""Overhead of AttnRes against the matching `transformers` Llama, measured in one run.
+"""Overhead of AttnRes against the matching `transformers` Llama, measured in one run, with paired intervals.
 
 Shape: SmolLM2-135M (30 layers, hidden 576, 9 heads, 3 kv heads, intermediate 1536, vocab 49152), random weights
-shared by all models, fp32. Models: `LlamaForCausalLM`, Block AttnRes (about 8 blocks) and Full AttnRes. For each
-workload the models run alternately, `--repeats` times, and the median is reported:
+shared by all models, fp32. Models: `LlamaForCausalLM`, Block AttnRes (8 blocks, `S = 8`; two-phase inference),
+Full AttnRes (`S = 1`; the source buffer), and Block AttnRes with each non-default Table-4 knob (`--knobs`): those
+the two-phase path serves (`rescale`, `sigmoid`, `no-key-norm`) and those that take the stacked direct path
+(`window`, `input-dependent`, `heads`, `scalar`; see `AttnResRouter.forward`). Workloads:
 
 - train:   forward + backward of a causal-LM loss on `--train-batch` x `--train-len` tokens;
 - prefill: forward of 1 x `--prefill-len` tokens, no grad;
-- decode:  per-token forward with the KV cache, `--decode-tokens` new tokens after a 16-token prompt (median
-           per token).
+- decode:  per-token forward with the KV cache, `--decode-tokens` new tokens after a 16-token prompt (the median
+           per token of the repeat); eager: `DynamicCache`; compiled: `StaticCache` (what `generate(...,
+           cache_implementation="static")` compiles);
+- memory:  peak bytes of one training step: on CUDA `torch.cuda.max_memory_allocated`; on CPU the parameters plus
+           the peak of the allocator's live bytes during the step (`torch.profiler` memory events), one run.
 
-Peak memory of the training step: on CUDA `torch.cuda.max_memory_allocated`; on CPU the bytes of the tensors the
-step keeps alive (parameters, gradients and every tensor saved for backward, deduplicated by storage), counted with
-autograd's saved-tensor hooks, since CPU has no allocator statistics.
+Each mode (`eager`: every model; `compiled`: `torch.compile(model)`, inductor, for Llama, Block and Full) runs its
+models in one interleaved schedule: per
+repeat, Llama, then every other model (in an order rotated each repeat), and a closing Llama run shared with the
+next repeat. The ratio of a model in a repeat is its time over the mean of the two Llama runs around it; the table
+shows the median of the per-repeat ratios and its distribution-free 95% interval (order statistics of the
+binomial(R, 1/2); with R = 5 the widest, [min, max], covers 93.8%: use `--repeats 6` or more for >= 95%).
 
-Targets from the paper's efficiency claims (GPU, fused kernels): Block <= 1.04x on the training step and <= 1.02x on prefill and
-decode; Full <= 1.10x; Block training peak memory <= 1.10x.
+Targets (issue 13; ratios to the same run's Llama), judged on the interval: PASS when the whole interval is at or
+below the target, FAIL when it is entirely above, "not shown" when it straddles:
 
-    python benchmarks/overhead.py                 # CPU
-    python benchmarks/overhead.py --device cuda   # GPU
+    Block, eager:                       train <= 1.03, prefill <= 1.02, decode <= 1.02, train memory <= 1.05
+    Block, compiled (vs compiled Llama): train <= 1.03, prefill <= 1.02, decode <= 1.02
+    Full,  eager:                       train <= 1.45, prefill <= 1.35, decode <= 1.05, train memory <= 1.35
+
+    python benchmarks/overhead.py                              # CPU, eager and compiled, every knob
+    python benchmarks/overhead.py --device cuda --quick        # a GPU in a few minutes (no compiled train step)
+    python benchmarks/overhead.py --modes eager --knobs none --profile   # plus where the time goes
+
+`--profile` prints, per workload, the operators with the most self time for Llama, Block and Full (eager,
+`torch.profiler`), to explain a missed target.
 """
 
 import argparse
+import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 
@@ -40,143 +58,324 @@ SMOLLM2_135M = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+PROMPT_LEN = 16
+WORKLOADS = ("train", "prefill", "decode")
+# Block AttnRes with one non-default Table-4 knob each; the first three run the two-phase path.
+KNOBS = {
+    "rescale": dict(attnres_rescale_output=True),
+    "sigmoid": dict(attnres_score_fn="sigmoid"),
+    "no-key-norm": dict(attnres_key_norm=False),
+    "window": dict(attnres_window=4),
+    "input-dependent": dict(attnres_query="input_dependent"),
+    "heads": dict(attnres_num_heads=4),
+    "scalar": dict(attnres_scalar_weights=True),
+}
+COMPILED = ("llama", "block", "full")  # the models the compiled mode runs (`--quick`: Llama and Block)
+TARGETS = {  # (model, mode) -> {workload: largest ratio to Llama}
+    ("block", "eager"): dict(train=1.03, prefill=1.02, decode=1.02, memory=1.05),
+    ("block", "compiled"): dict(train=1.03, prefill=1.02, decode=1.02),
+    ("full", "eager"): dict(train=1.45, prefill=1.35, decode=1.05, memory=1.35),
+}
 
 
-def build_models(device: torch.device, attn_implementation: str) -> dict[str, torch.nn.Module]:
+def build_models(device, attn_implementation: str, knobs: list[str], shape: dict) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, attn_implementation=attn_implementation))
-    block_size = default_attnres_block_size(SMOLLM2_135M["num_hidden_layers"])
+    llama = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attn_implementation))
+    block_size = default_attnres_block_size(shape["num_hidden_layers"])
+    variants = {"block": dict(attnres_block_size=block_size), "full": dict(attnres_block_size=1)}
+    variants |= {f"block+{knob}": dict(attnres_block_size=block_size, **KNOBS[knob]) for knob in knobs}
     models = {"llama": llama}
-    for name, size in ((f"block(S={block_size})", block_size), ("full(S=1)", 1)):
-        config = AttnResConfig(**SMOLLM2_135M, attnres_block_size=size, attn_implementation=attn_implementation)
-        model = AttnResForCausalLM(config)
-        model.load_state_dict(llama.state_dict(), strict=False)  # same backbone; routers stay zero
+    for name, overrides in variants.items():
+        model = AttnResForCausalLM(AttnResConfig(**shape, **overrides, attn_implementation=attn_implementation))
+        model.load_state_dict(llama.state_dict(), strict=False)  # same backbone; routers stay at their init
         models[name] = model
     return {name: model.to(device) for name, model in models.items()}
 
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def train_step(model, batch) -> None:
-    model.zero_grad(set_to_none=True)
-    model(batch, labels=batch).loss.backward()
+class Runner:
+    """The three workloads of one model in one mode (`eager` or `compiled`)."""
 
+    def __init__(self, model, mode: str, device, inputs: dict, decode_tokens: int):
+        self.model, self.mode, self.device, self.inputs, self.decode_tokens = model, mode, device, inputs, decode_tokens
+        if mode == "compiled":
+            self.call = torch.compile(model)
+            decode_mode = "reduce-overhead" if device.type == "cuda" else "default"  # generate()'s choice on GPUs
+            self.step = torch.compile(model, mode=decode_mode, dynamic=False)
+        else:
+            self.call = self.step = model
 
-@torch.no_grad()
-def prefill(model, tokens) -> None:
-    model(tokens, use_cache=False)
+    def train(self) -> None:
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        batch = self.inputs["train"]
+        self.call(batch, labels=batch).loss.backward()
 
+    @torch.no_grad()
+    def prefill(self) -> None:
+        self.model.eval()
+        self.call(self.inputs["prefill"], use_cache=False)
 
-@torch.no_grad()
-def decode_per_token(model, prompt, new_tokens: int, device) -> float:
-    out = model(prompt, use_cache=True)
-    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(new_tokens):
-        synchronize(device)
+    @torch.no_grad()
+    def decode(self, tokens: int | None = None) -> float:
+        """Median seconds per decoded token."""
+        self.model.eval()
+        prompt, tokens = self.inputs["prompt"], tokens or self.decode_tokens
+        if self.mode == "compiled":
+            cache = StaticCache(self.model.config, max_cache_len=PROMPT_LEN + tokens + 1)
+        else:
+            cache = None
+        out = self.model(prompt, cache=cache, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        times = []
+        for position in range(PROMPT_LEN, PROMPT_LEN + tokens):
+            position_ids = torch.tensor([[position]], device=self.device)
+            synchronize(self.device)
+            start = time.perf_counter()
+            out = self.step(token, cache=cache, position_ids=position_ids, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def timed(self, workload: str) -> float:
+        if workload == "decode":
+            return self.decode()
+        synchronize(self.device)
         start = time.perf_counter()
-        out = model(token, cache=cache, use_cache=True)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        token = out.logits[:, -1:].argmax(-1)
-    return statistics.median(times)
+        getattr(self, workload)()
+        synchronize(self.device)
+        return time.perf_counter() - start
 
 
-def timed(fn, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def training_peak_bytes(model, batch, device) -> int:
-    """Peak bytes of a training step (see the module docstring for how CPU is counted)."""
+def training_peak_bytes(runner: Runner) -> int:
+    """Peak bytes of one training step (parameters, gradients, activations; see the module docstring)."""
+    model, device = runner.model, runner.device
+    model.zero_grad(set_to_none=True)
     if device.type == "cuda":
-        model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        train_step(model, batch)
+        runner.train()
         return torch.cuda.max_memory_allocated(device)
-    saved: dict[int, int] = {}
+    from torch.profiler import ProfilerActivity, profile
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = model(batch, labels=batch).loss
-    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    activations = sum(nbytes for ptr, nbytes in saved.items() if ptr not in params)
-    loss.backward()
-    return 2 * sum(params.values()) + activations  # parameters + gradients + saved activations
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner.train()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + peak
 
 
-def main() -> None:
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float, float]:
+    """Median and the distribution-free interval `[x_(k), x_(n+1-k)]` for it (order statistics, binomial(n, 1/2)),
+    with the largest `k` whose coverage is still >= `level` (k = 1 when even [min, max] covers less); returns
+    `(median, low, high, coverage)`."""
+    values, n = sorted(values), len(values)
+
+    def coverage(k):  # P(x_(k) <= median < x_(n+1-k)) = 1 - 2 P(Binomial(n, 1/2) < k)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= n // 2 and coverage(k + 1) >= level:
+        k += 1
+    return statistics.median(values), values[k - 1], values[n - k], coverage(k)
+
+
+def verdict(low: float, high: float, target: float | None) -> str:
+    if target is None:
+        return ""
+    if high <= target:
+        return f"PASS (<= {target})"
+    if low > target:
+        return f"FAIL (> {target})"
+    return f"not shown (~{target})"
+
+
+_START = time.perf_counter()
+
+
+def elapsed() -> str:
+    return f"{time.perf_counter() - _START:.0f} s since start"
+
+
+def run_mode(mode: str, models: dict, args, inputs: dict, device) -> dict:
+    """Interleaved timings of every model in one mode: `{name: {workload: [seconds per repeat]}}` and the Llama
+    brackets."""
+    runners = {name: Runner(model, mode, device, inputs, args.decode_tokens) for name, model in models.items()}
+    workloads = args.workloads
+    if mode == "compiled" and args.quick:  # compiling the 30-layer training graph takes minutes by itself
+        workloads = [w for w in workloads if w != "train"] or workloads
+    for name, runner in runners.items():  # warm-up (and compilation)
+        start = time.perf_counter()
+        for workload in workloads:
+            runner.decode(4) if workload == "decode" else getattr(runner, workload)()
+        print(f"  [{mode}] {name}: warm-up {time.perf_counter() - start:.1f} s ({elapsed()})", flush=True)
+    others = [name for name in runners if name != "llama"]
+    times = {name: {w: [] for w in workloads} for name in runners}
+    llama = {w: [runners["llama"].timed(w)] for w in workloads}
+    for repeat in range(args.repeats):
+        order = others[repeat % len(others):] + others[: repeat % len(others)]
+        for name in order:
+            for workload in workloads:
+                times[name][workload].append(runners[name].timed(workload))
+        for workload in workloads:
+            llama[workload].append(runners["llama"].timed(workload))
+        print(f"  [{mode}] repeat {repeat + 1}/{args.repeats} done ({elapsed()})", flush=True)
+    times["llama"] = llama  # R + 1 runs: run r and r + 1 bracket repeat r
+    peaks = {}
+    if mode == "eager" and not args.no_memory and "train" in workloads:
+        peaks = {name: training_peak_bytes(runner) for name, runner in runners.items()}
+    return {"times": times, "peaks": peaks}
+
+
+def report(mode: str, result: dict, args) -> None:
+    times, peaks = result["times"], result["peaks"]
+    llama = times["llama"]
+    print(f"\n== {mode} ==  (ratio to Llama: median of {args.repeats} paired repeats [95% interval]; "
+          f"Llama: median seconds)")
+    workloads = list(llama)
+    columns = workloads + (["memory"] if peaks else [])
+    print(f"{'model':<22}" + "".join(f"{c:>34}" for c in columns))
+    cells = []
+    for workload in workloads:
+        base = statistics.median(llama[workload])
+        unit = (1e3, "ms") if workload == "decode" else (1, "s")
+        cells.append(f"{base * unit[0]:.4g} {unit[1]}")
+    if peaks:
+        cells.append(f"{peaks['llama'] / 2**20:.0f} MiB")
+    print(f"{'llama':<22}" + "".join(f"{c:>34}" for c in cells))
+    verdicts = []
+    for name in times:
+        if name == "llama":
+            continue
+        targets = TARGETS.get((name, mode), {})
+        cells = []
+        for workload in workloads:
+            ratios = [t / ((llama[workload][r] + llama[workload][r + 1]) / 2)
+                      for r, t in enumerate(times[name][workload])]
+            med, low, high, cover = median_interval(ratios)
+            cells.append(f"{med:.3f} [{low:.3f}, {high:.3f}]")
+            if workload in targets:
+                verdicts.append(f"  {name:<10} {mode:<9} {workload:<8} {med:.3f} [{low:.3f}, {high:.3f}] "
+                                f"{verdict(low, high, targets[workload])}")
+        if peaks:
+            ratio = peaks[name] / peaks["llama"]
+            cells.append(f"{peaks[name] / 2**20:.0f} MiB {ratio:.3f}")
+            if "memory" in targets:
+                verdicts.append(f"  {name:<10} {mode:<9} {'memory':<8} {ratio:.3f} (one run) "
+                                f"{verdict(ratio, ratio, targets['memory'])}")
+        print(f"{name:<22}" + "".join(f"{c:>34}" for c in cells))
+    cover = median_interval([0.0] * args.repeats)[3]
+    print(f"(interval coverage with {args.repeats} repeats: {cover:.1%})")
+    if verdicts:
+        print("targets:")
+        print("\n".join(verdicts))
+
+
+def profile_models(models: dict, inputs: dict, device, args) -> None:
+    """Where the time goes (eager): per workload, the operators with the most self time for Llama, Block and Full,
+    then, for Block and Full, the operators whose self time grew most over Llama's (what the routing costs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    self_times: dict[tuple[str, str], dict[str, tuple[float, int]]] = {}
+    for name in ("llama", "block", "full"):
+        runner = Runner(models[name], "eager", device, inputs, args.decode_tokens)
+        for workload in args.workloads:
+            runner.timed(workload)  # warm
+            with profile(activities=activities) as prof:
+                runner.timed(workload)
+            averages = prof.key_averages()
+            self_times[name, workload] = {e.key: (getattr(e, sort) / 1e3, e.count) for e in averages}
+            print(f"\n-- profile: {name}, {workload} --")
+            print(averages.table(sort_by=sort, row_limit=args.profile_rows))
+    for name in ("block", "full"):
+        for workload in args.workloads:
+            ours, base = self_times[name, workload], self_times["llama", workload]
+            growth = sorted(((ours[k][0] - base.get(k, (0.0, 0))[0], ours[k][1] - base.get(k, (0.0, 0))[1], k)
+                             for k in ours), reverse=True)[: args.profile_rows]
+            total = sum(v[0] for v in ours.values()) - sum(v[0] for v in base.values())
+            print(f"\n-- {name} - llama, {workload}: {total:+.1f} ms self time in all; the largest increases "
+                  f"(ms, calls) --")
+            for delta, calls, key in growth:
+                print(f"  {key:<60}{delta:>+10.2f} ms{calls:>+8d} calls")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
+    parser.add_argument("--knobs", default=",".join(KNOBS), help=f"comma-separated Block knobs, or 'none': {', '.join(KNOBS)}")
     parser.add_argument("--train-batch", type=int, default=4)
     parser.add_argument("--train-len", type=int, default=256)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: train, prefill, decode")
+    parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"],
+                        help="decoder layers (the SmolLM2-135M shape has 30)")
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    args = parser.parse_args()
+    parser.add_argument("--no-memory", action="store_true", help="skip the training peak-memory measurement")
+    parser.add_argument("--quick", action="store_true",
+                        help="5 repeats, 16 decoded tokens; compiled mode for Llama and Block, prefill and decode "
+                        "only (compiling the 30-layer graphs takes most of a GPU run; run `--modes compiled "
+                        "--workloads train` on its own for the compiled training step)")
+    parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
+    parser.add_argument("--profile-rows", type=int, default=15)
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    knobs = [] if args.knobs in ("", "none") else args.knobs.split(",")
+    unknown = ([m for m in modes if m not in ("eager", "compiled")] + [k for k in knobs if k not in KNOBS]
+               + [w for w in args.workloads if w not in WORKLOADS])
+    if unknown or not modes or not args.workloads:
+        parser.error(f"unknown or missing mode, knob or workload: {', '.join(unknown) or 'none given'} (modes: eager, "
+                     f"compiled; knobs: {', '.join(KNOBS)}; workloads: {', '.join(WORKLOADS)})")
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2 (paired intervals)")
+    if args.quick:
+        args.repeats, args.decode_tokens = min(args.repeats, 5), min(args.decode_tokens, 16)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
-    models = build_models(device, args.attn_implementation)
+    shape = {**SMOLLM2_135M, "num_hidden_layers": args.layers}
+    models = build_models(device, args.attn_implementation, knobs, shape)
     generator = torch.Generator().manual_seed(0)
-    vocab = SMOLLM2_135M["vocab_size"]
-    batch = torch.randint(vocab, (args.train_batch, args.train_len), generator=generator).to(device)
-    tokens = torch.randint(vocab, (1, args.prefill_len), generator=generator).to(device)
-    prompt = torch.randint(vocab, (1, 16), generator=generator).to(device)
-
-    results = {name: {"train": [], "prefill": [], "decode": []} for name in models}
-    for name, model in models.items():  # warm-up
-        model.train()
-        train_step(model, batch)
-        model.eval()
-        prefill(model, tokens)
-        decode_per_token(model, prompt, 4, device)
-    for repeat in range(args.repeats):
-        for name, model in models.items():
-            model.train()
-            results[name]["train"].append(timed(lambda: train_step(model, batch), device))
-            model.eval()
-            results[name]["prefill"].append(timed(lambda: prefill(model, tokens), device))
-            results[name]["decode"].append(decode_per_token(model, prompt, args.decode_tokens, device))
-        print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
-
-    peaks = {}
-    for name, model in models.items():
-        model.train()
-        peaks[name] = training_peak_bytes(model, batch, device)
-
-    print(
-        f"\ndevice={device} threads={torch.get_num_threads()} dtype=fp32 attn={args.attn_implementation} "
-        f"train={args.train_batch}x{args.train_len} prefill=1x{args.prefill_len} decode={args.decode_tokens} tokens "
-        f"repeats={args.repeats} (medians)"
-    )
-    header = f"{'model':<14}{'train s':>10}{'ratio':>8}{'prefill s':>11}{'ratio':>8}{'decode ms/tok':>15}{'ratio':>8}"
-    print(header + f"{'train peak MiB':>16}{'ratio':>8}")
-    base = {kind: statistics.median(values) for kind, values in results["llama"].items()}
-    for name, runs in results.items():
-        med = {kind: statistics.median(values) for kind, values in runs.items()}
-        print(
-            f"{name:<14}{med['train']:>10.3f}{med['train'] / base['train']:>8.3f}"
-            f"{med['prefill']:>11.3f}{med['prefill'] / base['prefill']:>8.3f}"
-            f"{med['decode'] * 1e3:>15.2f}{med['decode'] / base['decode']:>8.3f}"
-            f"{peaks[name] / 2**20:>16.0f}{peaks[name] / peaks['llama']:>8.3f}"
-        )
-    print("targets (paper, GPU): block train <= 1.04, prefill/decode <= 1.02, full <= 1.10, block train peak <= 1.10")
+    vocab = shape["vocab_size"]
+    inputs = {
+        "train": torch.randint(vocab, (args.train_batch, args.train_len), generator=generator).to(device),
+        "prefill": torch.randint(vocab, (1, args.prefill_len), generator=generator).to(device),
+        "prompt": torch.randint(vocab, (1, PROMPT_LEN), generator=generator).to(device),
+    }
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"device={device} ({name}) torch={torch.__version__} dtype=fp32 attn={args.attn_implementation} "
+          f"layers={args.layers} train={args.train_batch}x{args.train_len} prefill=1x{args.prefill_len} "
+          f"decode={args.decode_tokens} tokens repeats={args.repeats} models={', '.join(models)}", flush=True)
+    # every AttnRes model compiles AttnResForCausalLM.forward anew (train, prefill, decode each): more graphs than
+    # dynamo keeps per code object by default
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    results = {}
+    for mode in modes:
+        chosen = models
+        if mode == "compiled":  # the compiled targets are Block's; Full for reference; knobs eager only
+            chosen = {k: v for k, v in models.items() if k in (("llama", "block") if args.quick else COMPILED)}
+        results[mode] = run_mode(mode, chosen, args, inputs, device)
+        report(mode, results[mode], args)  # at once: a run cut short keeps the modes it finished
+    if args.profile:
+        profile_models(models, inputs, device, args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from torch import nn
 
 from transformers import initialization as init
 
-from .mixing_base import AttnResRMSNorm, DepthRead, DepthWrite, RoutingMap, inverse_rms, stacked_norms, sublayer_name
+from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, RoutingMap, inverse_rms, registered_modules,
+                          stacked_norms, sublayer_name)
 
 
 def naive_attnres(
@@ -44,7 +45,7 @@ class ResidualState(NamedTuple):
     hidden: torch.Tensor  # (B, T, D)
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "ResidualState":
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "ResidualState":
         return cls(embeddings)
 
     def read_attn(self, mixing) -> DepthRead:
@@ -122,30 +123,236 @@ def attnres_source_norms(state: "AttnResState") -> torch.Tensor:
     return norms
 
 
-class AttnResState(NamedTuple):
-    """Depth state of Block AttnRes (paper Eq. 6; Full AttnRes is block size 1)."""
+# ---------------------------------------------------------------------------------------------------------------
+# The source buffer: completed sources written once, in place, read by every router through views
+# ---------------------------------------------------------------------------------------------------------------
 
-    sources: torch.Tensor  # (B, T, n, D): completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums)
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without a dispatch when it is one already (a decoded token runs hundreds of these)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _scores(values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """`values (n, B, T, D)` (slot-major, contiguous) against `queries (S, D)` -> `(B, T, S, n)`, in the queries'
+    dtype: one `(n B T, D) @ (D, S)` product (a view, no copy of the sources in fp32 models)."""
+    n, batch, seq, dim = values.shape
+    flat = _as(values.reshape(n * batch * seq, dim), queries.dtype)
+    return (flat @ queries.T).view(n, batch, seq, -1).permute(1, 2, 3, 0)
+
+
+def _mix(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`weights (B, T, S, n)` (the values' dtype) times `values (n, B, T, D)` -> `(B, T, S, D)`: one batched product
+    over the `B T` positions, reading the sources through a strided view (no copy)."""
+    n, batch, seq, dim = values.shape
+    per_token = values.reshape(n, batch * seq, dim).transpose(0, 1)  # (B T, n, D), strided view
+    return torch.bmm(weights.reshape(batch * seq, -1, n), per_token).view(batch, seq, -1, dim)
+
+
+class _SourceScores(torch.autograd.Function):
+    """`_scores(buffer[:n], queries)` whose backward reads the buffer instead of a saved copy of the sources.
+
+    The buffer is written in place (a slot once per forward, before any reader) and is not saved with
+    `save_for_backward`, so later writes do not trip autograd's version counter; slots `< n` never change after they
+    are read. Gradients go to `sources`, the autograd handles of the `n` slots (the tensors that were copied in)."""
+
+    @staticmethod
+    def forward(ctx, buffer, n, queries, *sources):
+        ctx.buffer, ctx.n = buffer, n
+        ctx.save_for_backward(queries)
+        return _scores(buffer[:n], queries)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T, S, n)
+        (queries,) = ctx.saved_tensors
+        values, n = ctx.buffer[: ctx.n], ctx.n
+        flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
+        grad_queries = None
+        if ctx.needs_input_grad[2]:
+            grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
+        grad_values = (flat_grad @ queries).view(values.shape) if any(ctx.needs_input_grad[3:]) else None
+        return None, None, grad_queries, *_per_source(grad_values, ctx, n)
+
+
+class _SourceMix(torch.autograd.Function):
+    """`_mix(buffer[:n], weights)` whose backward reads the buffer (see `_SourceScores`)."""
+
+    @staticmethod
+    def forward(ctx, buffer, n, weights, *sources):
+        ctx.buffer, ctx.n = buffer, n
+        ctx.save_for_backward(weights)
+        return _mix(buffer[:n], weights)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T, S, D)
+        (weights,) = ctx.saved_tensors
+        values, n = ctx.buffer[: ctx.n], ctx.n
+        batch, seq, dim = values.shape[1:]
+        grad = grad.reshape(batch * seq, -1, dim)
+        grad_weights = grad_values = None
+        if ctx.needs_input_grad[2]:
+            per_token = values.reshape(n, batch * seq, dim).permute(1, 2, 0)  # (B T, D, n)
+            grad_weights = torch.bmm(grad, per_token).view(weights.shape)
+        if any(ctx.needs_input_grad[3:]):  # (n, B, T, D), slot-major and contiguous: autograd sums each slot's
+            flat = weights.reshape(batch * seq, -1, n)  # gradient with the source's others (3x faster than strided)
+            if flat.shape[1] == 1:  # one router: w_i * grad, a broadcast product
+                grad_values = flat[:, 0].T.unsqueeze(-1) * grad[:, 0]
+            else:  # a block's routers: (B T, n, S) @ (B T, S, D)
+                grad_values = torch.bmm(flat.transpose(1, 2), grad).transpose(0, 1).contiguous()
+            grad_values = grad_values.view(n, batch, seq, dim)
+        return None, None, grad_weights, *_per_source(grad_values, ctx, n)
+
+
+class _SourceInverseRMS(torch.autograd.Function):
+    """`inverse_rms(source)` for the source in buffer slot `slot`, whose backward reads the slot (no saved copy)."""
+
+    @staticmethod
+    def forward(ctx, buffer, slot, eps, source):
+        ctx.buffer, ctx.slot = buffer, slot
+        inv = inverse_rms(buffer[slot], eps)
+        ctx.save_for_backward(inv)
+        return inv
+
+    @staticmethod
+    def backward(ctx, grad):  # d/dx (mean(x^2) + eps)^(-1/2) = -inv^3 x / D
+        (inv,) = ctx.saved_tensors
+        value = ctx.buffer[ctx.slot].float()
+        grad_source = (grad * inv.pow(3) / -value.shape[-1]).unsqueeze(-1) * value
+        return None, None, None, grad_source.to(ctx.buffer.dtype)
+
+
+def _per_source(grad_values, ctx, n):
+    """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
+    if grad_values is None:
+        return (None,) * n
+    grad_values = grad_values.to(ctx.buffer.dtype)
+    return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[3:]))
+
+
+def _read_sources(function, plain, buffer, n, other, sources):
+    """`function` (an autograd Function above) when gradients flow, else the same numbers from `plain`."""
+    if torch.is_grad_enabled() and (other.requires_grad or any(s.requires_grad for s in sources)):
+        return function.apply(buffer, n, other, *sources)
+    return plain(buffer[:n], other)
+
+
+def _two_phase_applies(config) -> bool:
+    """Whether the two-phase block path (and the source buffer) serves this router configuration."""
+    return (config.attnres_num_heads == 1 and config.attnres_window is None and config.attnres_query == "static"
+            and not config.attnres_scalar_weights)
+
+
+class Phase1(NamedTuple):
+    """Phase 1 of two-phase block inference for the routers of sub-layers `start .. stop - 1` (one block): their
+    scores against the block's completed sources, computed once when the block starts.
+
+    - `probs`: `(B, T, S, n)` fp32: softmax over the completed sources (sigmoid: each source's sigmoid);
+    - `lse`: `(B, T, S)` fp32: the log-sum-exp of those logits (softmax only; the online-softmax statistics that the
+      running max and normaliser reduce to);
+    - `mixed`: `(B, T, S, D)` in the stream dtype: `sum_i probs_i v_i`, the completed sources' share of each router's
+      output before the partial sum joins;
+    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in).
+
+    Each is kept as a tuple of the `S` routers' views (`unbind`), which a merge picks by position.
+    """
+
+    start: int
+    stop: int
+    queries: tuple[torch.Tensor, ...]
+    probs: tuple[torch.Tensor, ...]
+    lse: tuple[torch.Tensor, ...] | None
+    mixed: tuple[torch.Tensor, ...]
+
+
+class AttnResState(NamedTuple):
+    """Depth state of Block AttnRes (paper Eq. 6; Full AttnRes is block size 1).
+
+    Sources live in one buffer per forward, `(n_slots, batch, seq_len, hidden_size)` slot-major (slot 0: the
+    embedding, slot k: block k's sum, written in place once, when the block closes); routers read views of it, so no
+    source is re-stacked or copied per router, and backward keeps the sources once (custom autograd Functions read
+    the buffer instead of saving copies): Full AttnRes's training memory grows like the residual stream's. Block
+    AttnRes with `S > 1` runs the paper's two-phase inference (Algorithm 1): when a block starts, the routers of its
+    `S` sub-layers are scored against the completed sources in one product (`Phase1`), and each sub-layer merges
+    only its partial sum, an online-softmax update (`AttnResRouter` docstring).
+
+    Configurations the buffer does not serve (`attnres_num_heads > 1`, `attnres_window`, `attnres_query=
+    "input_dependent"`, `attnres_scalar_weights`) keep the direct path over a stacked `(B, T, n, D)` tensor, grown
+    by one source per closed block (`stacked`); the numbers are the same either way.
+
+    Gradient checkpointing: a replayed layer rewrites its block's slot with the same values, after every reader of
+    that slot ran its backward; the state itself is immutable.
+    """
+
+    sources: tuple[torch.Tensor, ...]  # completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums), (B, T, D)
     inv_rms: torch.Tensor  # (B, T, n) fp32: 1/RMS of each completed source, the key norm statistics
     partial: torch.Tensor | None  # (B, T, D): b_n^{i-1}, the sum of the current block so far; None at its start
     eps: float
     block_size: int
     sublayer: int  # the index of the next sub-layer
+    buffer: torch.Tensor | None = None  # (n_slots, B, T, D): slots < len(sources) hold the sources (fast path)
+    stacked: torch.Tensor | None = None  # (B, T, n, D): the sources stacked (the knobs the buffer does not serve)
+    routers: tuple = ()  # the routers of sub-layers 0 .. 2L - 1 in depth order (two-phase); () when not given
+    phase1: Phase1 | None = None  # the current block's phase 1 (two-phase path only)
+    keep_weights: bool = True  # whether merged routers also return their depth weights
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "AttnResState":
-        eps = config.rms_norm_eps
-        sources, statistics = embeddings.unsqueeze(-2), inverse_rms(embeddings, eps).unsqueeze(-1)
-        return cls(sources, statistics, None, eps, config.attnres_block_size, 0)
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
+        """`model`: the `AttnResModel` whose layers this forward runs; its routers give the two-phase path its
+        per-block query bank (without it, every router takes the direct path: same numbers)."""
+        eps, size = config.rms_norm_eps, config.attnres_block_size
+        routers = ()
+        if model is not None:
+            routers = tuple(router for layer in model.layers[: config.num_hidden_layers]
+                            for router in registered_modules(layer, AttnResLayerModules))
+        if not _two_phase_applies(config):
+            statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
+            return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), routers,
+                       None, keep_weights)
+        slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
+        buffer = embeddings.new_empty(slots, *embeddings.shape)
+        _write_slot(buffer, 0, embeddings)
+        statistics = _source_inverse_rms(buffer, 0, eps, embeddings).unsqueeze(-1)
+        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights)
+        return state._start_block()
+
+    def _start_block(self) -> "AttnResState":
+        """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
+        sources, one product for the scores and one for the weighted sums (`Phase1`)."""
+        start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
+        routers = self.routers[start:stop]
+        if self.block_size == 1 or not routers or not all(type(r) is AttnResRouter for r in routers):
+            return self._replace(phase1=None)
+        key_norm, score_fn = routers[0].key_norm is not None, routers[0].score_fn
+        queries = _as(torch.stack([r.query for r in routers]), torch.float32)  # (S, D): the block's query bank
+        if key_norm:  # fold each router's key-norm weight into its query (see `AttnResRouter._logits`)
+            queries = queries * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
+        n = len(self.sources)
+        logits = _read_sources(_SourceScores, _scores, self.buffer, n, queries, self.sources)  # (B, T, S, n)
+        if key_norm:
+            logits = logits * self.inv_rms.unsqueeze(-2)
+        if score_fn == "sigmoid":
+            probs, lse = torch.sigmoid(logits), None
+        else:
+            probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
+        mixed = _read_sources(_SourceMix, _mix, self.buffer, n, _as(probs, self.buffer.dtype), self.sources)
+        return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
+                                           None if lse is None else lse.unbind(-1), mixed.unbind(-2)))
 
     def begin_sublayer(self) -> "AttnResState":
         """Close the current block when the next sub-layer starts a new one (Eq. 6: `b_n^0` is no source)."""
         if self.sublayer % self.block_size or self.partial is None:
             return self
         # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
-        sources = torch.cat([self.sources, self.partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
-        statistics = torch.cat([self.inv_rms, inverse_rms(self.partial, self.eps).unsqueeze(-1)], dim=-1)
-        return self._replace(sources=sources, inv_rms=statistics, partial=None)
+        slot, partial = len(self.sources), self.partial
+        if self.buffer is not None:
+            _write_slot(self.buffer, slot, partial)
+            inv, stacked = _source_inverse_rms(self.buffer, slot, self.eps, partial), None
+        else:
+            inv = inverse_rms(partial, self.eps)
+            stacked = torch.cat([self.stacked, partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
+        state = self._replace(sources=(*self.sources, partial), inv_rms=torch.cat([self.inv_rms, inv[..., None]], -1),
+                              partial=None, stacked=stacked)
+        return state._start_block() if self.buffer is not None else state
 
     def _add(self, output: torch.Tensor) -> DepthWrite:
         partial = output if self.partial is None else self.partial + output
@@ -154,7 +361,7 @@ class AttnResState(NamedTuple):
     def _route(self, router) -> DepthRead:
         state = self.begin_sublayer()
         hidden, weights = router(state)
-        return DepthRead(state, hidden, None, (weights,))
+        return DepthRead(state, hidden, None, () if weights is None else (weights,))
 
     def read_attn(self, mixing) -> DepthRead:
         return self._route(mixing.attn_res)
@@ -171,7 +378,23 @@ class AttnResState(NamedTuple):
     def read_final(self, mixing) -> DepthRead:
         # The last block stays a partial sum: the same sources and numbers as closing it first.
         hidden, weights = mixing.final_res(self)
-        return DepthRead(self, hidden, None, (weights,))
+        return DepthRead(self, hidden, None, () if weights is None else (weights,))
+
+
+def _write_slot(buffer: torch.Tensor, slot: int, source: torch.Tensor) -> None:
+    """Copy `source` into `buffer[slot]`, outside autograd (the reads route gradients to `source` themselves)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            buffer[slot].copy_(source)
+    else:
+        buffer[slot].copy_(source)
+
+
+def _source_inverse_rms(buffer, slot, eps, source):
+    """`inverse_rms` of the source in `buffer[slot]` (`source`: its autograd handle), `(B, T)` fp32."""
+    if torch.is_grad_enabled() and source.requires_grad:
+        return _SourceInverseRMS.apply(buffer, slot, eps, source)
+    return inverse_rms(buffer[slot], eps)
 
 
 class AttnResRouter(nn.Module):
@@ -260,9 +483,85 @@ class AttnResRouter(nn.Module):
 
         Returns `h` of shape `(batch, seq_len, hidden_size)` in the sources' dtype and the depth weights in fp32:
         `(batch, seq_len, n_sources)` (`(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`), completed
-        sources in depth order, then the partial block sum.
+        sources in depth order, then the partial block sum. With the two-phase path and `output_depth_weights`
+        off, a router after the first of its block returns `None` for the weights (they are not computed).
+
+        Three paths, the same numbers (tests/test_two_phase.py): the two-phase merge (Block AttnRes inside a block
+        whose phase 1 the state computed), the direct read of the source buffer (Full AttnRes, the final router, a
+        model that gave the state no routers), and the stacked path for the knobs the buffer does not serve
+        (`attnres_num_heads > 1`, `attnres_window`, `attnres_query="input_dependent"`, `attnres_scalar_weights`).
         """
-        sources, inv_rms, partial = state.sources, state.inv_rms, state.partial
+        if state.buffer is None:
+            return self._stacked_forward(state)
+        phase1 = state.phase1
+        if phase1 is not None and phase1.start <= state.sublayer < phase1.stop:
+            return self._merge(state, phase1, state.sublayer - phase1.start)
+        return self._direct(state)
+
+    def _folded_query(self) -> torch.Tensor:
+        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`)."""
+        query = _as(self.query, torch.float32)
+        return query * _as(self.key_norm.weight, torch.float32) if self.key_norm is not None else query
+
+    def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
+        """The partial block sum's logit `(B, T)` fp32."""
+        logit = _as(partial, torch.float32) @ query
+        return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
+
+    def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+        """One router over the source buffer (views of it, no stacking) and the partial sum."""
+        sources, partial, buffer, n = state.sources, state.partial, state.buffer, len(state.sources)
+        query = self._folded_query()
+        logits = _read_sources(_SourceScores, _scores, buffer, n, query.unsqueeze(0), sources).squeeze(-2)  # (B, T, n)
+        if self.key_norm is not None:
+            logits = logits * state.inv_rms
+        if partial is not None:
+            logits = torch.cat([logits, self._partial_logit(partial, query, state.eps).unsqueeze(-1)], dim=-1)
+        if self.score_fn == "sigmoid":
+            weights, factor = torch.sigmoid(logits), 2.0
+        else:
+            weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
+        mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
+        completed = mix if partial is None else mix.narrow(-1, 0, n)
+        hidden = _read_sources(_SourceMix, _mix, buffer, n, completed.unsqueeze(-2), sources).squeeze(-2)
+        if partial is not None:
+            hidden = hidden + mix.narrow(-1, n, 1) * partial
+        return hidden, weights
+
+    def _merge(self, state: AttnResState, phase1: Phase1, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Phase 2 (paper Algorithm 1): router `j` of the block merges the partial sum into its phase-1 result.
+
+        Softmax: with `lse` the log-sum-exp of the completed sources' logits and `p` the partial sum's logit, the
+        completed sources keep the share `sigmoid(lse - p)` of the softmax mass and the partial sum gets
+        `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
+        max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`.
+        """
+        probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
+        count = len(state.sources)
+        if partial is None:  # the block's first sub-layer: the completed sources only
+            hidden, weights = mixed, probs
+        else:
+            count += 1
+            logit = self._partial_logit(partial, phase1.queries[j], state.eps)
+            lse = phase1.lse[j] if phase1.lse is not None else None
+            if self.score_fn == "sigmoid":
+                gate = torch.sigmoid(logit)
+                hidden = mixed + _as(gate.unsqueeze(-1), partial.dtype) * partial
+                weights = torch.cat([probs, gate[..., None]], dim=-1) if state.keep_weights else None
+            else:
+                completed_share = torch.sigmoid(lse - logit)
+                hidden = torch.lerp(partial, mixed, _as(completed_share.unsqueeze(-1), partial.dtype))
+                weights = None
+                if state.keep_weights:
+                    partial_share = torch.sigmoid(logit - lse)
+                    weights = torch.cat([probs * completed_share.unsqueeze(-1), partial_share.unsqueeze(-1)], dim=-1)
+        if self.rescale_output:
+            hidden = hidden * (2.0 if self.score_fn == "sigmoid" else float(count))
+        return hidden, weights
+
+    def _stacked_forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The direct router over stacked sources `(B, T, n, D)`, for every knob (see `forward`)."""
+        sources, inv_rms, partial = state.stacked, state.inv_rms, state.partial
         if self.window is not None:  # Table 4 "sliding window": the embedding and the W most recent sources
             keep = self.window - (partial is not None)
             if sources.shape[-2] - 1 > keep:

@@ -58,9 +58,12 @@ class DepthState(Protocol):
     """The typed contract of a depth state (an immutable `NamedTuple`; every hook returns a new one)."""
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "DepthState":
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "DepthState":
         """The state before the first sub-layer, from the token embeddings `(batch, seq_len, hidden_size)`;
-        `keep_weights`: whether depth weights that cost memory (DCA's per-feature weights) are returned."""
+        `keep_weights`: whether depth weights that cost memory or time (DCA's per-feature weights, AttnRes's merged
+        two-phase weights) are returned; `model`: the `AttnResModel` running this forward, for a state that reads
+        modules of later layers ahead of time (AttnRes's two-phase block inference reads a block's routers when
+        the block starts); a method that does not need it ignores it."""
 
     def read_attn(self, mixing) -> DepthRead:
         """The inputs of the attention sub-layer of the layer whose mixing modules are `mixing`."""
@@ -177,7 +180,8 @@ class AttnResRMSNorm(nn.Module):
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`1 / RMS(x)` over the last axis in fp32: `(..., d) -> (...)`."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+    x = x if x.dtype == torch.float32 else x.float()
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -73,7 +73,7 @@ class DenseFormerState(NamedTuple):
     states: tuple  # B_0 .. B_i: the embedding and every layer output so far
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "DenseFormerState":
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "DenseFormerState":
         return cls(embeddings, (embeddings,))
 
     def read_attn(self, mixing) -> DepthRead:
@@ -175,7 +175,7 @@ class MUDDState(NamedTuple):
     attn_sum: torch.Tensor | None  # X^r + attention output, the MLP's input and residual
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "MUDDState":
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "MUDDState":
         return cls((embeddings,) * len(MUDD_STREAMS), (embeddings,), None)
 
     def read_attn(self, mixing) -> DepthRead:
@@ -274,7 +274,7 @@ class DCAState(NamedTuple):
     keep_weights: bool
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "DCAState":
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "DCAState":
         return cls((embeddings,), None, None, keep_weights)
 
     def read_attn(self, mixing) -> DepthRead:

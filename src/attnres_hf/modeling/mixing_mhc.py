@@ -119,7 +119,7 @@ class MHCState(NamedTuple):
     pending: tuple | None  # (H_post, H_res) of the sub-layer being computed
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False) -> "MHCState":
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "MHCState":
         streams = embeddings.unsqueeze(-2).expand(*embeddings.shape[:-1], config.mhc_num_streams, -1)
         return cls(streams, None)
 

@@ -131,6 +131,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # AttnRes: every depth_mixing traces as one graph (tests/test_compile.py); `__init__` narrows this to what the
+    # backbone family's own model declares.
+    _can_compile_fullgraph = True
     # AttnRes: transformers keys this table by model class, and one class serves every backbone family: each entry
     # lists every family's recorder (attention weights; MoE router logits).
     _can_record_outputs = recorded_outputs()
@@ -140,7 +143,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # AttnRes: the attention implementations the backbone family supports (Gemma2: no sdpa, which cannot
         # soft-cap), checked by transformers on the instance when it picks the implementation.
         family = backbone_adapter(config).pretrained_model
-        for flag in ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn", "_supports_attention_backend"):
+        for flag in ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn", "_supports_attention_backend",
+                     "_can_compile_fullgraph"):
             if not getattr(family, flag, False):
                 setattr(self, flag, False)
         super().__init__(config, *args, **kwargs)
@@ -301,7 +305,9 @@ class AttnResModel(AttnResPreTrainedModel):
         position_embeddings = adapter.position_embeddings(
             getattr(self, "rotary_emb", None), inputs_embeds, position_ids, layer_types
         )
-        state = DEPTH_MIXING[self.config.depth_mixing].state.start(inputs_embeds, self.config, bool(output_depth_weights))
+        state = DEPTH_MIXING[self.config.depth_mixing].state.start(
+            inputs_embeds, self.config, bool(output_depth_weights), model=self
+        )
         hidden_states, depth_weights = [], []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             layer_type = layer_types[decoder_layer.layer_idx]

@@ -1,0 +1,87 @@
+"""The compiled path and the static cache: `torch.compile(model, fullgraph=True)` gives the eager logits, `generate`
+compiles its static-cache decode step, and static, dynamic and no cache give the same numbers for Block and Full
+AttnRes in fp32 and bf16, and every depth_mixing traces as one graph. Compilation is slow on small CPUs: two compiled
+tests on 2-layer models (inductor; aot_eager), and a capture-only test per method on 1-layer models."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.generation import CompileConfig
+
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING
+from utils import tiny_model
+
+
+def test_compiled_forward_has_no_graph_break_and_gives_the_eager_logits(input_ids):
+    """Block AttnRes (two-phase inside blocks, the direct buffer read for the final router), fullgraph: a graph
+    break raises."""
+    torch._dynamo.reset()
+    model = tiny_model(attnres_block_size=2, num_hidden_layers=2, attnres_rescale_output=True)
+    assert model._can_compile_fullgraph
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        eager = model(input_ids, output_depth_weights=True)
+        fast = compiled(input_ids, output_depth_weights=True)
+    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(fast.depth_weights, eager.depth_weights, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_generate_compiles_its_static_cache_decode_and_matches_no_cache(input_ids):
+    torch._dynamo.reset()
+    model = tiny_model(attnres_block_size=1, num_hidden_layers=2)
+    # aot_eager: dynamo's capture (fullgraph) and AOTAutograd's functionalization of the buffer writes, without
+    # inductor's C++ build (the forward test above runs inductor)
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default", backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles on CPU only when asked
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(input_ids, use_cache=False, **kwargs)
+        compiled = model.generate(input_ids, cache_implementation="static", compile_config=config, **kwargs)
+    assert hasattr(model, "_compiled_call")  # the decode steps ran compiled
+    torch.testing.assert_close(compiled, reference, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 2], ids=["full", "block2"])
+def test_static_dynamic_and_no_cache_give_the_same_logits(block_size, dtype, input_ids):
+    """Prefill 6 tokens, then decode one at a time (teacher-forced) through each cache; each step's logits equal the
+    no-cache forward of the whole sequence."""
+    model = tiny_model(attnres_block_size=block_size).to(dtype)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    length = input_ids.shape[1]
+    with torch.no_grad():
+        full = model(input_ids, use_cache=False).logits.float()
+        for cache in (DynamicCache(config=model.config), StaticCache(model.config, max_cache_len=length + 2)):
+            out = model(input_ids[:, :6], cache=cache, use_cache=True)
+            steps = [out.logits]
+            for position in range(6, length):
+                out = model(input_ids[:, position:position + 1], cache=cache, use_cache=True,
+                            position_ids=torch.full((input_ids.shape[0], 1), position))
+                steps.append(out.logits)
+            torch.testing.assert_close(torch.cat(steps, dim=1).float(), full, **tolerance,
+                                       msg=lambda m: f"{type(cache).__name__}: {m}")
+
+
+@pytest.mark.parametrize("block_size", [1, 2], ids=["full", "block2"])
+def test_generate_with_a_static_cache_matches_a_dynamic_cache(block_size, input_ids):
+    model = tiny_model(attnres_block_size=block_size)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        dynamic = model.generate(input_ids, **kwargs)
+        static = model.generate(input_ids, cache_implementation="static", **kwargs)
+        none = model.generate(input_ids, use_cache=False, **kwargs)
+    torch.testing.assert_close(static, dynamic, atol=0, rtol=0)
+    torch.testing.assert_close(none, dynamic, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("depth_mixing", list(DEPTH_MIXING))
+def test_every_depth_mixing_traces_as_one_graph(depth_mixing, input_ids):
+    """`_can_compile_fullgraph = True` holds for every method: dynamo captures the whole forward (backend "eager":
+    capture only, no code generation)."""
+    torch._dynamo.reset()
+    model = tiny_model(depth_mixing=depth_mixing, num_hidden_layers=1)
+    with torch.no_grad():
+        eager = model(input_ids, output_depth_weights=True).logits
+        captured = torch.compile(model, fullgraph=True, backend="eager")(input_ids, output_depth_weights=True).logits
+    torch.testing.assert_close(captured, eager, atol=1e-5, rtol=1e-5)

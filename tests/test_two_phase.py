@@ -1,0 +1,178 @@
+"""Two-phase block inference (paper Algorithm 1) and the source buffer: the same numbers as the direct router and
+the stacked (re-concatenating) router, for every knob they serve; gradient checkpointing; cached decode; Full
+AttnRes's saved activations growing linearly in depth. (`test_routing.py` checks the default path, two-phase
+included, against `naive_attnres`.)"""
+
+import contextlib
+
+import pytest
+import torch
+
+from attnres_hf.modeling import mixing_attnres
+from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState
+from utils import TINY, tiny_model
+
+KNOBS = {
+    "default": {},
+    "rescale": dict(attnres_rescale_output=True),
+    "sigmoid": dict(attnres_score_fn="sigmoid"),
+    "sigmoid-rescale": dict(attnres_score_fn="sigmoid", attnres_rescale_output=True),
+    "no-key-norm": dict(attnres_key_norm=False),
+}
+
+
+@contextlib.contextmanager
+def path(name, monkeypatch):
+    """Force a router path: `two-phase` (the default), `direct` (buffer, no phase 1) or `stacked` (the fallback)."""
+    with monkeypatch.context() as patch:
+        if name == "direct":
+            patch.setattr(AttnResState, "_start_block", lambda self: self._replace(phase1=None))
+        elif name == "stacked":
+            patch.setattr(mixing_attnres, "_two_phase_applies", lambda config: False)
+        yield
+
+
+def run(model, input_ids, projection, **kwargs):
+    model.zero_grad()
+    out = model(input_ids, output_depth_weights=True, **kwargs)
+    (out.logits.float() @ projection).square().mean().backward()
+    return out.logits.detach(), [w.detach() for w in out.depth_weights], {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+@pytest.mark.parametrize("block_size", [1, 2, 4, 6], ids=["full", "block2", "block4-partial-last", "block6-one"])
+def test_two_phase_direct_and_stacked_paths_agree(block_size, knobs, input_ids, monkeypatch):
+    model = tiny_model(attnres_block_size=block_size, **KNOBS[knobs]).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(2))
+    merged = []
+    monkeypatch.setattr(AttnResRouter, "_merge", lambda self, *a, _f=AttnResRouter._merge: merged.append(1) or _f(
+        self, *a))
+    results = {}
+    for name in ("two-phase", "direct", "stacked"):
+        with path(name, monkeypatch):
+            merged.clear()
+            results[name] = run(model, input_ids, projection)
+            if name == "two-phase":  # every router but the final one merges, unless blocks are single sub-layers
+                assert len(merged) == (0 if block_size == 1 else model.config.num_sublayers)
+            else:
+                assert not merged
+    logits, weights, grads = results["two-phase"]
+    assert len(grads) == len(dict(model.named_parameters()))
+    for other in ("direct", "stacked"):
+        other_logits, other_weights, other_grads = results[other]
+        torch.testing.assert_close(logits, other_logits, atol=1e-5, rtol=1e-5)
+        for ours, theirs in zip(weights, other_weights, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, other_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_two_phase_in_half_precision_matches_the_stacked_path(dtype, input_ids, monkeypatch):
+    model = tiny_model(attnres_block_size=2).to(dtype)
+    with torch.no_grad():
+        fast = model(input_ids, output_depth_weights=True)
+        with path("stacked", monkeypatch):
+            slow = model(input_ids, output_depth_weights=True)
+    assert fast.logits.dtype == dtype and torch.isfinite(fast.logits).all()
+    torch.testing.assert_close(fast.logits.float(), slow.logits.float(), atol=3e-2, rtol=3e-2)
+    for ours, theirs in zip(fast.depth_weights, slow.depth_weights, strict=True):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4], ids=["full", "block4"])
+def test_depth_weights_off_gives_the_same_logits_and_gradients(block_size, input_ids):
+    model = tiny_model(attnres_block_size=block_size).train()
+    with_weights = model(input_ids, labels=input_ids, output_depth_weights=True)
+    with_weights.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    without = model(input_ids, labels=input_ids)
+    without.loss.backward()
+    assert without.depth_weights is None
+    torch.testing.assert_close(without.logits, with_weights.logits, atol=0, rtol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
+def test_gradient_checkpointing_replays_the_buffer_exactly(block_size, input_ids):
+    """The buffer is written in place; a checkpointed layer's replay rewrites its slot and must not change a
+    gradient (nor trip autograd's version counter), with and without depth weights."""
+    model = tiny_model(attnres_block_size=block_size, attnres_rescale_output=True).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(3))
+    _, plain_weights, plain = run(model, input_ids, projection)
+    model.gradient_checkpointing_enable()
+    for keep in (True, False):
+        model.zero_grad()
+        out = model(input_ids, output_depth_weights=keep)
+        (out.logits @ projection).square().mean().backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, plain[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        if keep:
+            for ours, theirs in zip(out.depth_weights, plain_weights, strict=True):
+                torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 2], ids=["full", "block2"])
+def test_cached_decode_steps_match_a_full_forward(block_size, dtype, input_ids):
+    """Prefill, then one token at a time through the KV cache: each step's logits equal a full forward's."""
+    model = tiny_model(attnres_block_size=block_size).to(dtype)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    with torch.no_grad():
+        full = model(input_ids).logits
+        out = model(input_ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for position in range(6, input_ids.shape[1]):
+            out = model(input_ids[:, position:position + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1).float(), full.float(), **tolerance)
+
+
+def saved_source_bytes(model, input_ids) -> int:
+    """Bytes of the distinct storages of at least one source's size (`batch x seq_len x hidden_size` fp32) that
+    autograd saves for backward in one training forward (parameters excluded), plus AttnRes's source buffer: the
+    part that scales with the hidden size, where a per-router copy of the sources would show."""
+    saved, source = {}, input_ids.numel() * model.config.hidden_size * 4
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes() >= source:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def keep_buffer(module, args, output):  # the source buffer: read by backward, not saved through autograd
+        if getattr(args[0], "buffer", None) is not None:
+            pack(args[0].buffer)
+
+    final = getattr(model.model, "final_res", None)
+    hook = final.register_forward_hook(keep_buffer) if final is not None else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids, labels=input_ids)
+    if hook is not None:
+        hook.remove()
+    return sum(saved.values())
+
+
+def test_full_attnres_saves_sources_once_linear_in_depth(monkeypatch):
+    """Full AttnRes keeps its sources once (the buffer), not once per router: per added layer it saves a constant
+    amount more than the residual model; the stacked path (a copy per router) grows quadratically."""
+    input_ids = torch.randint(3, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    source = input_ids.numel() * 64 * 4
+    growth = {}
+    for name in ("two-phase", "stacked"):
+        extra = {}
+        with path(name, monkeypatch):
+            for layers in (2, 4, 6):
+                full = tiny_model(attnres_block_size=1, num_hidden_layers=layers, hidden_size=64).train()
+                residual = tiny_model(depth_mixing="residual", num_hidden_layers=layers, hidden_size=64).train()
+                extra[layers] = saved_source_bytes(full, input_ids) - saved_source_bytes(residual, input_ids)
+        growth[name] = (extra[4] - extra[2], extra[6] - extra[4])  # bytes per 2 more layers
+    first, second = growth["two-phase"]
+    assert second == first, growth  # linear in depth
+    assert first <= 4 * source, growth  # about one source (its buffer slot) per sub-layer
+    assert growth["stacked"][1] > 1.2 * growth["stacked"][0] > first, growth  # the copies per router: quadratic
