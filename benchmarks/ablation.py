@@ -490,7 +490,8 @@ def main(argv=None):
         f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
         f"{preset.seeds} seeds; wall time {wall / 60:.1f} min; same initial backbone, data order, token budget and "
         f"hyperparameters for every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far "
-        f"longer (nats per token of its tokenizer, ours are nats per {unit}), so only orderings and signs can be "
+        f"longer (nats per token of its tokenizer; ours: nats per {unit if unit == 'byte' else 'SmolLM2 token'}), "
+        f"so only orderings and signs can be "
         f"compared."])
     print()
     print(report)

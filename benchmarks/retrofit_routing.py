@@ -21,8 +21,12 @@ held-out windows and its 95% t-interval, from `ablation.paired_difference`), the
 - the static share: of the routing's departure from uniform, `sum_r ||mean_t alpha_rt - u||^2 / sum_r mean_t
   ||alpha_rt - u||^2` on a held-out passage (1.0 = one fixed reweighting for every token, 0 = all per-token).
 
-    python benchmarks/retrofit_routing.py                        # the recorded run (README, 'Does a retrofit ...')
-    python benchmarks/retrofit_routing.py --steps 20 --eval-tokens 1024   # quick look
+    python benchmarks/retrofit_routing.py --arms routers --out outputs/retrofit_routers &   # the recorded run
+    python benchmarks/retrofit_routing.py --arms norms --out outputs/retrofit_norms         # (README, 'Does a
+    python benchmarks/retrofit_routing.py --merge outputs/retrofit_routers outputs/retrofit_norms   # retrofit ...')
+
+The defaults are the recorded run's: 100 steps of 4 x 32 tokens, lr 2e-4, held-out 2,048 tokens in windows of 256,
+one torch thread per process (two threads of one process on a loaded machine wait on each other).
 
 Writes `retrofit_routing.json`, `routing_average.png`, `routing_tokens.png` and `probe_shift.png` to `--out`.
 """
@@ -200,9 +204,9 @@ def train_arm(model, arm, train_blocks, order, settings, probe, held_out_blocks,
             "train_loss_per_step": losses, "seconds": round(time.perf_counter() - started, 1)}
 
 
-def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, steps: int = 200, batch_size: int = 4,
-        seq_len: int = 128, learning_rate: float = 5e-4, eval_every: int = 25, eval_tokens: int = 8192,
-        window: int = 512, arms=ARMS, pairs=None, seed: int = 0, log=print) -> dict:
+def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, steps: int = 100, batch_size: int = 4,
+        seq_len: int = 32, learning_rate: float = 2e-4, eval_every: int = 25, eval_tokens: int = 2048,
+        window: int = 256, arms=ARMS, pairs=None, seed: int = 0, log=print) -> dict:
     """The experiment (see the module docstring). `source`: an HF folder of a Llama-family model (or a model);
     `pairs`: the probe's `{"a", "b"}` texts (default: the shipped contradiction pairs)."""
     from attnres_hf.conversion import retrofit
@@ -321,15 +325,15 @@ def report(results: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF folder of the source model (default: the demo's SmolLM2-135M copy)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens for the perplexity")
-    parser.add_argument("--window", type=int, default=512, help="tokens per held-out perplexity window")
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens for the perplexity")
+    parser.add_argument("--window", type=int, default=256, help="tokens per held-out perplexity window")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {ARMS}")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="outputs/retrofit_routing")
     parser.add_argument("--merge", nargs="+", metavar="OUT", help="print one report from runs of separate arms")
     args = parser.parse_args(argv)

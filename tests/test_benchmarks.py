@@ -60,7 +60,16 @@ def retrofit_routing():
     return module
 
 
-def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, tmp_path):
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a loaded machine, two threads of a tiny model wait on each other (15x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, tmp_path, one_thread):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from utils import TINY, counting_text, word_tokenizer
