@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.conversion import UnsupportedSourceError, retrofit
 from attnres_hf.modeling.backbones import BACKBONES, KEY_VALUE_METHODS, KeyValueInputs
+from attnres_hf.modeling.backbones_moe import MOE_BACKBONES
 from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter, registered_modules
 from utils import METHODS, perturb_mixing
 
@@ -34,12 +35,15 @@ TINY_BACKBONES = {
 }
 """A tiny source config per family (the features that make it differ from Llama switched on)."""
 
-FAMILIES = list(BACKBONES)
+FAMILIES = [family for family in BACKBONES if family not in {adapter.model_type for adapter in MOE_BACKBONES}]
+"""The dense families (the mixture-of-experts ones, `MOE_BACKBONES`, are tested in test_backbones_moe.py)."""
 IDS = torch.randint(3, 99, (2, 11), generator=torch.Generator().manual_seed(0))  # longer than the windows (4)
 
 
 def test_every_family_has_a_tiny_config():
-    assert set(TINY_BACKBONES) == set(BACKBONES)
+    from test_backbones_moe import SOURCES as MOE_SOURCES
+
+    assert set(TINY_BACKBONES) == set(FAMILIES) and set(TINY_BACKBONES) | set(MOE_SOURCES) == set(BACKBONES)
 
 
 def source_model(family: str, seed: int = 0):

@@ -120,7 +120,7 @@ class KeyValueInputs:
     """How an attention module takes separate key and value inputs (MUDDFormer's and DCA's k/v streams).
 
     - `key`, `value`: the names (inside the attention module) of the key and value input projections; their input is
-      replaced by the routed stream (a forward pre-hook for the call, so a PEFT-wrapped projection sees it too).
+      replaced by the routed stream (a forward pre-hook, on the PEFT wrapper when there is one: see `KeyValueRouting`).
     - `fused`: the name of a fused q/k/v projection (Phi-3's `qkv_proj`) instead, with `fused_sizes(config)` the
       `(q, k, v)` widths of its output: the projection runs on each input and the k and v slices are swapped in.
     """
@@ -130,30 +130,77 @@ class KeyValueInputs:
     fused: str | None = None
     fused_sizes: Callable | None = None
 
+    def projections(self) -> tuple[str, ...]:
+        """The names of the projections whose input (or output slices) the routing replaces."""
+        return (self.key, self.value) if self.fused is None else (self.fused,)
+
     @contextlib.contextmanager
     def routed(self, attention: nn.Module, config, key_input: torch.Tensor, value_input: torch.Tensor):
         """Within the block, `attention`'s key/value projections read `key_input` / `value_input`
-        (`(batch, seq_len, hidden_size)` each) instead of the attention's `hidden_states`."""
-        handles = []
+        (`(batch, seq_len, hidden_size)` each) instead of the attention's `hidden_states` (a decoder layer keeps a
+        `KeyValueRouting` instead, whose hooks stay installed)."""
+        routing = KeyValueRouting(self, attention, config)
+        routing.route(attention, key_input, value_input)
         try:
-            if self.fused is None:
-                for name, routed_input in ((self.key, key_input), (self.value, value_input)):
-                    module = attention.get_submodule(name)
-                    handles.append(module.register_forward_pre_hook(
-                        lambda module, args, routed_input=routed_input: (routed_input, *args[1:])))
-            else:
-                q, k, _ = self.fused_sizes(config)
-                module = attention.get_submodule(self.fused)
-
-                def splice(module, args, output):  # `forward` directly: the projection without this hook
-                    keys, values = module.forward(key_input), module.forward(value_input)
-                    return torch.cat([output[..., :q], keys[..., q : q + k], values[..., q + k :]], dim=-1)
-
-                handles.append(module.register_forward_hook(splice))
             yield
         finally:
-            for handle in handles:
-                handle.remove()
+            routing.remove()
+
+
+class _ProjectionHook:
+    """The hook on one key/value projection (a callable object, not a closure: `copy.deepcopy` and pickling of
+    the model carry it over to the copy's own `KeyValueRouting`)."""
+
+    def __init__(self, routing: "KeyValueRouting", name: str):
+        self.routing, self.name = routing, name
+
+    def __call__(self, module, args, output=None):
+        routed = self.routing.slot[0]
+        if routed is None:
+            return None
+        spec = self.routing.spec
+        if spec.fused is None:  # a forward pre-hook: the projection reads its routed input
+            return (routed[(spec.key, spec.value).index(self.name)], *args[1:])
+        q, k, _ = spec.fused_sizes(self.routing.config)  # a forward hook: splice in the k and v slices
+        keys, values = module.forward(routed[0]), module.forward(routed[1])  # `forward`: without this hook
+        return torch.cat([output[..., :q], keys[..., q : q + k], values[..., q + k :]], dim=-1)
+
+
+class KeyValueRouting:
+    """The separate key/value inputs of one attention module (MUDDFormer, DCA): `route(attention, key_input,
+    value_input)` sets them (`(batch, seq_len, hidden_size)` each) for the next call, `clear()` unsets them.
+
+    The hooks are installed at construction, and again only when a projection module was replaced (PEFT wraps
+    `k_proj` in a LoRA layer: the wrapper gets the hook, so its adapter reads the routed input too), so a compiled
+    model traces the hooks, not their registration (which breaks the graph)."""
+
+    def __init__(self, spec: KeyValueInputs, attention: nn.Module, config):
+        self.spec, self.config, self.slot, self.hooked = spec, config, [None], {}
+        self.install(attention)
+
+    def install(self, attention: nn.Module) -> None:
+        for name in self.spec.projections():
+            module = attention.get_submodule(name)
+            if name in self.hooked and self.hooked[name][0] is module:
+                continue
+            if name in self.hooked:
+                self.hooked[name][1].remove()
+            hook = _ProjectionHook(self, name)
+            handle = module.register_forward_hook(hook) if self.spec.fused else module.register_forward_pre_hook(hook)
+            self.hooked[name] = (module, handle)
+
+    def route(self, attention: nn.Module, key_input: torch.Tensor, value_input: torch.Tensor) -> None:
+        self.install(attention)
+        self.slot[0] = (key_input, value_input)
+
+    def clear(self) -> None:
+        self.slot[0] = None
+
+    def remove(self) -> None:
+        self.clear()
+        for _, handle in self.hooked.values():
+            handle.remove()
+        self.hooked = {}
 
 
 KEY_VALUE_METHODS = ("muddformer", "dca")

@@ -15,7 +15,6 @@ an `# AttnRes:` comment. This file travels with checkpoints as remote code: it i
 those siblings.
 """
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import backbone_adapter, init_backbone_weights, recorded_outputs
+from .backbones import (KEY_VALUE_METHODS, KeyValueRouting, backbone_adapter, init_backbone_weights,
+                        recorded_outputs)
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState,
                            modules_to_not_convert, naive_attnres, num_depth_mixing_parameters, register_modules,
@@ -66,7 +66,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self._attention, self._mlp = adapter.attention, adapter.mlp
         self._attention_module = adapter.attention.module_name(self)
         self._mlp_module = adapter.mlp.module_name(self)
-        self._key_value_inputs = adapter.key_value_inputs
+        # AttnRes: MUDDFormer and DCA feed the attention's key/value projections their own routed inputs.
+        self._key_value_routing = None
+        if config.depth_mixing in KEY_VALUE_METHODS and adapter.key_value_inputs is not None:
+            self._key_value_routing = KeyValueRouting(
+                adapter.key_value_inputs, self._modules[self._attention_module], config.backbone
+            )
         # AttnRes: the depth-mixing modules of this layer (paper Eq. 1-4, 6 for AttnRes).
         self._mixing_type = DEPTH_MIXING[config.depth_mixing].layer_modules
         register_modules(self, self._mixing_type.build(config, layer_idx))
@@ -97,20 +102,20 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         # AttnRes: the attention input(s) come from the depth state, not the residual sum.
         attn_read = state.read_attn(mixing)
         norm, attention = self._modules[self._attention.norm], self._modules[self._attention_module]
-        routed = contextlib.nullcontext()
         if attn_read.key_value is not None:  # MUDDFormer, DCA: one pre-norm per sub-layer, on each routed stream
             key_input, value_input = (norm(x) for x in attn_read.key_value)
-            routed = self._key_value_inputs.routed(attention, self.config.backbone, key_input, value_input)
-        with routed:
-            hidden_states = attention(
-                hidden_states=norm(attn_read.hidden),
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **kwargs,
-            )
+            self._key_value_routing.route(attention, key_input, value_input)
+        hidden_states = attention(
+            hidden_states=norm(attn_read.hidden),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if attn_read.key_value is not None:
+            self._key_value_routing.clear()
         attn_write = attn_read.state.write_attn(mixing, self._finish(self._attention, hidden_states))
 
         mlp_read = attn_write.state.read_mlp(mixing)
