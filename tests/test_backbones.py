@@ -173,8 +173,8 @@ def test_flat_configs_no_family_expresses_are_refused_naming_why():
         AttnResConfig(**BASE, sliding_window=4, layer_types=["full_attention", "sliding_attention"] * 2)
     with pytest.raises(ValueError, match="only the Qwen2 layout"):
         AttnResConfig(**BASE, attention_bias=False, attention_out_bias=True)
-    with pytest.raises(ValueError, match="unsupported backbone model_type 'mixtral'"):
-        AttnResConfig(backbone={"model_type": "mixtral"})
+    with pytest.raises(ValueError, match="unsupported backbone model_type 'gpt2'"):  # mixtral is supported now
+        AttnResConfig(backbone={"model_type": "gpt2"})
 
 
 def test_backbone_by_model_type_with_flat_fields_and_assignment_through_the_config():
