@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.conversion import UnsupportedSourceError, retrofit
 from attnres_hf.modeling.backbones import BACKBONES, KEY_VALUE_METHODS, KeyValueInputs
-from attnres_hf.modeling.backbones_moe import MOE_BACKBONES
 from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter, registered_modules
 from utils import METHODS, perturb_mixing
 
@@ -35,15 +34,15 @@ TINY_BACKBONES = {
 }
 """A tiny source config per family (the features that make it differ from Llama switched on)."""
 
-FAMILIES = [family for family in BACKBONES if family not in {adapter.model_type for adapter in MOE_BACKBONES}]
-"""The dense families (the mixture-of-experts ones, `MOE_BACKBONES`, are tested in test_backbones_moe.py)."""
+FAMILIES = list(TINY_BACKBONES)
+"""The dense families; the mixture-of-experts ones and Kimi Linear are tested in `test_backbones_moe.py`."""
 IDS = torch.randint(3, 99, (2, 11), generator=torch.Generator().manual_seed(0))  # longer than the windows (4)
 
 
 def test_every_family_has_a_tiny_config():
-    from test_backbones_moe import SOURCES as MOE_SOURCES
+    from test_backbones_moe import SOURCES
 
-    assert set(TINY_BACKBONES) == set(FAMILIES) and set(TINY_BACKBONES) | set(MOE_SOURCES) == set(BACKBONES)
+    assert set(TINY_BACKBONES) | set(SOURCES) == set(BACKBONES) and not set(TINY_BACKBONES) & set(SOURCES)
 
 
 def source_model(family: str, seed: int = 0):
@@ -174,8 +173,8 @@ def test_flat_configs_no_family_expresses_are_refused_naming_why():
         AttnResConfig(**BASE, sliding_window=4, layer_types=["full_attention", "sliding_attention"] * 2)
     with pytest.raises(ValueError, match="only the Qwen2 layout"):
         AttnResConfig(**BASE, attention_bias=False, attention_out_bias=True)
-    with pytest.raises(ValueError, match="unsupported backbone model_type 'mixtral'"):
-        AttnResConfig(backbone={"model_type": "mixtral"})
+    with pytest.raises(ValueError, match="unsupported backbone model_type 'gpt2'"):  # mixtral is supported now
+        AttnResConfig(backbone={"model_type": "gpt2"})
 
 
 def test_backbone_by_model_type_with_flat_fields_and_assignment_through_the_config():
