@@ -239,3 +239,26 @@ def test_readme_lists_every_family():
     gguf = {line.split("|")[1].strip().strip("`") for line in readme.splitlines()
             if line.startswith("| `") and line.rstrip(" |").endswith(("yes", "yes (as `llama`)"))}
     assert gguf == {name for name, adapter in BACKBONES.items() if adapter.gguf_architecture}
+
+
+KEY_VALUE_KINDS = list({BACKBONES[family].key_value_inputs: family for family in reversed(FAMILIES)}.values())
+"""One family per kind of key/value routing (separate projections, fused q/k/v)."""
+
+
+@pytest.mark.parametrize("family", KEY_VALUE_KINDS)
+def test_gradient_checkpointing_keeps_the_gradients_with_routed_keys_and_values(family):
+    """MUDDFormer routes separate k/v inputs through hooks set for the call; a checkpointed layer replays them."""
+    model = retrofit(source_model(family), depth_mixing="muddformer")
+    perturb_mixing(model)
+    model.train()
+    model.config.backbone.attention_dropout = 0.0
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(IDS, labels=IDS).loss.backward()
+        grads.append({name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5)

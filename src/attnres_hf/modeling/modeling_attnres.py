@@ -270,7 +270,7 @@ class AttnResModel(AttnResPreTrainedModel):
             cache (`Cache`): the KV cache (`past_key_values` is accepted as its former name). AttnRes needs no
                 cache of its own: depth routing is per token.
             output_hidden_states (`bool`): return the embeddings, each layer's routed input and the final normed
-                state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is Llama's tuple).
+                state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is the backbone family's tuple).
             output_depth_weights (`bool`): return `depth_weights` (see `AttnResModelOutputWithPast`; AttnRes:
                 one `(batch, seq_len, n_sources)` fp32 tensor per router, rows summing to 1 with softmax).
 
