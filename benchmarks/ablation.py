@@ -82,7 +82,8 @@ PRESETS = {
 
 # The paper's own backbone, Kimi Linear 48B A3B, shrunk: KDA linear attention and MLA layers 3:1, a dense first MLP
 # then mixture-of-experts MLPs with a shared expert, Block AttnRes with 6 sub-layers per block (paper: 54 sub-layers,
-# 9 blocks). On CPU transformers runs KDA with its pure-torch fallback (slow); flash-linear-attention is the kernel.
+# 9 blocks). On CPU transformers runs KDA with its pure-torch fallback (slow; flash-linear-attention is the kernel):
+# `--steps 8 --seeds 2 --jobs 1` took 38 min on 2 shared, loaded CPU cores, so the full preset is for `--device cuda`.
 PRESETS["kimi-linear"] = Preset(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, seq_len=64, batch_size=8,
                                 steps=300, seeds=2, learning_rate=3e-3, eval_batches=8, max_chars_per_book=200_000,
                                 jobs=2, backbone="kimi_linear", variants=("baseline", "Block AttnRes (S=6)"))

@@ -245,9 +245,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, sources):
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen2_moe"])  # the others: every method in the retrofit test
 def test_from_scratch_config_builds_every_method(family):
-    """`retrofit_config` of the source config is the AttnRes config of that backbone: a model trains from it."""
+    """`retrofit_config` of the source config is the AttnRes config of that backbone: a model trains from it (the
+    gradient reaches every mixing parameter)."""
     for method, overrides in METHODS.items():
         if (family, overrides["depth_mixing"]) in REFUSED:
             with pytest.raises(ValueError, match="separate key and value inputs"):
