@@ -6,6 +6,16 @@ import torch
 from utils import TINY, counting_text, tiny_model, word_tokenizer
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Benchmarks' `main()` run in-process set one torch thread and flush denormals for their own runs; keep that
+    from leaking into later tests (a test comparing against a subprocess runs with torch's default threads)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture
 def input_ids():
     return torch.randint(3, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
