@@ -85,6 +85,7 @@ def test_python_dash_m_runs_the_command(tmp_path):
     result = subprocess.run([sys.executable, "-m", "attnres_hf.cli", "info", str(tmp_path)], capture_output=True,
                             text=True, timeout=300, check=False)
     assert result.returncode == 0 and "depth_mixing        attnres" in result.stdout
+    assert "backbone            llama (LlamaConfig)" in result.stdout
     result = subprocess.run(f"{sys.executable} -m attnres_hf.cli info {tmp_path} | head -1", shell=True,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.stdout == "model_type          attnres\n" and "Traceback" not in result.stderr

@@ -31,6 +31,7 @@ def run_info(args: argparse.Namespace) -> int:
                          "`attnres convert` retrofits Llama/Mistral/Qwen2/Qwen3 ones")
     config = AttnResConfig.from_pretrained(args.path)
     print(f"model_type          {config.model_type}")
+    print(f"backbone            {config.backbone.model_type} ({type(config.backbone).__name__})")
     print(f"depth_mixing        {config.depth_mixing}")
     print(f"layers / sub-layers {config.num_hidden_layers} / {config.num_sublayers}")
     print(f"hidden_size         {config.hidden_size}")
