@@ -109,8 +109,10 @@ def test_pipeline_step_equals_one_process_step_with_and_without_caching(case, tw
             assert rank[case, cache]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
         got = {**two_ranks[0][case, cache]["grads"], **two_ranks[1][case, cache]["grads"]}
         assert set(got) == set(grads)  # the two ranks own every parameter between them
+        # one process runs the source buffer and two-phase path, the stages the stacked path (StateCodec): the same
+        # numbers summed in another order (measured: at most 2.7e-6 apart, on gradients of size ~0.4)
         for name, grad in grads.items():
-            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5, msg=name)
     # caching changes what is sent, not the numbers: the same losses; the same gradients up to the order autograd sums
     # a kept source's gradient in (measured: at most 1.8e-7 apart, on gradients of size ~1)
     for rank in two_ranks:
@@ -122,7 +124,8 @@ def test_pipeline_step_equals_one_process_step_with_and_without_caching(case, tw
     saved = AttnResForCausalLM.from_pretrained(out / case).state_dict()
     assert set(saved) == set(weights) and not list(out.glob(f"{case}/pipeline-rank*"))
     for name, weight in weights.items():
-        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=2e-5, msg=name)  # lr 0.5 x float noise
+        # lr 0.5 x the summation-order noise above, over two steps (measured: at most 3.7e-5)
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-4, msg=name)
 
 
 @pytest.mark.slow
@@ -177,7 +180,7 @@ def test_bad_plans_are_clear_errors(overrides, kwargs, message):
         plan_pipeline(config, **{"num_ranks": 2, "virtual_stages": 2, **kwargs})
 
 
-def test_a_new_tensor_field_in_the_depth_state_is_named_at_construction():
+def test_a_changed_depth_state_is_named_at_construction():
     from attnres_hf.modeling.mixing_attnres import AttnResState
 
     class Grown(NamedTuple):
@@ -192,7 +195,7 @@ def test_a_new_tensor_field_in_the_depth_state_is_named_at_construction():
             base = AttnResState.start(embeddings, config)
             return cls(base.sources, base.inv_rms, None, base.inv_rms, 0)
 
-    with pytest.raises(TypeError, match=r"found: \['logits'\]"):
+    with pytest.raises(TypeError, match=r"has fields \('sources', 'inv_rms', 'partial', 'logits', 'sublayer'\)"):
         StateCodec(tiny_config(attnres_block_size=2), state_type=Grown)
 
 

@@ -55,9 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .._checks import check_int
+from ..modeling.backbones import backbone_adapter
 from ..modeling.depth_mixing import DEPTH_MIXING
 from ..modeling.mixing_base import register_modules, registered_modules
 
@@ -66,51 +66,53 @@ from ..modeling.mixing_base import register_modules, registered_modules
 # ---------------------------------------------------------------------------------------------------------------
 
 SOURCE_FIELDS = {"sources": 2, "inv_rms": 2}
-"""Fields of the AttnRes depth state with one entry per completed source, and their source axis: what is kept across
-stages and sent only once per rank."""
+"""What a hand-off carries with one entry per completed source, and their source axis: the sources stacked
+`(b, T, n, d)` and their key-norm statistics `(b, T, n)` fp32; kept across stages and sent only once per rank."""
 RUNNING_FIELDS = ("partial",)
 """Fields that change inside a block (the partial sum `(b, T, d)`): sent whole at every hand-off."""
 POSITION_FIELD = "sublayer"
 """The field holding the index of the next sub-layer: set from the stage's first decoder layer."""
+STATE_FIELDS = ("sources", "inv_rms", "partial", "eps", "block_size", "sublayer", "buffer", "stacked", "routers",
+                "phase1", "keep_weights")
+"""The fields of `AttnResState` this module knows how to send and rebuild (see `StateCodec`)."""
 
 
 class StateCodec:
-    """Turns the depth state of `config.depth_mixing` into the tensors a stage sends and back.
+    """Turns the AttnRes depth state into the tensors a stage sends and back.
 
-    Fields in `SOURCE_FIELDS` and `RUNNING_FIELDS` are tensors; `POSITION_FIELD` is set per stage; every other field
-    must be a plain value (eps, block size), copied from a state `start` builds. A new tensor field in the state is a
-    `TypeError` here, at construction, naming it: update the three constants above.
+    A state leaves a stage as `SOURCE_FIELDS` (its completed sources stacked, and their statistics) and
+    `RUNNING_FIELDS`; a stage rebuilds it on the stacked (direct) path of `AttnResState` (`buffer=None`): no
+    per-forward source buffer and no two-phase block inference across a hand-off, the same numbers
+    (tests/test_two_phase.py). The first stage starts the state as the model does. A change of the state's fields
+    is a `TypeError` here, at construction, naming them: update `STATE_FIELDS` and this class.
     """
 
     def __init__(self, config, state_type: type | None = None):
         self.state_type = state_type or DEPTH_MIXING[config.depth_mixing].state
         self.config = config
         template = self.state_type.start(torch.zeros(1, 1, config.hidden_size), config)
-        known = {*SOURCE_FIELDS, *RUNNING_FIELDS, POSITION_FIELD}
-        missing = known - set(template._fields)
-        unknown = [name for name in template._fields
-                   if name not in known and isinstance(getattr(template, name), torch.Tensor)]
-        if missing or unknown:
+        if tuple(template._fields) != STATE_FIELDS:
             raise TypeError(
-                f"{self.state_type.__name__} has fields {template._fields}: the pipeline expects tensor fields "
-                f"{sorted(known - {POSITION_FIELD})} (missing here: {sorted(missing)}) and no other tensor field "
-                f"(found: {unknown}); update SOURCE_FIELDS / RUNNING_FIELDS in {__name__}"
+                f"{self.state_type.__name__} has fields {template._fields}, the pipeline knows {STATE_FIELDS}: update "
+                f"STATE_FIELDS and StateCodec in {__name__}"
             )
-        self.constants = {name: getattr(template, name) for name in template._fields if name not in known}
+        self.constants = {"eps": template.eps, "block_size": template.block_size}
 
     def start(self, embeddings: torch.Tensor):
         return self.state_type.start(embeddings, self.config)
 
     def split(self, state) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """`({source field: tensor}, {running field: tensor})` of `state`."""
-        for name in RUNNING_FIELDS:
-            if getattr(state, name) is None:
-                raise RuntimeError(f"the depth state's {name!r} is None at a stage boundary (a stage ran no sub-layer)")
-        return ({name: getattr(state, name) for name in SOURCE_FIELDS},
-                {name: getattr(state, name) for name in RUNNING_FIELDS})
+        if state.partial is None:
+            raise RuntimeError("the depth state's 'partial' is None at a stage boundary (a stage ran no sub-layer)")
+        stacked = state.stacked if state.stacked is not None else torch.stack(state.sources, dim=-2)
+        return {"sources": stacked, "inv_rms": state.inv_rms}, {"partial": state.partial}
 
     def join(self, sources: dict[str, torch.Tensor], running: dict[str, torch.Tensor], sublayer: int):
-        return self.state_type(**sources, **running, **self.constants, **{POSITION_FIELD: sublayer})
+        stacked = sources["sources"]
+        return self.state_type(sources=tuple(stacked.unbind(-2)), inv_rms=sources["inv_rms"],
+                               partial=running["partial"], sublayer=sublayer, buffer=None, stacked=stacked,
+                               routers=(), phase1=None, keep_weights=False, **self.constants)
 
     def num_sources(self, sources: dict[str, torch.Tensor]) -> int:
         name, axis = next(iter(SOURCE_FIELDS.items()))
@@ -119,15 +121,12 @@ class StateCodec:
     def examples(self, batch: int, seq_len: int, num_sources: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Meta tensors with the shapes and dtypes of a hand-off carrying `num_sources` sources (none: no source
         tensors), in the order the stages send them: source fields, then running fields."""
-        embeddings = torch.empty(batch, seq_len, self.config.hidden_size, dtype=dtype, device="meta")
-        start = self.start(embeddings)  # one source
+        hidden = self.config.hidden_size
         tensors = []
         if num_sources:
-            for name, axis in SOURCE_FIELDS.items():
-                shape = list(getattr(start, name).shape)
-                shape[axis] = num_sources
-                tensors.append(torch.empty(shape, dtype=getattr(start, name).dtype, device="meta"))
-        tensors += [torch.empty_like(embeddings) for _ in RUNNING_FIELDS]
+            tensors += [torch.empty(batch, seq_len, num_sources, hidden, dtype=dtype, device="meta"),
+                        torch.empty(batch, seq_len, num_sources, dtype=torch.float32, device="meta")]
+        tensors += [torch.empty(batch, seq_len, hidden, dtype=dtype, device="meta") for _ in RUNNING_FIELDS]
         return [t.requires_grad_() for t in tensors]
 
 
@@ -306,7 +305,10 @@ class AttnResStageModule(nn.Module):
         if self.is_first:
             self.embed_tokens = inner.embed_tokens
         self.layers = nn.ModuleList(inner.layers[first:end])
-        self.rotary_emb = inner.rotary_emb
+        self.adapter = backbone_adapter(config)  # the backbone family's masks, rotary, embedding and head
+        self.layer_types = self.adapter.layer_types(config)
+        if getattr(inner, "rotary_emb", None) is not None:
+            self.rotary_emb = inner.rotary_emb
         if self.is_last:
             self._final_type = DEPTH_MIXING[config.depth_mixing].final_modules
             register_modules(self, registered_modules(inner, self._final_type))
@@ -319,6 +321,8 @@ class AttnResStageModule(nn.Module):
         if self.is_first:
             (input_ids,) = inputs
             hidden = self.embed_tokens(input_ids)  # (b, T, d)
+            if self.adapter.embedding_multiplier is not None:  # Granite: part of the embedding source
+                hidden = hidden * getattr(self.config, self.adapter.embedding_multiplier)
             state = codec.start(hidden)
         else:
             count = len(SOURCE_FIELDS) if len(inputs) > len(RUNNING_FIELDS) else 0
@@ -331,18 +335,21 @@ class AttnResStageModule(nn.Module):
             state = codec.join(received, running, self.first_sublayer)
             hidden = running[RUNNING_FIELDS[0]]
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask_kwargs = {"config": self.config, "inputs_embeds": hidden, "attention_mask": None, "cache": None,
-                       "position_ids": position_ids}
-        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-        if "sliding_attention" in self.config.layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        # The masks and position embeddings of each layer type, as `AttnResModel.forward` builds them.
+        masks = self.adapter.attention_masks(self.config, self.layer_types, inputs_embeds=hidden, attention_mask=None,
+                                             cache=None, position_ids=position_ids)
+        position_embeddings = self.adapter.position_embeddings(getattr(self, "rotary_emb", None), hidden,
+                                                               position_ids, self.layer_types)
         for layer in self.layers:
-            state, _, _ = layer(state, attention_mask=masks[self.config.layer_types[layer.layer_idx]],
-                                position_embeddings=position_embeddings, position_ids=position_ids)
+            layer_type = self.layer_types[layer.layer_idx]
+            state, _, _ = layer(state, attention_mask=masks[layer_type],
+                                position_embeddings=position_embeddings[layer_type], position_ids=position_ids)
         if self.is_last:
             final = state.read_final(registered_modules(self, self._final_type))
-            return self.lm_head(self.norm(final.hidden))
+            logits = self.lm_head(self.norm(final.hidden))
+            if self.adapter.logits is not None:  # the family's head: Gemma's soft-capping, Granite's logits_scaling
+                logits = self.adapter.logits(self.config.backbone, logits)
+            return logits
 
         sources, running = codec.split(state)
         if codec.num_sources(sources) != plan.sources_after[stage]:
