@@ -296,8 +296,13 @@ def test_a_sleep_started_outside_the_sandbox_is_seen_by_the_check():
     """The check above can fail: a process detached outside `run_program` is found."""
     import subprocess
 
+    import time
+
     process = subprocess.Popen(["/bin/sleep", "37.999"], start_new_session=True)
     try:
+        deadline = time.monotonic() + 30  # Popen returns once the child forked: it may not have exec'd sleep yet
+        while not _sleeping("37.999") and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _sleeping("37.999") == [process.pid]
     finally:
         process.kill()
