@@ -19,16 +19,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+from overhead import SMOLLM2_135M  # the benchmarks' one SmolLM2-135M shape (benchmarks/overhead.py)
 
 
 def build_models(layers: int, depth_mixing: str, device: str) -> dict[str, torch.nn.Module]:

@@ -24,21 +24,13 @@ import torch.distributed as dist
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 from attnres_hf.training.pipeline_parallel import AttnResPipeline, plan_pipeline
 
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+from overhead import SMOLLM2_135M  # the benchmarks' one SmolLM2-135M shape (benchmarks/overhead.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M: 30)")
+    parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"],
+                        help="decoder layers (default: SmolLM2-135M's)")
     parser.add_argument("--block-size", type=int, default=None, help="attnres_block_size (default: ~8 blocks)")
     parser.add_argument("--ranks", type=int, default=2, help="processes to spawn when not under torchrun")
     parser.add_argument("--virtual-stages", type=int, default=3)
@@ -52,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def config_for(args) -> AttnResConfig:
     block = args.block_size or default_attnres_block_size(args.layers)
-    return AttnResConfig(**SMOLLM2_135M, num_hidden_layers=args.layers, depth_mixing="attnres",
+    return AttnResConfig(**{**SMOLLM2_135M, "num_hidden_layers": args.layers}, depth_mixing="attnres",
                          attnres_block_size=block)
 
 
