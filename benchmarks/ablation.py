@@ -17,12 +17,15 @@ another setting than the paper's (block size, window, heads), the row says so.
     python benchmarks/ablation.py --preset cpu                # about 35 minutes on 2 CPU cores (34 min measured)
     python benchmarks/ablation.py --preset gpu --device cuda  # larger model and budget
     python benchmarks/ablation.py --preset kimi-linear        # Kimi Linear backbone: baseline vs Block AttnRes S=6
+    python benchmarks/ablation.py --preset long --out results/  # about an hour on 2 CPU cores (below)
+        # 8 layers x 128 (16 sub-layers), a byte-level BPE tokenizer of 4,096 ids trained (`tokenizers`) on the
+        # training split, the 11 variants of the paper's Table 4 x 3 seeds x 307K tokens, two runs at a time.
     python benchmarks/ablation.py --prepare-data DATA         # copy SmolLM2's tokenizer.json and the books to DATA
-    python benchmarks/ablation.py --preset long --device cuda --data-dir DATA --out results/
-        # 12 layers, SmolLM2's BPE tokenizer (49,152 ids), 13 variants x 3 seeds x 4.1M tokens, 8 runs at a time;
-        # sized (not yet measured) for a few minutes on one H200. CUDA runs use bf16 autocast (fp32 weights,
-        # optimizer state and loss; TF32 for the fp32 matmuls); CPU runs are fp32. Needs torch, transformers,
-        # tokenizers, numpy and tqdm only: no scipy, no network, no cache (DATA holds the text and tokenizer).
+    python benchmarks/ablation.py --preset long-gpu --device cuda --data-dir DATA --out results/
+        # 12 layers x 256, SmolLM2's BPE tokenizer (49,152 ids), 13 variants x 3 seeds x 4.1M tokens, 8 runs at a
+        # time; sized (not measured) for one GPU. CUDA runs use bf16 autocast (fp32 weights, optimizer state and
+        # loss; TF32 for the fp32 matmuls); CPU runs are fp32. Needs torch, transformers, tokenizers, numpy and
+        # tqdm only: no scipy, no network, no cache (DATA holds the text and tokenizer).
 
 Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset.
 """
@@ -63,8 +66,8 @@ class Preset:
     threads: int | None = None  # torch threads of this process when jobs == 1 (None: torch's default)
     backbone: str = "llama"  # the backbone family (`"kimi_linear"`: `kimi_linear_backbone`)
     variants: tuple[str, ...] | None = None  # the variants run by default (None: every one of `VARIANTS` but S=6)
-    tokenizer: str = "bytes"  # "bytes" (vocab 256) or "smollm2": SmolLM2's BPE tokenizer (tokenizer.json, vocab 49152)
-    vocab_size: int = 256  # set from the tokenizer by `main`
+    tokenizer: str = "bytes"  # one of `TOKENIZERS`
+    vocab_size: int = 256  # set from the tokenizer by `main` ("bpe": the vocabulary size to train)
 
 
 PRESETS = {
@@ -72,8 +75,17 @@ PRESETS = {
                     seeds=2, learning_rate=3e-3, eval_batches=2, max_chars_per_book=20_000, threads=1),
     "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=360,
                   seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, jobs=2),
-    # 12 layers, SmolLM2's BPE tokenizer, 4.1M tokens per run; sized for one H200 (bf16 autocast, 8 runs at a time)
-    "long": Preset(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, seq_len=256, batch_size=32,
+    # 8 layers, a 4,096-id BPE trained on the training split, 307K tokens per run, the 11 variants of the paper's
+    # Table 4: sized for about an hour on 2 CPU cores (a 49K-id output layer would cost 3x the rest of the model)
+    "long": Preset(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, seq_len=128, batch_size=16,
+                   steps=150, seeds=3, learning_rate=2e-3, eval_batches=40, max_chars_per_book=None, jobs=2,
+                   tokenizer="bpe", vocab_size=4096,
+                   variants=("baseline", "Full AttnRes", "Block AttnRes (S=2)", "DenseFormer", "mHC (n=4)",
+                             "AttnRes w/ sigmoid", "AttnRes w/o key RMSNorm", "AttnRes sliding window (W=2)",
+                             "AttnRes input-dependent query", "AttnRes multi-head (H=4)",
+                             "AttnRes input-independent scalars")),
+    # 12 layers, SmolLM2's BPE tokenizer, 4.1M tokens per run; sized for one GPU (bf16 autocast, 8 runs at a time)
+    "long-gpu": Preset(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, seq_len=256, batch_size=32,
                    steps=500, seeds=3, learning_rate=2e-3, eval_batches=32, max_chars_per_book=None, jobs=8,
                    tokenizer="smollm2"),
     "gpu": Preset(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, seq_len=512, batch_size=32,
@@ -158,6 +170,13 @@ def kimi_linear_backbone(preset: Preset):
 
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZERS = {
+    "bytes": "byte",  # UTF-8 bytes, vocab 256: no tokenizer at all
+    "smollm2": "SmolLM2 token",  # SmolLM2's BPE tokenizer (its tokenizer.json, 49,152 ids)
+    "bpe": "BPE token",  # a byte-level BPE of `Preset.vocab_size` ids trained on the training split (`train_bpe`)
+}
+"""The tokenizers a preset can use, with the unit its losses are in (nats per ...)."""
+BPE_VOCAB_SIZE = 4096  # the "bpe" tokenizer's vocabulary when the preset does not set one (`--tokenizer bpe`)
 
 
 def tokenizer_path(data_dir: str | None) -> Path:
@@ -167,6 +186,28 @@ def tokenizer_path(data_dir: str | None) -> Path:
     from attnres_hf.demo import smollm2_hf_folder
 
     return smollm2_hf_folder() / TOKENIZER_FILE
+
+
+_BPE = {}
+
+
+def train_bpe(vocab_size: int, max_chars_per_book: int | None):
+    """A byte-level BPE tokenizer (GPT-2 style, as SmolLM2's) of `vocab_size` ids, `<|endoftext|>` id 0, trained
+    with `tokenizers` on the paragraphs of the training split only (the held-out text never shapes the vocabulary);
+    deterministic, a few seconds, kept per process."""
+    key = (vocab_size, max_chars_per_book)
+    if key not in _BPE:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        text = assets.text_split("train", max_chars_per_book=max_chars_per_book)
+        tokenizer.train_from_iterator((p for p in text.split("\n\n") if p.strip()), trainer=trainer)
+        _BPE[key] = tokenizer
+    return _BPE[key]
 
 
 def load_data(split: str, preset: Preset, data_dir: str | None = None) -> torch.Tensor:
@@ -179,9 +220,12 @@ def load_data(split: str, preset: Preset, data_dir: str | None = None) -> torch.
         os.environ["ATTNRES_HF_CACHE"] = str(data_dir)
     if preset.tokenizer == "bytes":
         return load_bytes(split, preset.max_chars_per_book)
-    from tokenizers import Tokenizer
+    if preset.tokenizer == "bpe":
+        tokenizer = train_bpe(preset.vocab_size, preset.max_chars_per_book)
+    else:
+        from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(tokenizer_path(data_dir)))
+        tokenizer = Tokenizer.from_file(str(tokenizer_path(data_dir)))
     text = assets.text_split(split, max_chars_per_book=preset.max_chars_per_book)
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
     separator = [tokenizer.token_to_id("<|endoftext|>") or 0]
@@ -300,8 +344,9 @@ def _worker_run(name, seed):
     return name, seed, result
 
 
-def run_all(names, preset, device, train_data, val_data) -> dict:
-    """Every (variant, seed) run, in this process or in `preset.jobs` worker processes, with one progress bar."""
+def run_all(names, preset, device, train_data, val_data, on_result=None) -> dict:
+    """Every (variant, seed) run, in this process or in `preset.jobs` worker processes, with one progress bar;
+    `on_result(name, seed, result)` is called as each run finishes."""
     runs = [(name, seed) for name in names for seed in range(preset.seeds)]
     results = {name: [None] * preset.seeds for name in names}
     with tqdm(total=len(runs) * preset.steps, unit="step", desc="ablation") as bar:
@@ -311,6 +356,8 @@ def run_all(names, preset, device, train_data, val_data) -> dict:
                 results[name][seed] = train_one(
                     preset, VARIANTS[name].overrides, seed, train_data, val_data, device,
                     lambda loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}")))
+                if on_result is not None:
+                    on_result(name, seed, results[name][seed])
             return results
         context = multiprocessing.get_context("spawn")
         with context.Manager() as manager:
@@ -329,6 +376,8 @@ def run_all(names, preset, device, train_data, val_data) -> dict:
                         pending.remove(future)
                         name, seed, result = future.result()
                         results[name][seed] = result
+                        if on_result is not None:
+                            on_result(name, seed, result)
     return results
 
 
@@ -436,7 +485,7 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, help="override the preset's number of seeds")
     parser.add_argument("--steps", type=int, help="override the preset's number of training steps")
     parser.add_argument("--jobs", type=int, help="override the preset's number of parallel runs (processes)")
-    parser.add_argument("--tokenizer", choices=("bytes", "smollm2"), help="override the preset's tokenizer")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, help="override the preset's tokenizer")
     parser.add_argument("--output", help="write the per-run results as JSON here")
     parser.add_argument("--out", help="folder for results.json and results.md (the table and orderings)")
     parser.add_argument("--data-dir", help="folder written by --prepare-data (books and tokenizer), for a machine "
@@ -446,14 +495,20 @@ def main(argv=None):
     if args.prepare_data:
         print(f"wrote {prepare_data(args.prepare_data)}: {TOKENIZER_FILE}, gutenberg/*.txt")
         return
-    if args.data_dir is not None and not Path(args.data_dir, TOKENIZER_FILE).is_file():
-        parser.error(f"--data-dir {args.data_dir} has no {TOKENIZER_FILE}: write it with --prepare-data")
-
     preset = PRESETS[args.preset]
     overrides = {k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("jobs", args.jobs),
                                    ("tokenizer", args.tokenizer)) if v is not None}
     preset = Preset(**(asdict(preset) | overrides))
-    if preset.tokenizer != "bytes":
+    if preset.tokenizer == "bpe" and preset.vocab_size <= 256 + 1:  # `--tokenizer bpe` on a byte-level preset
+        preset = Preset(**(asdict(preset) | {"vocab_size": BPE_VOCAB_SIZE}))
+    if args.data_dir is not None and not Path(args.data_dir, "gutenberg").is_dir():
+        parser.error(f"--data-dir {args.data_dir} has no gutenberg/ folder: write it with --prepare-data")
+    if (preset.tokenizer == "smollm2" and args.data_dir is not None
+            and not Path(args.data_dir, TOKENIZER_FILE).is_file()):
+        parser.error(f"--data-dir {args.data_dir} has no {TOKENIZER_FILE}: write it with --prepare-data")
+    if args.out and Path(args.out, "results.json").exists():
+        parser.error(f"{args.out}/results.json exists: choose another --out (results are not overwritten)")
+    if preset.tokenizer == "smollm2":
         from tokenizers import Tokenizer
 
         vocab_size = Tokenizer.from_file(str(tokenizer_path(args.data_dir))).get_vocab_size()
@@ -471,15 +526,28 @@ def main(argv=None):
     train_data = load_data("train", preset, args.data_dir)
     val_data = load_data("held_out", preset, args.data_dir)
     tokens = preset.steps * preset.batch_size * preset.seq_len
-    unit = "byte" if preset.tokenizer == "bytes" else "token"
+    unit = TOKENIZERS[preset.tokenizer]
+    bpe = train_bpe(preset.vocab_size, preset.max_chars_per_book) if preset.tokenizer == "bpe" else None
+    if bpe is not None:
+        preset = Preset(**(asdict(preset) | {"vocab_size": bpe.get_vocab_size()}))
     print(f"preset {args.preset}: {preset}")
     print(f"corpus: {len(train_data):,} training {unit}s, {len(val_data):,} held-out {unit}s ({assets.text_source()}"
-          f"{', SmolLM2 BPE' if unit == 'token' else ''}); "
+          f"{'' if unit == 'byte' else f', {preset.vocab_size:,}-id {preset.tokenizer} tokenizer'}); "
           f"{tokens:,} training tokens per run; {len(names)} variants x {preset.seeds} seeds on {device}"
           f"{f', {preset.jobs} runs at a time' if preset.jobs > 1 else ''}")
 
+    on_result = None
+    if args.out:  # the tokenizer, and each run as it finishes (a stopped run keeps what it finished)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        if bpe is not None:
+            bpe.save(str(Path(args.out, TOKENIZER_FILE)))
+
+        def on_result(name, seed, result):
+            with open(Path(args.out, "runs.jsonl"), "a") as handle:
+                handle.write(json.dumps({"variant": name, "seed": seed, **result}) + "\n")
+
     start = time.perf_counter()
-    results = run_all(names, preset, device, train_data, val_data)
+    results = run_all(names, preset, device, train_data, val_data, on_result)
     wall = time.perf_counter() - start
     report = "\n".join([
         table(results, baseline="baseline" if "baseline" in results else names[0], unit=f"nats/{unit}"), "",
@@ -491,7 +559,7 @@ def main(argv=None):
         f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
         f"{preset.seeds} seeds; wall time {wall / 60:.1f} min; same initial backbone, data order, token budget and "
         f"hyperparameters for every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far "
-        f"longer (nats per token of its tokenizer; ours: nats per {unit if unit == 'byte' else 'SmolLM2 token'}), "
+        f"longer (nats per token of its tokenizer; ours: nats per {unit}), "
         f"so only orderings and signs can be "
         f"compared."])
     print()

@@ -145,12 +145,50 @@ def test_ablation_runs_with_a_bpe_tokenizer_from_a_data_dir(ablation, tmp_path, 
     assert results["preset"]["tokenizer"] == "smollm2" and results["preset"]["vocab_size"] == 99
     assert set(results["results"]) == {"baseline", "Full AttnRes"} and len(results["results"]["baseline"]) == 2
     report = (out / "results.md").read_text()
-    assert "nats/token" in report and "| Full AttnRes |" in report and "ordering, paper Table 4" in report
+    assert "nats/SmolLM2 token" in report and "| Full AttnRes |" in report and "ordering, paper Table 4" in report
     preset = ablation.Preset(**{**ablation.asdict(ablation.PRESETS["smoke"]), "tokenizer": "smollm2"})
     train = ablation.load_data("train", preset, str(data))
     assert int(train.max()) < 99 and float((train >= 3).float().mean()) > 0.9  # word ids (and separators)
     with pytest.raises(SystemExit):
         ablation.main(["--preset", "smoke", "--data-dir", str(tmp_path / "missing")])
+
+
+def test_ablation_trains_its_bpe_tokenizer_on_the_training_split(ablation, tmp_path, monkeypatch):
+    """The long preset's tokenizer: a byte-level BPE trained on the training split only, saved under --out with
+    each finished run (runs.jsonl); an --out that holds results is refused before anything trains."""
+    from attnres_hf import assets
+    from utils import counting_text
+
+    data = tmp_path / "data"
+    (data / "gutenberg").mkdir(parents=True)
+    names = list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]
+    for i, name in enumerate(names):
+        (data / "gutenberg" / f"{name}.txt").write_text(counting_text(30, seed=i).replace("\n", "\n\n"))
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(data))
+    preset = ablation.Preset(**{**ablation.asdict(ablation.PRESETS["smoke"]), "tokenizer": "bpe", "vocab_size": 300})
+    bpe = ablation.train_bpe(300, preset.max_chars_per_book)
+    assert 257 < bpe.get_vocab_size() <= 300 and bpe.token_to_id("<|endoftext|>") == 0
+    held_out = assets.text_split("held_out", max_chars_per_book=preset.max_chars_per_book)
+    train_text = assets.text_split("train", max_chars_per_book=preset.max_chars_per_book)
+    ids = ablation.load_data("held_out", preset)
+    assert int(ids.max()) < bpe.get_vocab_size() and len(ids) < len(held_out.encode()) / 1.5  # merges apply
+    assert bpe.decode(bpe.encode(held_out[:500]).ids) == held_out[:500]  # byte-level: lossless on any text
+    assert ablation.train_bpe(300, preset.max_chars_per_book) is bpe and train_text != held_out
+
+    out = tmp_path / "out"
+    argv = ["--preset", "smoke", "--tokenizer", "bpe", "--out", str(out), "--variants", "baseline,Block AttnRes (S=2)",
+            "--steps", "2", "--seeds", "2"]
+    ablation.main(argv)
+    results = json.loads((out / "results.json").read_text())
+    assert results["preset"]["tokenizer"] == "bpe" and 257 < results["preset"]["vocab_size"] <= 4096
+    assert "nats/BPE token" in (out / "results.md").read_text() and (out / "tokenizer.json").is_file()
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert sorted((r["variant"], r["seed"]) for r in runs) == sorted(
+        (v, s) for v in ("baseline", "Block AttnRes (S=2)") for s in range(2))
+    before = (out / "results.json").read_text()
+    with pytest.raises(SystemExit):
+        ablation.main(argv)
+    assert (out / "results.json").read_text() == before
 
 
 @pytest.mark.parametrize("df, expected", [(1, 12.706205), (2, 4.302653), (9, 2.262157), (30, 2.042272),
