@@ -334,13 +334,19 @@ def _worker_init(preset, device, updates, train, val):
     torch.set_num_threads(1)  # one core per run: no thread oversubscription when runs share the cores
     torch.set_flush_denormal(True)
     torch.backends.cuda.matmul.allow_tf32 = True  # what autocast leaves in fp32
-    _WORKER.update(preset=preset, device=torch.device(device), updates=updates, train=train, val=val)
+    _WORKER.update(preset=preset, device=torch.device(device), updates=updates, train=train, val=val,
+                   parent=os.getppid())
 
 
 def _worker_run(name, seed):
     w = _WORKER
-    result = train_one(w["preset"], VARIANTS[name].overrides, seed, w["train"], w["val"], w["device"],
-                       lambda loss: w["updates"].put((name, seed, loss)))
+
+    def progress(loss):
+        if os.getppid() != w["parent"]:  # the benchmark was stopped (killed): do not train on as an orphan
+            os._exit(1)
+        w["updates"].put((name, seed, loss))
+
+    result = train_one(w["preset"], VARIANTS[name].overrides, seed, w["train"], w["val"], w["device"], progress)
     return name, seed, result
 
 

@@ -82,6 +82,9 @@ def test_routing_cli_rejects_empty_text(tmp_path, capsys):
     ({"lora_dropout": 1.0}, ValueError, r"lora_dropout must be a probability in \[0, 1\)"),
     ({"lora_alpha": -1}, ValueError, "lora_alpha must be a positive number"),
     ({"lora_target_modules": 5}, TypeError, "lora_target_modules must be a list of module names"),
+    ({"lora_target_modules": []}, ValueError, "lora_target_modules must name at least one module"),
+    ({"lora_target_modules": ["q_proj", ""]}, ValueError, "no name may be empty"),
+    ({"lora_target_modules": "  "}, ValueError, "no name may be empty"),
     ({"entropy_batches": -1}, ValueError, "entropy_batches must be at least 0"),
     ({"resume": "yes"}, TypeError, "resume must be bool"),
 ], ids=lambda value: str(value) if not isinstance(value, dict) else "-".join(f"{k}={v!r}" for k, v in value.items()))

@@ -16,7 +16,7 @@ from utils import tiny_config
         pytest.param(dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads", id="kv-heads-not-dividing"),
         pytest.param(dict(depth_mixing="hyper"), "depth_mixing must be one of ('residual', 'attnres', 'denseformer', 'muddformer', 'dca', 'mhc'), got hyper", id="unknown-depth-mixing"),
         pytest.param(dict(hidden_size=30), "not a multiple of the number of attention heads", id="hidden-not-divisible"),  # LlamaConfig's rule
-        pytest.param(dict(rms_norm_eps=-1e-6), "rms_norm_eps must be greater or equal to 0.0", id="negative-eps"),
+        pytest.param(dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive finite number", id="negative-eps"),
         pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),
         pytest.param(dict(layer_types=["sliding_attention"] * 3), "sliding_window must be set", id="sliding-without-window"),
         pytest.param(dict(sliding_window=-1), "sliding_window must be a positive number", id="negative-window"),
@@ -106,6 +106,29 @@ def test_wrong_type_for_an_optional_or_union_field_names_the_types(name, value, 
     with pytest.raises(ValueError) as error:
         tiny_config(**{name: value})
     assert str(error.value) == rule
+
+
+@pytest.mark.parametrize("name, value", [
+    ("num_hidden_layers", 0), ("num_attention_heads", 0), ("vocab_size", -3), ("intermediate_size", 0),
+    ("hidden_size", -8), ("rms_norm_eps", 0.0), ("rms_norm_eps", float("inf")), ("rms_norm_eps", -1e-6),
+])
+def test_empty_or_negative_sizes_and_a_zero_norm_epsilon_are_refused(name, value, tmp_path):
+    """Were accepted (a model of zero layers or a negative vocabulary, an RMSNorm that divides by zero) or failed
+    inside the family's config class with a bare ZeroDivisionError (`num_attention_heads=0`): now one `ValueError`
+    naming the field, from a flat config, a nested backbone and a saved config.json alike."""
+    import json
+
+    with pytest.raises(ValueError, match=f"^{name} must be a positive"):
+        tiny_config(**{name: value})
+    with pytest.raises(ValueError, match=f"^{name} must be a positive"):
+        AttnResConfig(backbone=tiny_config().backbone.to_dict() | {name: value})
+    tiny_config().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    saved["backbone"][name] = value
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=f"^{name} must be a positive"):
+        AttnResConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("name, value", [("rms_norm_eps", 1), ("initializer_range", 0), ("attention_dropout", 0)])

@@ -16,6 +16,7 @@ Travels with checkpoints as remote code (`auto_map`): imports only `transformers
 """
 
 import functools
+import math
 import re
 from typing import Literal
 
@@ -339,12 +340,27 @@ def _build_backbone(backbone, kwargs: dict):
     own = set(AttnResConfig.__dataclass_fields__) | {"attn_implementation", "experts_implementation", "auto_map"}
     family = (set(config_class.__dataclass_fields__) - _BASE_FIELDS) | _LEGACY_FIELDS
     fields |= {name: kwargs.pop(name) for name in list(kwargs) if name in family and name not in own}
+    _check_sizes(fields)
     return config_class(**_float_fields(config_class, fields)), kwargs
+
+
+def _check_sizes(fields: dict) -> None:
+    """The backbone's sizes are positive integers and its RMSNorm epsilon positive and finite (checked before the family's
+    config class runs, whose own arithmetic would fail on them with a bare ZeroDivisionError); raises `ValueError`."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:  # the family checks the types
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    eps = fields.get("rms_norm_eps")
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool) and not 0 < eps < math.inf:
+        raise ValueError(f"rms_norm_eps must be a positive finite number (the RMSNorm's epsilon; 0 divides by zero on "
+                         f"a zero source), got {eps!r}")
 
 
 def _validate_backbone(backbone) -> None:
     """The rules every rotary-attention backbone follows, checked with AttnRes's messages (fields a family lacks are
     skipped; each family's own config checks the rest)."""
+    _check_sizes(vars(backbone))
     heads, kv_heads = getattr(backbone, "num_attention_heads", None), getattr(backbone, "num_key_value_heads", None)
     if heads is not None and kv_heads is not None:
         if kv_heads < 1:

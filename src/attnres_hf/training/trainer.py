@@ -77,6 +77,10 @@ class AttnResArguments:
                     isinstance(t, str) for t in self.lora_target_modules):
                 raise TypeError("lora_target_modules must be a list of module names or one regular expression, got "
                                 f"{self.lora_target_modules!r}")
+            names = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+            if not names or not all(name.strip() for name in names):
+                raise ValueError("lora_target_modules must name at least one module, and no name may be empty "
+                                 f"(leave it unset for every linear layer but the head); got {self.lora_target_modules!r}")
 
 
 def depth_entropy(model, batches) -> dict:
