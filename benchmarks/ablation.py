@@ -65,7 +65,7 @@ class Preset:
     jobs: int = 1  # runs in parallel, one single-threaded process each (CPU); 1: in this process
     threads: int | None = None  # torch threads of this process when jobs == 1 (None: torch's default)
     backbone: str = "llama"  # the backbone family (`"kimi_linear"`: `kimi_linear_backbone`)
-    variants: tuple[str, ...] | None = None  # the variants run by default (None: every one of `VARIANTS` but S=6)
+    variants: tuple[str, ...] | None = None  # the variants run by default (None: every `VARIANTS` entry marked default)
     tokenizer: str = "bytes"  # one of `TOKENIZERS`
     vocab_size: int = 256  # set from the tokenizer by `main` ("bpe": the vocabulary size to train)
 
@@ -108,6 +108,7 @@ class Variant:
     overrides: dict
     paper: float | None = None  # the paper's Table 4 validation loss for this variant; None: no row in Table 4
     paper_setting: str = ""  # how our setting differs from the paper's row ("" when it is the same)
+    default: bool = True  # run when a preset names no variants (the others: `--variants` or a preset's own list)
 
 
 VARIANTS = {
@@ -135,7 +136,10 @@ VARIANTS = {
 """The variants, with the paper's Table 4 validation losses (Kimi Team, arXiv:2603.15031, Table 4: 16 + 16 layers,
 everything else fixed). MUDDFormer and DCA are not in the paper's table."""
 VARIANTS["Block AttnRes (S=6)"] = Variant({"depth_mixing": "attnres", "attnres_block_size": 6}, None,
-                                         "the paper's Kimi Linear 48B setting (6 sub-layers per block)")
+                                         "the paper's Kimi Linear 48B setting (6 sub-layers per block)", default=False)
+VARIANTS["AttnRes sliding window (W=4)"] = Variant(
+    {"depth_mixing": "attnres", "attnres_block_size": 1, "attnres_window": 4}, 1.764,
+    "paper: W=8 of 32 sub-layers, the same quarter of the depth as W=4 of the long preset's 16", default=False)
 
 
 def paper_ordering(names) -> str:
@@ -451,6 +455,8 @@ PAPER_ORDERINGS = (
     ("the key RMSNorm helps", "AttnRes w/o key RMSNorm", "Full AttnRes", +1),
     ("the sliding window is behind Full AttnRes", "AttnRes sliding window (W=2)", "Full AttnRes", +1),
     ("the sliding window is on par with the baseline", "AttnRes sliding window (W=2)", "baseline", 0),
+    ("the sliding window (W=4) is behind Full AttnRes", "AttnRes sliding window (W=4)", "Full AttnRes", +1),
+    ("the sliding window (W=4) is on par with the baseline", "AttnRes sliding window (W=4)", "baseline", 0),
     ("DenseFormer is on par with the baseline", "DenseFormer", "baseline", 0),
     ("mHC beats the baseline", "mHC (n=4)", "baseline", -1),
     ("mHC is behind Full AttnRes", "mHC (n=4)", "Full AttnRes", +1),
@@ -522,7 +528,7 @@ def main(argv=None):
     if preset.threads:
         torch.set_num_threads(preset.threads)
     torch.set_flush_denormal(True)  # denormal floats (e.g. exp of very negative logits) slow CPUs many times over
-    default = preset.variants or [name for name in VARIANTS if name != "Block AttnRes (S=6)"]
+    default = preset.variants or [name for name, variant in VARIANTS.items() if variant.default]
     names = list(default) if not args.variants else [n.strip() for n in args.variants.split(",")]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
