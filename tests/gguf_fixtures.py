@@ -68,7 +68,8 @@ def _add_metadata(writer, config, arch_name: str, head_dim: int, key_length: boo
     if arch_name == "gemma3":  # Gemma3Model.set_gguf_parameters (and TextModel's rope scaling)
         if config.final_logit_softcapping:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
-        writer.add_sliding_window(config.sliding_window)
+        if "sliding_attention" in config.layer_types:  # omitted for a model without sliding layers
+            writer.add_sliding_window(config.sliding_window)
         if rope.get("rope_type", "default") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
@@ -103,11 +104,12 @@ def _tensors(model, arch_name: str, names) -> dict[str, np.ndarray]:
 
 def write_gguf(
     model: torch.nn.Module, path: Path, file_type: str = "F32", extra_tensors: dict | None = None, vocab=None,
-    key_length: bool = True, drop: tuple[str, ...] = (),
+    key_length: bool = True, drop: tuple[str, ...] = (), metadata: dict | None = None,
 ) -> Path:
     """Write `model` (an HF causal LM) as llama.cpp would; `extra_tensors` adds `{gguf name: array}`, `drop` leaves
-    out the named GGUF tensors; `vocab` is `(tokens, merges, pre)` for a byte-level BPE tokenizer;
-    `key_length=False` leaves out `attention.key_length` / `value_length` (as older converters did)."""
+    out the named GGUF tensors, `metadata` adds `{key: str or float}`; `vocab` is `(tokens, merges, pre)` for a
+    byte-level BPE tokenizer; `key_length=False` leaves out `attention.key_length` / `value_length` (as older
+    converters did)."""
     config = model.config
     arch_name = ARCHES[config.model_type]
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
@@ -117,6 +119,8 @@ def write_gguf(
     writer.add_name(f"tiny-{config.model_type}")
     _add_metadata(writer, config, arch_name, head_dim, key_length)
     writer.add_file_type(ftype)
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
     if vocab is not None:
         tokens, merges, pre = vocab
         writer.add_tokenizer_model("gpt2")
@@ -138,7 +142,10 @@ def write_gguf(
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, data.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            try:
+                writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            except gguf.QuantError:  # rows not a multiple of the block: convert_hf_to_gguf.py falls back to F16
+                writer.add_tensor(name, data.astype(np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

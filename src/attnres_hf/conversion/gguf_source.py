@@ -62,7 +62,6 @@ def gguf_config_fields(path: str | os.PathLike, config) -> dict:
     - `mlp_bias`: whether the file has `blk.N.ffn_{gate,up,down}.bias` (Llama's flag).
     - `moe_intermediate_size`, `shared_expert_intermediate_size`: `<arch>.expert_feed_forward_length` /
       `expert_shared_feed_forward_length`, else the width of `ffn_down_exps` / `ffn_down_shexp`.
-    - `mlp_only_layers` (with `decoder_sparse_step=1`): the layers without an expert router (`blk.N.ffn_gate_inp`).
     - `attn_logit_softcapping`, `final_logit_softcapping`: `<arch>.attn_logit_softcapping` /
       `final_logit_softcapping` when the file has them (Gemma2, Gemma3).
     - `query_pre_attn_scalar` (Gemma): as llama.cpp derives it, `head_dim`, or `hidden_size // num_attention_heads`
@@ -104,18 +103,14 @@ def gguf_config_fields(path: str | os.PathLike, config) -> dict:
     if hasattr(config, "mlp_bias"):
         fields["mlp_bias"] = any(name.endswith((".ffn_gate.bias", ".ffn_up.bias", ".ffn_down.bias")) for name in names)
 
-    # mixture of experts: the expert widths, and which layers have no experts
+    # mixture of experts: the expert widths (llama.cpp's qwen2moe / qwen3moe layouts have experts in every layer,
+    # as transformers' default `mlp_only_layers=[]`, `decoder_sparse_step=1` say)
     for field, key, suffix in (("moe_intermediate_size", "expert_feed_forward_length", ".ffn_down_exps.weight"),
                                ("shared_expert_intermediate_size", "expert_shared_feed_forward_length",
                                 ".ffn_down_shexp.weight")):
         size = meta(key) if meta(key) is not None else width(suffix)
         if hasattr(config, field) and size is not None:
             fields[field] = int(size)
-    if hasattr(config, "mlp_only_layers") and any(name.endswith(".ffn_gate_inp.weight") for name in names):
-        fields["mlp_only_layers"] = [
-            i for i in range(config.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
-        if hasattr(config, "decoder_sparse_step"):
-            fields["decoder_sparse_step"] = 1
 
     # Gemma: soft-capping, the attention scale, global-only files
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
