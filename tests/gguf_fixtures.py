@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 # HF model_type -> llama.cpp architecture (llama.cpp writes Mistral 7B as "llama", naming it in general.name)
-ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
-          "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# and Mixtral as "llama" with stacked expert tensors (`LlamaModel` is registered for MixtralForCausalLM)
+ARCHES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+          "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 NORM_PLUS_ONE = {"gemma2", "gemma3"}  # convert_hf_to_gguf.py adds 1 to every `*norm.weight` of these
 FILE_TYPES = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -49,9 +50,11 @@ def _add_metadata(writer, config, arch_name: str, head_dim: int, key_length: boo
     writer.add_vocab_size(config.vocab_size)
     if arch_name == "llama":
         writer.add_rope_dimension_count(head_dim)
-    if arch_name in ("qwen2moe", "qwen3moe"):
-        writer.add_expert_count(config.num_experts)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch_name in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch_name == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)

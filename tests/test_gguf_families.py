@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig
+from transformers import Qwen3MoeForCausalLM
 
 from attnres_hf.conversion import check_against_gguf, load_source_config, retrofit
 from attnres_hf.conversion.retrofit import load_source
@@ -213,3 +214,17 @@ def test_a_bad_family_gguf_is_refused_before_loading(kind, tmp_path, capsys, mon
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match=re.escape(says)):
         retrofit(gguf_path)
+
+
+def test_a_mixtral_gguf_is_refused_naming_its_experts(tmp_path, capsys):
+    """llama.cpp writes Mixtral as `llama` with expert tensors; transformers' GGUF loader reads it as a dense Llama
+    and would drop the experts, so the conversion stops, naming them."""
+    torch.manual_seed(0)
+    source = MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4,
+                                              num_experts_per_tok=2, sliding_window=None)).eval()
+    gguf_path = write_gguf(source, tmp_path / "mixtral.gguf")
+    assert gguf.GGUFReader(gguf_path).fields["general.architecture"].contents() == "llama"
+    error = _bad_input_error(capsys, gguf_path, tmp_path / "out")
+    assert "has tensors the conversion would drop (no llama parameter holds them): " in error
+    assert "blk.0.ffn_gate_inp.weight" in error and "blk.0.ffn_gate_exps.weight" in error, error
+    assert not (tmp_path / "out").exists()
