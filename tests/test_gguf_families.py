@@ -100,30 +100,29 @@ def test_transformers_gguf_mapping_alone_builds_another_model(name, tmp_path):
     assert (logits(plain) - logits(source)).abs().max().item() > 1e-3
 
 
-def test_fields_read_from_the_file():
-    """What each kind's file holds and transformers' mapping drops, read back (the values differ from its
-    defaults)."""
-    expected = {
-        "qwen3_moe": dict(moe_intermediate_size=16, head_dim=16),
-        "qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, qkv_bias=True),
-        "phi3": dict(sliding_window=5),
-        "gemma2": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=8),
-        "gemma3_text": dict(final_logit_softcapping=3.0, query_pre_attn_scalar=8),
-        "gemma3_text-global": dict(layer_types=["full_attention"] * 2, query_pre_attn_scalar=8),
-    }
-    import tempfile
-    from pathlib import Path
+FIELDS = [  # (source, config overrides, fields read back from its file)
+    ("qwen3_moe", {}, dict(moe_intermediate_size=16, head_dim=16)),
+    ("qwen2_moe", {}, dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, qkv_bias=True)),
+    ("qwen2_moe", dict(qkv_bias=False), dict(qkv_bias=False)),
+    ("phi3", {}, dict(sliding_window=5)),
+    ("phi3", dict(sliding_window=None), dict(sliding_window=None)),  # llama.cpp writes 0
+    ("gemma2", {}, dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=8)),
+    ("gemma3_text", {}, dict(final_logit_softcapping=3.0, query_pre_attn_scalar=8, sliding_window=4)),
+    ("gemma3_text-global", {}, dict(layer_types=["full_attention"] * 2, query_pre_attn_scalar=8)),
+]
 
-    with tempfile.TemporaryDirectory() as folder:
-        for name, fields in expected.items():
-            config = load_source_config(write_gguf(source_model(name), Path(folder) / f"{name}.gguf"))
-            assert {key: getattr(config, key) for key in fields} == fields, name
-            if name == "phi3":
-                assert config.rope_parameters["partial_rotary_factor"] == 0.5
-            if name == "gemma3_text":
-                assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
-                assert config.rope_parameters["full_attention"]["factor"] == 4.0
-                assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+
+@pytest.mark.parametrize("name, overrides, fields", FIELDS)
+def test_fields_read_from_the_file(name, overrides, fields, tmp_path):
+    """What each kind's file holds and transformers' GGUF mapping drops, read back into the source config."""
+    config = load_source_config(write_gguf(source_model(name, **overrides), tmp_path / "tiny.gguf"))
+    assert {key: getattr(config, key) for key in fields} == fields
+    if name == "phi3":
+        assert config.rope_parameters["partial_rotary_factor"] == 0.5  # rope.dimension_count 4 of head_dim 8
+    if name == "gemma3_text":  # linear scaling on the global layers only, as llama.cpp applies it
+        assert config.rope_parameters["full_attention"] | {"rope_theta": None} == dict(
+            rope_type="linear", factor=4.0, rope_theta=None)
+        assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"
 
 
 @pytest.mark.parametrize("name, depth_27b", [("gemma2", 46), ("gemma3_text-global", 62)])
