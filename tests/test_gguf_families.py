@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Phi3Config, Phi3ForCausalLM
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig
 from transformers import Qwen3MoeForCausalLM
 
@@ -189,7 +190,8 @@ BAD_FILES = {  # kind -> (source, write_gguf arguments, what the one-line error 
                          "(blk.0.ffn_down_exps.weight)"),
     "shared-expert-missing": ("qwen2_moe", dict(drop=("blk.1.ffn_gate_inp_shexp.weight",)),
                               "model.layers.1.mlp.shared_expert_gate.weight (blk.1.ffn_gate_inp_shexp.weight)"),
-    "router-in-a-dense-family": ("gemma2", dict(extra_tensors={"blk.0.ffn_gate_inp.weight": np.ones((4, 32), np.float32)}),
+    "router-in-a-dense-family": ("gemma2", dict(extra_tensors={"blk.0.ffn_gate_inp.weight": np.ones((4, 32),
+                                                                                                  np.float32)}),
                                  "has tensors the conversion would drop (no gemma2 parameter holds them): "
                                  "blk.0.ffn_gate_inp.weight"),
     "phi3-long-rope": ("phi3", dict(extra_tensors={"rope_factors_long.weight": np.ones(2, np.float32),
