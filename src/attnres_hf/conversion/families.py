@@ -28,6 +28,11 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 GGUF_PERMUTED_QK = frozenset(adapter.gguf_architecture for adapter in BACKBONES.values() if adapter.gguf_permuted_qk)
 """GGUF architectures whose q/k rows (weights and biases) llama.cpp stores interleaved per head for its rope."""
 
+GGUF_NORM_OFFSETS: dict[str, float] = {
+    adapter.gguf_architecture: adapter.gguf_norm_offset for adapter in BACKBONES.values() if adapter.gguf_norm_offset
+}
+"""GGUF architecture -> the constant llama.cpp adds to every `*norm.weight` (Gemma's `(1 + w)` norms: 1)."""
+
 
 class UnsupportedSourceError(ValueError):
     """The source checkpoint's family or one of its features has no AttnRes counterpart."""

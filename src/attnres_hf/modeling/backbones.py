@@ -53,7 +53,9 @@ records is joined into `BACKBONES` at the bottom of this file), declaring:
   masks per `layer_types`); `record_outputs` (`_can_record_outputs` entries, e.g. MoE `router_logits`);
   `aux_loss` (MoE load balancing: `aux_loss(config, router_logits, attention_mask) -> scalar`, added to the LM loss
   times `config.router_aux_loss_coef` when `output_router_logits`); `check_config` (refusals, with the reason);
-  `gguf_architecture` / `gguf_permuted_qk` (llama.cpp's layout of the family, if transformers' GGUF loader reads it).
+  `gguf_architecture` / `gguf_permuted_qk` / `gguf_norm_offset` (llama.cpp's layout of the family, if transformers'
+  GGUF loader reads it: its `general.architecture`, whether its q/k rows are interleaved per head, and the constant
+  llama.cpp adds to every `*norm.weight`, 1 for Gemma's `(1 + w)` norms).
 
 Travels with checkpoints as remote code (a relative import of `modeling_attnres.py`): imports only torch,
 transformers and its siblings.
@@ -303,6 +305,7 @@ class BackboneAdapter:
     check_config: Callable = _no_check
     gguf_architecture: str | None = None
     gguf_permuted_qk: bool = False
+    gguf_norm_offset: float = 0.0
     tested: str = ""  # kept for compatibility; what is tested is the README's table (checked by test_backbones)
 
     def can_record_outputs(self) -> dict:
@@ -357,7 +360,7 @@ _DENSE = (
         "phi3", Phi3Config, phi3.Phi3ForCausalLM, phi3.Phi3PreTrainedModel, phi3.Phi3DecoderLayer,
         norm=phi3.Phi3RMSNorm, rotary=phi3.Phi3RotaryEmbedding, attention_class=phi3.Phi3Attention,
         attention=SubLayer("self_attn", "input_layernorm", post=("resid_attn_dropout",)),
-        mlp=SubLayer("mlp", "post_attention_layernorm", post=("resid_mlp_dropout",)),
+        mlp=SubLayer("mlp", "post_attention_layernorm", post=("resid_mlp_dropout",)), gguf_architecture="phi3",
         key_value_inputs=KeyValueInputs(fused="qkv_proj", fused_sizes=lambda config: (
             config.num_attention_heads * _head_dim(config), config.num_key_value_heads * _head_dim(config),
             config.num_key_value_heads * _head_dim(config))),
@@ -365,14 +368,15 @@ _DENSE = (
     BackboneAdapter(
         "gemma2", Gemma2Config, gemma2.Gemma2ForCausalLM, gemma2.Gemma2PreTrainedModel, gemma2.Gemma2DecoderLayer,
         norm=gemma2.Gemma2RMSNorm, rotary=gemma2.Gemma2RotaryEmbedding, attention_class=gemma2.Gemma2Attention,
-        embedding=scaled_embedding(gemma2.Gemma2TextScaledWordEmbedding), logits=soft_capped_logits, **_SANDWICH_LAYOUT,
+        embedding=scaled_embedding(gemma2.Gemma2TextScaledWordEmbedding), logits=soft_capped_logits,
+        gguf_architecture="gemma2", gguf_norm_offset=1.0, **_SANDWICH_LAYOUT,
     ),
     BackboneAdapter(
         "gemma3_text", Gemma3TextConfig, gemma3.Gemma3ForCausalLM, gemma3.Gemma3PreTrainedModel,
         gemma3.Gemma3DecoderLayer, norm=gemma3.Gemma3RMSNorm, rotary=gemma3.Gemma3RotaryEmbedding,
         attention_class=gemma3.Gemma3Attention, position_embeddings=per_type_position_embeddings,
         embedding=scaled_embedding(gemma3.Gemma3TextScaledWordEmbedding), logits=soft_capped_logits,
-        check_config=_check_gemma3, **_SANDWICH_LAYOUT,
+        check_config=_check_gemma3, gguf_architecture="gemma3", gguf_norm_offset=1.0, **_SANDWICH_LAYOUT,
     ),
 )
 

@@ -185,13 +185,13 @@ MOE_BACKBONES = (
     BackboneAdapter(
         "qwen3_moe", Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.Qwen3MoePreTrainedModel,
         qwen3_moe.Qwen3MoeDecoderLayer, norm=qwen3_moe.Qwen3MoeRMSNorm, rotary=qwen3_moe.Qwen3MoeRotaryEmbedding,
-        attention_class=qwen3_moe.Qwen3MoeAttention, tested=_TESTED,
+        attention_class=qwen3_moe.Qwen3MoeAttention, tested=_TESTED, gguf_architecture="qwen3moe",
         **EXPERT_ROUTING["qwen3_moe"].adapter_fields(), **_LAYOUT,
     ),
     BackboneAdapter(
         "qwen2_moe", Qwen2MoeConfig, qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe.Qwen2MoePreTrainedModel,
         qwen2_moe.Qwen2MoeDecoderLayer, norm=qwen2_moe.Qwen2MoeRMSNorm, rotary=qwen2_moe.Qwen2MoeRotaryEmbedding,
-        attention_class=qwen2_moe.Qwen2MoeAttention, tested=_TESTED,
+        attention_class=qwen2_moe.Qwen2MoeAttention, tested=_TESTED, gguf_architecture="qwen2moe",
         **EXPERT_ROUTING["qwen2_moe"].adapter_fields(), **_LAYOUT,
     ),
     BackboneAdapter(
