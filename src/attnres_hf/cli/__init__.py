@@ -1,6 +1,6 @@
 """The `attnres` command: one module per command family, each adding its sub-commands to one argparse tree.
 
-- `attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file).
+- `attnres convert SOURCE OUTPUT_DIR`: retrofit a checkpoint of a supported family (HF folder or GGUF file).
 - `attnres train MODEL --data FILES --method METHOD --output-dir D`: fine-tune with `Trainer`.
 - `attnres eval MODEL` (and `eval prepare-data`, `eval tasks`, `eval perplexity`), `attnres lm-eval ...`: lm-eval.
 - `attnres routing MODEL --text ...` (and `routing compare`, `routing dynamics`): read the depth routing.

@@ -1,4 +1,5 @@
-"""`attnres convert SOURCE OUTPUT_DIR`: retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF folder or GGUF file)."""
+"""`attnres convert SOURCE OUTPUT_DIR`: retrofit a checkpoint of a supported family (HF folder or GGUF file;
+`attnres_hf.conversion.SUPPORTED_MODEL_TYPES`, `conversion.families.GGUF_ARCHITECTURES`)."""
 
 import argparse
 

@@ -147,7 +147,8 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
 def load_source(
     source: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """Load a Llama/Mistral/Qwen2/Qwen3 causal LM from an HF folder or a GGUF file in `dtype`.
+    """Load a causal LM of a supported family (`SUPPORTED_MODEL_TYPES`) from an HF folder or a GGUF file (families with
+    a `GGUF_ARCHITECTURES` entry) in `dtype`.
 
     The family and files are checked first (see `load_source_config`). A GGUF file is dequantised by transformers'
     GGUF loader with the config completed from the file, then every weight is compared with the file's own tensor
@@ -227,7 +228,7 @@ def retrofit(
     """Turn a pretrained residual model into an `AttnResForCausalLM` that computes the same logits.
 
     Args:
-        source: a `PreTrainedModel` (Llama, Mistral, Qwen2, Qwen3; a GGUF-loaded one too), an HF folder, or a
+        source: a `PreTrainedModel` of a supported family (a GGUF-loaded one too), an HF folder, or a
             `.gguf` file (or a folder with `gguf_file`).
         dtype: dtype of the result (`torch.float32` when loading from disk; the source's dtype otherwise).
         progress: print a line before the weights are copied.
