@@ -337,7 +337,8 @@ def test_attnres_convert_on_a_kimi_linear_folder_writes_a_verified_folder(source
 def test_attnres_train_recipes_on_an_moe_model(method, tmp_path):
     """Qwen2-MoE (a routed gate `mlp.gate` and a linear `mlp.shared_expert_gate`): `routers` trains the depth routers
     only, never the experts' gates; `lora`'s default targets leave both gates out and its routers travel with the
-    adapter; `full` trains the gates too; the experts' aux loss enters the loss and is logged."""
+    adapter, and `--lora_target_parameters` adds the stacked expert weights; `full` trains the gates too; the experts'
+    aux loss enters the loss and is logged."""
     from safetensors.torch import load_file
 
     from attnres_hf.cli import main
@@ -354,7 +355,8 @@ def test_attnres_train_recipes_on_an_moe_model(method, tmp_path):
     assert main(["train", str(tmp_path / "model"), "--data", str(tmp_path / "train.txt"), "--output-dir", str(out),
                  "--method", method, "--output-router-logits", "true", "--max-steps", "3", "--lr", "1e-2",
                  "--seq-len", "32", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_steps", "3",
-                 "--save_steps", "3", "--disable_tqdm", "true", "--lora_r", "2", "--seed", "0"]) == 0
+                 "--save_steps", "3", "--disable_tqdm", "true", "--lora_r", "2", "--seed", "0",
+                 *(["--lora_target_parameters", "mlp.experts.down_proj"] if method == "lora" else [])]) == 0
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["aux_loss_last"] is not None and summary["aux_loss_last"] > 0
     history = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
@@ -366,6 +368,7 @@ def test_attnres_train_recipes_on_an_moe_model(method, tmp_path):
         adapter = load_file(out / "adapter_model.safetensors")
         wrapped = {k.split(".lora_A")[0] for k in adapter if "lora_A" in k}
         assert wrapped and not [k for k in wrapped if k.endswith(("gate", "shared_expert_gate"))]
+        assert [k for k in adapter if "experts" in k and "lora_B" in k]  # --lora_target_parameters
         assert any(k.endswith("mlp_res.query") for k in adapter)
         return
     after = load_file(out / "model.safetensors")
@@ -375,6 +378,45 @@ def test_attnres_train_recipes_on_an_moe_model(method, tmp_path):
         assert summary["trainable_parameters"] == summary["router_parameters"]
     else:
         assert set(gates) <= changed
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_lora_reaches_the_stacked_expert_weights_when_asked(family):
+    """The experts' weights are `(experts, out, in)` parameters, not linear layers: `lora_target_parameters` adapts
+    them through PEFT's `target_parameters`. At initialisation the logits are the model's; after a step on the
+    adapters the merged model equals the adapted one; a name that is no stacked expert weight (a typo, a linear
+    layer, any name on a dense model) is refused naming the valid ones."""
+    from attnres_hf.training import expert_parameter_names, prepare_model
+
+    model = retrofit(source_model(family), attnres_block_size=2)
+    experts = expert_parameter_names(model)
+    assert set(experts) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    x = ids()
+    with torch.no_grad():
+        reference = model(x).logits
+    torch.manual_seed(0)
+    wrapped = prepare_model(model, "lora", lora_r=2, lora_target_modules=["q_proj"], lora_target_parameters=experts)
+    trainable = [name for name, param in wrapped.named_parameters() if param.requires_grad]
+    assert [name for name in trainable if "experts" in name and "lora_B" in name]
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x).logits, reference, atol=1e-6, rtol=0)  # B = 0: W + 0 (round-off)
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+        adapted = wrapped(x).logits
+    assert (adapted - reference).abs().max() > 1e-4  # the adapters act, on the experts too
+    merged = wrapped.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, adapted, atol=1e-5, rtol=1e-5)
+    for bad in (["mlp.experts.gate_proj"], ["q_proj"], []):
+        with pytest.raises(ValueError, match="lora_target_parameters"):
+            prepare_model(retrofit(source_model(family), attnres_block_size=2), "lora", lora_r=2,
+                          lora_target_parameters=bad)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = retrofit(LlamaForCausalLM(LlamaConfig(**COMMON)), attnres_block_size=2)
+    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+        prepare_model(dense, "lora", lora_r=2, lora_target_parameters=["mlp.experts.down_proj"])
 
 
 def test_kimi_linear_keeps_its_fp32_modules_in_bf16_and_is_stateful(sources, tmp_path):

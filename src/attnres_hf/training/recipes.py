@@ -91,6 +91,35 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
     return list(targets)
 
 
+def expert_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Names (from the layer on, e.g. `mlp.experts.gate_up_proj`) of the stacked mixture-of-experts weights of `model`:
+    parameters of shape `(num_experts, out, in)` that no linear layer holds, so that `target_modules` cannot reach them
+    and PEFT adapts them through `LoraConfig(target_parameters=...)`. Empty for a dense model."""
+    names = [name for name, param in model.named_parameters() if param.dim() == 3]
+    return list(dict.fromkeys(name.split(".layers.", 1)[-1].split(".", 1)[-1] for name in names))
+
+
+def check_lora_target_parameters(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """`targets` if each one ends the path of a stacked expert weight of `model` (`expert_parameter_names`), matched
+    as PEFT matches `target_parameters` (the path equals it or ends with it after a dot).
+
+    Raises:
+        ValueError: an empty list, an empty name, or a target that matches no stacked expert weight, naming the valid
+            ones (none on a dense model). TypeError: `targets` is not a list of strings.
+    """
+    if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+        raise TypeError(f"lora_target_parameters must be a list of parameter names, got {targets!r}")
+    valid = expert_parameter_names(model)
+    paths = [name for name, param in model.named_parameters() if param.dim() == 3]
+    if not targets or not all(t.strip() for t in targets):
+        raise ValueError(f"lora_target_parameters must name at least one parameter; got {list(targets)!r}")
+    unmatched = [t for t in targets if not any(p == t or p.endswith("." + t) for p in paths)]
+    if unmatched:
+        raise ValueError(f"lora_target_parameters not found among this model's stacked expert weights: "
+                         f"{', '.join(unmatched)}; valid names: {', '.join(valid) or 'none (not a mixture-of-experts model)'}")
+    return list(targets)
+
+
 def prepare_model(
     model: PreTrainedModel,
     method: str,
@@ -98,6 +127,7 @@ def prepare_model(
     lora_alpha: int = 32,
     lora_dropout: float = 0.0,
     lora_target_modules: list[str] | str | None = None,
+    lora_target_parameters: list[str] | None = None,
 ):
     """Set which parameters train, for `method` in `METHODS`.
 
@@ -105,13 +135,17 @@ def prepare_model(
     - `lora`: PEFT LoRA on `lora_target_modules` (default `default_lora_targets(model)`: every linear layer but the
       head), with the routers trained in full and saved with the adapter (`modules_to_save`). Returns the
       `PeftModel`. The adapters' initial values are random: seed first (`transformers.set_seed`) for repeatable runs.
+      `lora_target_parameters` (e.g. `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`,
+      `expert_parameter_names`) adds adapters on a mixture-of-experts model's stacked expert weights, which are
+      parameters rather than linear layers (PEFT `target_parameters`); by default the experts are not adapted.
     - `qlora`: `lora` on a 4-bit backbone (load it with `load_kwargs("qlora")`), after PEFT's
       `prepare_model_for_kbit_training`; the depth-mixing modules are unquantized fp32 and train in full.
     - `full`: everything.
 
     Raises:
         ValueError: an unknown method, `routers` on a model without routers, `qlora` on a model not loaded in 4 bits,
-            a LoRA target that matches no module (see `check_lora_targets`), or LoRA settings out of range.
+            a LoRA target that matches no module (see `check_lora_targets`) or no stacked expert weight
+            (`check_lora_target_parameters`), or LoRA settings out of range.
             TypeError: `model` is not a `PreTrainedModel`.
     """
     if not isinstance(model, PreTrainedModel):
@@ -138,6 +172,8 @@ def prepare_model(
             lora_alpha=lora_alpha,
             lora_dropout=lora_dropout,
             target_modules=check_lora_targets(model, targets),
+            target_parameters=(None if lora_target_parameters is None
+                               else check_lora_target_parameters(model, lora_target_parameters)),
             modules_to_save=list(ROUTER_MODULES) if _has_router_parameters(model) else None,
         )
         return get_peft_model(model, config)

@@ -23,7 +23,15 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .._checks import check_fraction, check_int, check_model_source, check_paths
 from .data import packed_lm_dataset
-from .recipes import METHODS, check_lora_settings, check_lora_targets, is_router_parameter, load_kwargs, prepare_model
+from .recipes import (
+    METHODS,
+    check_lora_settings,
+    check_lora_target_parameters,
+    check_lora_targets,
+    is_router_parameter,
+    load_kwargs,
+    prepare_model,
+)
 
 
 @dataclass
@@ -46,6 +54,9 @@ class AttnResArguments:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "module names (default: every linear layer but the head); each must exist"})
+    lora_target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "mixture-of-experts models: stacked expert weights to adapt as well, e.g. "
+                                "mlp.experts.gate_up_proj mlp.experts.down_proj (default: none)"})
     entropy_batches: int = field(default=4, metadata={"help": "eval batches used for the depth-weight entropy"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
     trust_remote_code: bool = False
@@ -81,6 +92,18 @@ class AttnResArguments:
             if not names or not all(name.strip() for name in names):
                 raise ValueError("lora_target_modules must name at least one module, and no name may be empty "
                                  f"(leave it unset for every linear layer but the head); got {self.lora_target_modules!r}")
+        if self.lora_target_parameters is not None:
+            if isinstance(self.lora_target_parameters, tuple):
+                self.lora_target_parameters = list(self.lora_target_parameters)
+            if not isinstance(self.lora_target_parameters, list) or not all(
+                    isinstance(t, str) for t in self.lora_target_parameters):
+                raise TypeError(f"lora_target_parameters must be a list of parameter names, got "
+                                f"{self.lora_target_parameters!r}")
+            if not self.lora_target_parameters or not all(t.strip() for t in self.lora_target_parameters):
+                raise ValueError("lora_target_parameters must name at least one parameter, and no name may be empty; "
+                                 f"got {self.lora_target_parameters!r}")
+            if self.method not in ("lora", "qlora"):
+                raise ValueError(f"lora_target_parameters applies to --method lora or qlora, not {self.method!r}")
 
 
 def depth_entropy(model, batches) -> dict:
@@ -191,10 +214,13 @@ def _check_before_loading(args: AttnResArguments) -> None:
     if args.output_router_logits and not hasattr(config, "router_aux_loss_coef"):
         raise ValueError(f"output_router_logits: {args.model} has no mixture-of-experts load-balancing loss "
                          f"(model_type {config.model_type!r} has no router_aux_loss_coef)")
-    if args.method in ("lora", "qlora") and args.lora_target_modules is not None:
+    if args.method in ("lora", "qlora") and (args.lora_target_modules, args.lora_target_parameters) != (None, None):
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
-        check_lora_targets(skeleton, args.lora_target_modules)
+        if args.lora_target_modules is not None:
+            check_lora_targets(skeleton, args.lora_target_modules)
+        if args.lora_target_parameters is not None:
+            check_lora_target_parameters(skeleton, args.lora_target_parameters)
 
 
 def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: list | None = None) -> dict:
@@ -244,7 +270,8 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     )
     if args.output_router_logits is not None:  # the MoE load-balancing loss enters the training loss (or not)
         model.config.output_router_logits = args.output_router_logits
-    model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
+                          args.lora_target_parameters)
 
     trainer = AttnResTrainer(
         model=model,
