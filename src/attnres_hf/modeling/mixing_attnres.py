@@ -221,6 +221,75 @@ class _SourceInverseRMS(torch.autograd.Function):
         return None, None, None, grad_source.to(ctx.buffer.dtype)
 
 
+def _merge_partial(partial, mixed, query, lse, eps, key_norm):
+    """Phase 2's arithmetic (see `AttnResRouter._merge`): the partial sum's logit `(B, T)` fp32 (and its `1/RMS`, or
+    `None` without the key norm), the completed sources' share (softmax; `lse` is their log-sum-exp) or the
+    partial sum's sigmoid gate (`lse` is `None`), and the merged router output `(B, T, D)` in the stream dtype."""
+    values = _as(partial, query.dtype)  # fp32 (the folded query's dtype)
+    logit = values @ query
+    inv = torch.rsqrt(values.pow(2).mean(-1) + eps) if key_norm else None  # `inverse_rms`
+    if inv is not None:
+        logit = logit * inv
+    if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
+        share = torch.sigmoid(logit)
+        hidden = mixed + _as(share.unsqueeze(-1), partial.dtype) * partial
+    else:  # softmax: the completed sources keep sigmoid(lse - p) of the mass (online-softmax update)
+        share = torch.sigmoid(lse - logit)
+        hidden = torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+    return hidden, logit, inv, share
+
+
+class _PartialMerge(torch.autograd.Function):
+    """Phase 2 of two-phase block inference with gradients (`_merge_partial`), saving for backward the partial sum
+    and per-token scalars only: not the completed sources' weighted sum `mixed` (one `(B, T, D)` per router), which
+    the softmax backward recomputes from the source buffer and the router's phase-1 weights (`weights`, `(B, T, n)`
+    in the buffer's dtype; one small product per router). Returns the merged output and the partial sum's logit
+    (differentiable, for the depth weights).
+
+    Backward (`g`: the gradient of `h`; `s`: the share; `p`: the logit; `r = 1/RMS(partial)`; `q`: the folded query):
+    softmax `dL/ds = g . (mixed - partial)`, `dL/dp = -s (1 - s) dL/ds = -dL/dlse`, `dL/dpartial = (1 - s) g + ...`,
+    `dL/dmixed = s g`; sigmoid `dL/dp = s (1 - s) g . partial`, `dL/dpartial = s g + ...`, `dL/dmixed = g`; then
+    through `p = r (partial . q)`: `dL/dq = sum_t dL/dp r partial`, `dL/dpartial += dL/dp (r q - p r^2 partial / D)`.
+    """
+
+    @staticmethod
+    def forward(ctx, buffer, n, weights, partial, mixed, query, lse, eps, key_norm):
+        hidden, logit, inv, share = _merge_partial(partial, mixed, query, lse, eps, key_norm)
+        ctx.buffer, ctx.n, ctx.softmax = buffer, n, lse is not None
+        ctx.save_for_backward(weights, partial, query, logit, inv, share)
+        ctx.set_materialize_grads(False)
+        return hidden, logit
+
+    @staticmethod
+    def backward(ctx, grad_hidden, grad_logit):
+        weights, partial, query, logit, inv, share = ctx.saved_tensors
+        values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
+        grad_partial = grad_mixed = grad_lse = None
+        grad_p = grad_logit if grad_logit is not None else torch.zeros_like(logit)
+        if grad_hidden is not None:
+            grad = _as(grad_hidden, query.dtype)
+            if ctx.softmax:
+                mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)  # forward's value, recomputed
+                grad_share = (grad * (_as(mixed, query.dtype) - values)).sum(-1)
+                grad_lse = grad_share * share * (1 - share)
+                grad_p = grad_p - grad_lse
+                grad_partial, grad_mixed = grad * (1 - share).unsqueeze(-1), grad * share.unsqueeze(-1)
+            else:
+                grad_p = grad_p + (grad * values).sum(-1) * share * (1 - share)
+                grad_partial, grad_mixed = grad * share.unsqueeze(-1), grad
+        if inv is not None:  # p = r (partial . q) with r = (mean(partial^2) + eps)^(-1/2)
+            coefficient = grad_p * inv
+            grad_values = (coefficient.unsqueeze(-1) * query
+                           - (coefficient * logit * inv / values.shape[-1]).unsqueeze(-1) * values)
+        else:
+            coefficient = grad_p
+            grad_values = coefficient.unsqueeze(-1) * query
+        grad_query = coefficient.reshape(-1) @ values.reshape(-1, values.shape[-1])
+        grad_partial = grad_values if grad_partial is None else grad_partial + grad_values
+        grad_mixed = None if grad_mixed is None else _as(grad_mixed, ctx.buffer.dtype)
+        return None, None, None, _as(grad_partial, partial.dtype), grad_mixed, grad_query, grad_lse, None, None
+
+
 def _per_source(grad_values, ctx, n):
     """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
     if grad_values is None:
@@ -540,20 +609,23 @@ class AttnResRouter(nn.Module):
         count = len(state.sources)
         if partial is None:  # the block's first sub-layer: the completed sources only
             hidden, weights = mixed, probs
+            if torch.is_grad_enabled() and mixed.requires_grad:  # its own storage: the sub-layer's norm saves it,
+                hidden = mixed.clone()  # which must not keep the block's whole (B, T, S, D) phase-1 sum alive
         else:
             count += 1
-            logit = self._partial_logit(partial, phase1.queries[j], state.eps)
             lse = phase1.lse[j] if phase1.lse is not None else None
-            if self.score_fn == "sigmoid":
-                gate = torch.sigmoid(logit)
-                hidden = mixed + _as(gate.unsqueeze(-1), partial.dtype) * partial
-                weights = torch.cat([probs, gate[..., None]], dim=-1) if state.keep_weights else None
+            arguments = (partial, mixed, phase1.queries[j], lse, state.eps, self.key_norm is not None)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
+                weights = _as(probs, state.buffer.dtype)  # phase 1's mixing weights, to recompute `mixed`
+                hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), weights, *arguments)
             else:
-                completed_share = torch.sigmoid(lse - logit)
-                hidden = torch.lerp(partial, mixed, _as(completed_share.unsqueeze(-1), partial.dtype))
-                weights = None
-                if state.keep_weights:
-                    partial_share = torch.sigmoid(logit - lse)
+                hidden, logit, _, _ = _merge_partial(*arguments)
+            weights = None
+            if state.keep_weights:
+                if lse is None:
+                    weights = torch.cat([probs, torch.sigmoid(logit)[..., None]], dim=-1)
+                else:
+                    completed_share, partial_share = torch.sigmoid(lse - logit), torch.sigmoid(logit - lse)
                     weights = torch.cat([probs * completed_share.unsqueeze(-1), partial_share.unsqueeze(-1)], dim=-1)
         if self.rescale_output:
             hidden = hidden * (2.0 if self.score_fn == "sigmoid" else float(count))
