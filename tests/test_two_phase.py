@@ -180,9 +180,11 @@ def test_full_attnres_saves_sources_once_linear_in_depth(monkeypatch):
 
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("key_norm", [True, False], ids=["key-norm", "no-key-norm"])
-def test_partial_merge_function_passes_gradcheck(score_fn, key_norm):
+def test_partial_merge_function_passes_gradcheck(score_fn, key_norm, monkeypatch):
     """`_PartialMerge` (phase 2 with gradients, recomputing the completed sources' weighted sum in backward): its
-    backward is the derivative of its forward, for the merged output and the partial sum's logit, in float64."""
+    backward is the derivative of its forward, for the merged output and the partial sum's logit, in float64 (the
+    key norm's statistics too: `inverse_rms` computes in fp32 otherwise)."""
+    monkeypatch.setattr(mixing_attnres, "inverse_rms", lambda x, eps: torch.rsqrt(x.pow(2).mean(-1) + eps))
     generator = torch.Generator().manual_seed(0)
     n, batch, seq, dim = 3, 2, 3, 8
     buffer = torch.randn(n + 2, batch, seq, dim, generator=generator, dtype=torch.float64)  # slot n: not read

@@ -5,6 +5,7 @@ Travels with checkpoints as remote code (a relative import of `depth_mixing.py`)
 its sibling `mixing_base.py`.
 """
 
+from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -225,9 +226,8 @@ def _merge_partial(partial, mixed, query, lse, eps, key_norm):
     """Phase 2's arithmetic (see `AttnResRouter._merge`): the partial sum's logit `(B, T)` fp32 (and its `1/RMS`, or
     `None` without the key norm), the completed sources' share (softmax; `lse` is their log-sum-exp) or the
     partial sum's sigmoid gate (`lse` is `None`), and the merged router output `(B, T, D)` in the stream dtype."""
-    values = _as(partial, query.dtype)  # fp32 (the folded query's dtype)
-    logit = values @ query
-    inv = torch.rsqrt(values.pow(2).mean(-1) + eps) if key_norm else None  # `inverse_rms`
+    logit = _as(partial, query.dtype) @ query
+    inv = inverse_rms(partial, eps) if key_norm else None
     if inv is not None:
         logit = logit * inv
     if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
@@ -320,7 +320,9 @@ class Phase1(NamedTuple):
       running max and normaliser reduce to);
     - `mixed`: `(B, T, S, D)` in the stream dtype: `sum_i probs_i v_i`, the completed sources' share of each router's
       output before the partial sum joins;
-    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in).
+    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in);
+    - `bank`: `(2 L, D)` fp32, the model's query bank (`_query_bank`), of which `queries` are the block's rows;
+    - `eps`: the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); both made once per forward.
 
     Each is kept as a tuple of the `S` routers' views (`unbind`), which a merge picks by position.
     """
@@ -331,6 +333,17 @@ class Phase1(NamedTuple):
     probs: tuple[torch.Tensor, ...]
     lse: tuple[torch.Tensor, ...] | None
     mixed: tuple[torch.Tensor, ...]
+    bank: torch.Tensor
+    eps: torch.Tensor
+
+
+def _query_bank(routers) -> torch.Tensor:
+    """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1."""
+    bank = _as(torch.stack([r.query for r in routers]), torch.float32)
+    if routers[0].key_norm is not None:
+        bank = bank * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
+    return bank
 
 
 class AttnResState(NamedTuple):
@@ -370,8 +383,8 @@ class AttnResState(NamedTuple):
         per-block query bank (without it, every router takes the direct path: same numbers)."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
         routers = ()
-        if model is not None:
-            routers = tuple(router for layer in model.layers[: config.num_hidden_layers]
+        if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
+            routers = tuple(router for layer in islice(model.layers, config.num_hidden_layers)
                             for router in registered_modules(layer, AttnResLayerModules))
         if not _two_phase_applies(config):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
@@ -386,15 +399,19 @@ class AttnResState(NamedTuple):
 
     def _start_block(self) -> "AttnResState":
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
-        sources, one product for the scores and one for the weighted sums (`Phase1`)."""
+        sources, one product for the scores and one for the weighted sums (`Phase1`). The first block makes the
+        model's query bank and the epsilon tensor; each `Phase1` hands them to the next block."""
         start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
-        routers = self.routers[start:stop]
-        if self.block_size == 1 or not routers or not all(type(r) is AttnResRouter for r in routers):
+        if self.block_size == 1 or start >= stop:
             return self._replace(phase1=None)
-        key_norm, score_fn = routers[0].key_norm is not None, routers[0].score_fn
-        queries = _as(torch.stack([r.query for r in routers]), torch.float32)  # (S, D): the block's query bank
-        if key_norm:  # fold each router's key-norm weight into its query (see `AttnResRouter._logits`)
-            queries = queries * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
+        if self.phase1 is not None:
+            bank, eps = self.phase1.bank, self.phase1.eps
+        elif all(type(r) is AttnResRouter for r in self.routers):
+            bank, eps = _query_bank(self.routers), torch.full((), self.eps, device=self.buffer.device)
+        else:  # routers wrapped by another library (PEFT's modules_to_save): the direct path, the same numbers
+            return self._replace(phase1=None)
+        queries = bank[start:stop]  # (S, D): the block's query bank
+        key_norm, score_fn = self.routers[start].key_norm is not None, self.routers[start].score_fn
         n = len(self.sources)
         logits = _read_sources(_SourceScores, _scores, self.buffer, n, queries, self.sources)  # (B, T, S, n)
         if key_norm:
@@ -405,7 +422,7 @@ class AttnResState(NamedTuple):
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
         mixed = _read_sources(_SourceMix, _mix, self.buffer, n, _as(probs, self.buffer.dtype), self.sources)
         return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
-                                           None if lse is None else lse.unbind(-1), mixed.unbind(-2)))
+                                           None if lse is None else lse.unbind(-1), mixed.unbind(-2), bank, eps))
 
     def begin_sublayer(self) -> "AttnResState":
         """Close the current block when the next sub-layer starts a new one (Eq. 6: `b_n^0` is no source)."""
@@ -415,7 +432,8 @@ class AttnResState(NamedTuple):
         slot, partial = len(self.sources), self.partial
         if self.buffer is not None:
             _write_slot(self.buffer, slot, partial)
-            inv, stacked = _source_inverse_rms(self.buffer, slot, self.eps, partial), None
+            eps = self.phase1.eps if self.phase1 is not None else self.eps
+            inv, stacked = _source_inverse_rms(self.buffer, slot, eps, partial), None
         else:
             inv = inverse_rms(partial, self.eps)
             stacked = torch.cat([self.stacked, partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
@@ -614,7 +632,7 @@ class AttnResRouter(nn.Module):
         else:
             count += 1
             lse = phase1.lse[j] if phase1.lse is not None else None
-            arguments = (partial, mixed, phase1.queries[j], lse, state.eps, self.key_norm is not None)
+            arguments = (partial, mixed, phase1.queries[j], lse, phase1.eps, self.key_norm is not None)
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
                 weights = _as(probs, state.buffer.dtype)  # phase 1's mixing weights, to recompute `mixed`
                 hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), weights, *arguments)
