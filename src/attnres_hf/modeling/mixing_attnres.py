@@ -621,7 +621,9 @@ class AttnResRouter(nn.Module):
         Softmax: with `lse` the log-sum-exp of the completed sources' logits and `p` the partial sum's logit, the
         completed sources keep the share `sigmoid(lse - p)` of the softmax mass and the partial sum gets
         `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
-        max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`.
+        max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`. With gradients
+        the merge is `_PartialMerge`, which keeps the partial sum for backward but not `mixed_j` (recomputed), so a
+        block's training memory is one partial sum per router more than the residual stream's.
         """
         probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
         count = len(state.sources)
@@ -634,8 +636,8 @@ class AttnResRouter(nn.Module):
             lse = phase1.lse[j] if phase1.lse is not None else None
             arguments = (partial, mixed, phase1.queries[j], lse, phase1.eps, self.key_norm is not None)
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
-                weights = _as(probs, state.buffer.dtype)  # phase 1's mixing weights, to recompute `mixed`
-                hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), weights, *arguments)
+                mix_weights = _as(probs, state.buffer.dtype)  # phase 1's, for backward to recompute `mixed`
+                hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
             else:
                 hidden, logit, _, _ = _merge_partial(*arguments)
             weights = None
