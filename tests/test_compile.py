@@ -85,3 +85,17 @@ def test_every_depth_mixing_traces_as_one_graph(depth_mixing, input_ids):
         eager = model(input_ids, output_depth_weights=True).logits
         captured = torch.compile(model, fullgraph=True, backend="eager")(input_ids, output_depth_weights=True).logits
     torch.testing.assert_close(captured, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_training_step_has_no_graph_break_and_gives_the_eager_gradients(input_ids):
+    """Training through the source buffer's autograd Functions and the two-phase merge (`_PartialMerge`) under
+    `torch.compile(fullgraph=True)` (aot_eager: dynamo's capture of the Functions and AOTAutograd's joint graph,
+    without inductor's C++ build): the eager gradients."""
+    torch._dynamo.reset()
+    model = tiny_model(attnres_block_size=2, num_hidden_layers=2).train()
+    model(input_ids, labels=input_ids).loss.backward()
+    eager = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids, labels=input_ids).loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, eager[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnres_hf.modeling import mixing_attnres
-from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState
+from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState, naive_attnres
 from utils import TINY, tiny_model
 
 KNOBS = {
@@ -176,3 +176,88 @@ def test_full_attnres_saves_sources_once_linear_in_depth(monkeypatch):
     assert second == first, growth  # linear in depth
     assert first <= 4 * source, growth  # about one source (its buffer slot) per sub-layer
     assert growth["stacked"][1] > 1.2 * growth["stacked"][0] > first, growth  # the copies per router: quadratic
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("key_norm", [True, False], ids=["key-norm", "no-key-norm"])
+def test_partial_merge_function_passes_gradcheck(score_fn, key_norm, monkeypatch):
+    """`_PartialMerge` (phase 2 with gradients, recomputing the completed sources' weighted sum in backward): its
+    backward is the derivative of its forward, for the merged output and the partial sum's logit, in float64 (the
+    key norm's statistics too: `inverse_rms` computes in fp32 otherwise)."""
+    monkeypatch.setattr(mixing_attnres, "inverse_rms", lambda x, eps: torch.rsqrt(x.pow(2).mean(-1) + eps))
+    generator = torch.Generator().manual_seed(0)
+    n, batch, seq, dim = 3, 2, 3, 8
+    buffer = torch.randn(n + 2, batch, seq, dim, generator=generator, dtype=torch.float64)  # slot n: not read
+    weights = torch.randn(batch, seq, n, generator=generator, dtype=torch.float64).softmax(-1)
+    mixed = mixing_attnres._mix(buffer[:n], weights.unsqueeze(-2)).squeeze(-2).requires_grad_()
+    partial = torch.randn(batch, seq, dim, generator=generator, dtype=torch.float64, requires_grad=True)
+    query = torch.randn(dim, generator=generator, dtype=torch.float64, requires_grad=True)
+    lse = None if score_fn == "sigmoid" else torch.randn(batch, seq, generator=generator, dtype=torch.float64,
+                                                           requires_grad=True)
+
+    def merge(partial, mixed, query, *lse):
+        return mixing_attnres._PartialMerge.apply(buffer, n, weights, partial, mixed, query, *(lse or (None,)),
+                                                  1e-5, key_norm)
+
+    inputs = (partial, mixed, query) + (() if lse is None else (lse,))
+    assert torch.autograd.gradcheck(merge, inputs)
+    plain = mixing_attnres._merge_partial(partial, mixed, query, lse, 1e-5, key_norm)[:2]
+    for ours, theirs in zip(merge(*inputs), plain, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [2, 4], ids=["block2", "block4"])
+def test_two_phase_gradients_equal_naive_attnres(block_size, input_ids, monkeypatch):
+    """Outputs and every gradient of the two-phase path (phase 1, `_PartialMerge`) against a model whose routers are
+    `naive_attnres` over the explicit list of sources (completed blocks, then the partial sum; plain autograd)."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(4))
+    fast_logits, _, fast = run(model, input_ids, projection)
+
+    def naive(router, state):
+        sources = list(state.sources) + ([state.partial] if state.partial is not None else [])
+        hidden, weights = naive_attnres(sources, router.query, router.key_norm.weight, state.eps)
+        return hidden.to(sources[0].dtype), weights
+
+    with path("stacked", monkeypatch):
+        monkeypatch.setattr(AttnResRouter, "forward", naive)
+        naive_logits, _, reference = run(model, input_ids, projection)
+    torch.testing.assert_close(fast_logits, naive_logits, atol=1e-5, rtol=1e-5)
+    assert fast.keys() == reference.keys()
+    for name, grad in fast.items():  # fp32 round-off of two different orders of summation
+        scale = reference[name].abs().max().item()
+        torch.testing.assert_close(grad, reference[name], atol=1e-4 * scale + 1e-8, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("knobs", ["default", "sigmoid"])
+def test_two_phase_gradients_in_bf16_stay_close_to_fp32(knobs, input_ids, monkeypatch):
+    """bf16 training through phase 1 and `_PartialMerge` (fp32 arithmetic inside, bf16 gradients out): finite, and
+    no farther from the fp32 gradients than the stacked path's plain autograd in bf16."""
+    model = tiny_model(attnres_block_size=2, **KNOBS[knobs]).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(5))
+    _, _, exact = run(model, input_ids, projection)
+    model = model.to(torch.bfloat16)
+    errors = {}
+    for name in ("two-phase", "stacked"):
+        with path(name, monkeypatch):
+            _, _, grads = run(model, input_ids, projection)
+        assert all(torch.isfinite(g).all() for g in grads.values()), name
+        errors[name] = max(((g.float() - exact[k]).norm() / exact[k].norm().clamp_min(1e-6)).item()
+                           for k, g in grads.items())
+    assert errors["two-phase"] <= 1.5 * errors["stacked"] + 1e-3, errors
+
+
+def test_block_attnres_saves_one_partial_sum_per_router(input_ids):
+    """Block AttnRes keeps for backward, beyond what the residual model keeps, one partial block sum per router that
+    merges one (their logits and key norms need them) and the source buffer: not each router's weighted sum of the
+    completed sources, nor the block's phase-1 result behind the first router's output."""
+    input_ids = torch.randint(3, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    source = input_ids.numel() * 64 * 4
+    for layers, block_size in ((4, 4), (6, 4), (4, 2)):
+        block = tiny_model(attnres_block_size=block_size, num_hidden_layers=layers, hidden_size=64).train()
+        residual = tiny_model(depth_mixing="residual", num_hidden_layers=layers, hidden_size=64).train()
+        sublayers, blocks = 2 * layers, -(-2 * layers // block_size)
+        partials = sublayers - blocks + 1  # every router but a block's first, and the final router
+        slots = 1 + (sublayers - 1) // block_size  # the embedding and every block closed before the end
+        extra = saved_source_bytes(block, input_ids) - saved_source_bytes(residual, input_ids)
+        assert extra <= (partials + slots) * source, (layers, block_size, extra / source)

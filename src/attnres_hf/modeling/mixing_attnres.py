@@ -5,6 +5,7 @@ Travels with checkpoints as remote code (a relative import of `depth_mixing.py`)
 its sibling `mixing_base.py`.
 """
 
+from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -221,6 +222,74 @@ class _SourceInverseRMS(torch.autograd.Function):
         return None, None, None, grad_source.to(ctx.buffer.dtype)
 
 
+def _merge_partial(partial, mixed, query, lse, eps, key_norm):
+    """Phase 2's arithmetic (see `AttnResRouter._merge`): the partial sum's logit `(B, T)` fp32 (and its `1/RMS`, or
+    `None` without the key norm), the completed sources' share (softmax; `lse` is their log-sum-exp) or the
+    partial sum's sigmoid gate (`lse` is `None`), and the merged router output `(B, T, D)` in the stream dtype."""
+    logit = _as(partial, query.dtype) @ query
+    inv = inverse_rms(partial, eps) if key_norm else None
+    if inv is not None:
+        logit = logit * inv
+    if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
+        share = torch.sigmoid(logit)
+        hidden = mixed + _as(share.unsqueeze(-1), partial.dtype) * partial
+    else:  # softmax: the completed sources keep sigmoid(lse - p) of the mass (online-softmax update)
+        share = torch.sigmoid(lse - logit)
+        hidden = torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+    return hidden, logit, inv, share
+
+
+class _PartialMerge(torch.autograd.Function):
+    """Phase 2 of two-phase block inference with gradients (`_merge_partial`), saving for backward the partial sum
+    and per-token scalars only: not the completed sources' weighted sum `mixed` (one `(B, T, D)` per router), which
+    the softmax backward recomputes from the source buffer and the router's phase-1 weights (`weights`, `(B, T, n)`
+    in the buffer's dtype; one small product per router). Returns the merged output and the partial sum's logit
+    (differentiable, for the depth weights).
+
+    Backward (`g`: the gradient of `h`; `s`: the share; `p`: the logit; `r = 1/RMS(partial)`; `q`: the folded query):
+    softmax `dL/ds = g . (mixed - partial)`, `dL/dp = -s (1 - s) dL/ds = -dL/dlse`, `dL/dpartial = (1 - s) g + ...`,
+    `dL/dmixed = s g`; sigmoid `dL/dp = s (1 - s) g . partial`, `dL/dpartial = s g + ...`, `dL/dmixed = g`; then
+    through `p = r (partial . q)`: `dL/dq = sum_t dL/dp r partial`, `dL/dpartial += dL/dp (r q - p r^2 partial / D)`.
+    """
+
+    @staticmethod
+    def forward(ctx, buffer, n, weights, partial, mixed, query, lse, eps, key_norm):
+        hidden, logit, inv, share = _merge_partial(partial, mixed, query, lse, eps, key_norm)
+        ctx.buffer, ctx.n, ctx.softmax = buffer, n, lse is not None
+        ctx.save_for_backward(weights, partial, query, logit, inv, share)
+        ctx.set_materialize_grads(False)
+        return hidden, logit
+
+    @staticmethod
+    def backward(ctx, grad_hidden, grad_logit):
+        weights, partial, query, logit, inv, share = ctx.saved_tensors
+        values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
+        grad_partial = grad_mixed = grad_lse = None
+        grad_p = grad_logit if grad_logit is not None else torch.zeros_like(logit)
+        if grad_hidden is not None:
+            grad = _as(grad_hidden, query.dtype)
+            if ctx.softmax:
+                mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)  # forward's value, recomputed
+                grad_share = (grad * (_as(mixed, query.dtype) - values)).sum(-1)
+                grad_lse = grad_share * share * (1 - share)
+                grad_p = grad_p - grad_lse
+                grad_partial, grad_mixed = grad * (1 - share).unsqueeze(-1), grad * share.unsqueeze(-1)
+            else:
+                grad_p = grad_p + (grad * values).sum(-1) * share * (1 - share)
+                grad_partial, grad_mixed = grad * share.unsqueeze(-1), grad
+        if inv is not None:  # p = r (partial . q) with r = (mean(partial^2) + eps)^(-1/2)
+            coefficient = grad_p * inv
+            grad_values = (coefficient.unsqueeze(-1) * query
+                           - (coefficient * logit * inv / values.shape[-1]).unsqueeze(-1) * values)
+        else:
+            coefficient = grad_p
+            grad_values = coefficient.unsqueeze(-1) * query
+        grad_query = coefficient.reshape(-1) @ values.reshape(-1, values.shape[-1])
+        grad_partial = grad_values if grad_partial is None else grad_partial + grad_values
+        grad_mixed = None if grad_mixed is None else _as(grad_mixed, ctx.buffer.dtype)
+        return None, None, None, _as(grad_partial, partial.dtype), grad_mixed, grad_query, grad_lse, None, None
+
+
 def _per_source(grad_values, ctx, n):
     """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
     if grad_values is None:
@@ -251,7 +320,9 @@ class Phase1(NamedTuple):
       running max and normaliser reduce to);
     - `mixed`: `(B, T, S, D)` in the stream dtype: `sum_i probs_i v_i`, the completed sources' share of each router's
       output before the partial sum joins;
-    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in).
+    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in);
+    - `bank`: `(2 L, D)` fp32, the model's query bank (`_query_bank`), of which `queries` are the block's rows;
+    - `eps`: the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); both made once per forward.
 
     Each is kept as a tuple of the `S` routers' views (`unbind`), which a merge picks by position.
     """
@@ -262,6 +333,17 @@ class Phase1(NamedTuple):
     probs: tuple[torch.Tensor, ...]
     lse: tuple[torch.Tensor, ...] | None
     mixed: tuple[torch.Tensor, ...]
+    bank: torch.Tensor
+    eps: torch.Tensor
+
+
+def _query_bank(routers) -> torch.Tensor:
+    """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1."""
+    bank = _as(torch.stack([r.query for r in routers]), torch.float32)
+    if routers[0].key_norm is not None:
+        bank = bank * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
+    return bank
 
 
 class AttnResState(NamedTuple):
@@ -301,8 +383,8 @@ class AttnResState(NamedTuple):
         per-block query bank (without it, every router takes the direct path: same numbers)."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
         routers = ()
-        if model is not None:
-            routers = tuple(router for layer in model.layers[: config.num_hidden_layers]
+        if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
+            routers = tuple(router for layer in islice(model.layers, config.num_hidden_layers)
                             for router in registered_modules(layer, AttnResLayerModules))
         if not _two_phase_applies(config):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
@@ -317,15 +399,19 @@ class AttnResState(NamedTuple):
 
     def _start_block(self) -> "AttnResState":
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
-        sources, one product for the scores and one for the weighted sums (`Phase1`)."""
+        sources, one product for the scores and one for the weighted sums (`Phase1`). The first block makes the
+        model's query bank and the epsilon tensor; each `Phase1` hands them to the next block."""
         start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
-        routers = self.routers[start:stop]
-        if self.block_size == 1 or not routers or not all(type(r) is AttnResRouter for r in routers):
+        if self.block_size == 1 or start >= stop:
             return self._replace(phase1=None)
-        key_norm, score_fn = routers[0].key_norm is not None, routers[0].score_fn
-        queries = _as(torch.stack([r.query for r in routers]), torch.float32)  # (S, D): the block's query bank
-        if key_norm:  # fold each router's key-norm weight into its query (see `AttnResRouter._logits`)
-            queries = queries * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
+        if self.phase1 is not None:
+            bank, eps = self.phase1.bank, self.phase1.eps
+        elif all(type(r) is AttnResRouter for r in self.routers):
+            bank, eps = _query_bank(self.routers), torch.full((), self.eps, device=self.buffer.device)
+        else:  # routers wrapped by another library (PEFT's modules_to_save): the direct path, the same numbers
+            return self._replace(phase1=None)
+        queries = bank[start:stop]  # (S, D): the block's query bank
+        key_norm, score_fn = self.routers[start].key_norm is not None, self.routers[start].score_fn
         n = len(self.sources)
         logits = _read_sources(_SourceScores, _scores, self.buffer, n, queries, self.sources)  # (B, T, S, n)
         if key_norm:
@@ -336,7 +422,7 @@ class AttnResState(NamedTuple):
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
         mixed = _read_sources(_SourceMix, _mix, self.buffer, n, _as(probs, self.buffer.dtype), self.sources)
         return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
-                                           None if lse is None else lse.unbind(-1), mixed.unbind(-2)))
+                                           None if lse is None else lse.unbind(-1), mixed.unbind(-2), bank, eps))
 
     def begin_sublayer(self) -> "AttnResState":
         """Close the current block when the next sub-layer starts a new one (Eq. 6: `b_n^0` is no source)."""
@@ -346,7 +432,8 @@ class AttnResState(NamedTuple):
         slot, partial = len(self.sources), self.partial
         if self.buffer is not None:
             _write_slot(self.buffer, slot, partial)
-            inv, stacked = _source_inverse_rms(self.buffer, slot, self.eps, partial), None
+            eps = self.phase1.eps if self.phase1 is not None else self.eps
+            inv, stacked = _source_inverse_rms(self.buffer, slot, eps, partial), None
         else:
             inv = inverse_rms(partial, self.eps)
             stacked = torch.cat([self.stacked, partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
@@ -534,26 +621,31 @@ class AttnResRouter(nn.Module):
         Softmax: with `lse` the log-sum-exp of the completed sources' logits and `p` the partial sum's logit, the
         completed sources keep the share `sigmoid(lse - p)` of the softmax mass and the partial sum gets
         `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
-        max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`.
+        max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`. With gradients
+        the merge is `_PartialMerge`, which keeps the partial sum for backward but not `mixed_j` (recomputed), so a
+        block's training memory is one partial sum per router more than the residual stream's.
         """
         probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
         count = len(state.sources)
         if partial is None:  # the block's first sub-layer: the completed sources only
             hidden, weights = mixed, probs
+            if torch.is_grad_enabled() and mixed.requires_grad:  # its own storage: the sub-layer's norm saves it,
+                hidden = mixed.clone()  # which must not keep the block's whole (B, T, S, D) phase-1 sum alive
         else:
             count += 1
-            logit = self._partial_logit(partial, phase1.queries[j], state.eps)
             lse = phase1.lse[j] if phase1.lse is not None else None
-            if self.score_fn == "sigmoid":
-                gate = torch.sigmoid(logit)
-                hidden = mixed + _as(gate.unsqueeze(-1), partial.dtype) * partial
-                weights = torch.cat([probs, gate[..., None]], dim=-1) if state.keep_weights else None
+            arguments = (partial, mixed, phase1.queries[j], lse, phase1.eps, self.key_norm is not None)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
+                mix_weights = _as(probs, state.buffer.dtype)  # phase 1's, for backward to recompute `mixed`
+                hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
             else:
-                completed_share = torch.sigmoid(lse - logit)
-                hidden = torch.lerp(partial, mixed, _as(completed_share.unsqueeze(-1), partial.dtype))
-                weights = None
-                if state.keep_weights:
-                    partial_share = torch.sigmoid(logit - lse)
+                hidden, logit, _, _ = _merge_partial(*arguments)
+            weights = None
+            if state.keep_weights:
+                if lse is None:
+                    weights = torch.cat([probs, torch.sigmoid(logit)[..., None]], dim=-1)
+                else:
+                    completed_share, partial_share = torch.sigmoid(lse - logit), torch.sigmoid(logit - lse)
                     weights = torch.cat([probs * completed_share.unsqueeze(-1), partial_share.unsqueeze(-1)], dim=-1)
         if self.rescale_output:
             hidden = hidden * (2.0 if self.score_fn == "sigmoid" else float(count))
