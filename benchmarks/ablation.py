@@ -17,7 +17,7 @@ another setting than the paper's (block size, window, heads), the row says so.
     python benchmarks/ablation.py --preset cpu                # about 35 minutes on 2 CPU cores (34 min measured)
     python benchmarks/ablation.py --preset gpu --device cuda  # larger model and budget
     python benchmarks/ablation.py --preset kimi-linear        # Kimi Linear backbone: baseline vs Block AttnRes S=6
-    python benchmarks/ablation.py --preset long --out results/  # about an hour on 2 CPU cores (below)
+    python benchmarks/ablation.py --preset long --out results/  # 87 min on 2 shared CPU cores (README)
         # 8 layers x 128 (16 sub-layers), a byte-level BPE tokenizer of 4,096 ids trained (`tokenizers`) on the
         # training split, the 11 variants of the paper's Table 4 x 3 seeds x 307K tokens, two runs at a time.
     python benchmarks/ablation.py --prepare-data DATA         # copy SmolLM2's tokenizer.json and the books to DATA
@@ -76,7 +76,8 @@ PRESETS = {
     "cpu": Preset(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, seq_len=128, batch_size=16, steps=360,
                   seeds=3, learning_rate=3e-3, eval_batches=16, max_chars_per_book=None, jobs=2),
     # 8 layers, a 4,096-id BPE trained on the training split, 307K tokens per run, the 11 variants of the paper's
-    # Table 4: sized for about an hour on 2 CPU cores (a 49K-id output layer would cost 3x the rest of the model)
+    # Table 4: 87 min measured on 2 CPU cores shared with other work (a 49K-id output layer would cost 3x the rest
+    # of the model)
     "long": Preset(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, seq_len=128, batch_size=16,
                    steps=150, seeds=3, learning_rate=2e-3, eval_batches=40, max_chars_per_book=None, jobs=2,
                    tokenizer="bpe", vocab_size=4096,
