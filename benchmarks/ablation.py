@@ -38,6 +38,7 @@ import os
 import queue
 import shutil
 import statistics
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
@@ -335,20 +336,24 @@ def train_one(preset, overrides, seed, train_data, val_data, device, progress) -
 _WORKER = {}
 
 
-def _worker_init(preset, device, updates, train, val):
+def _worker_init(preset, device, updates, train, val, parent):
     torch.set_num_threads(1)  # one core per run: no thread oversubscription when runs share the cores
     torch.set_flush_denormal(True)
     torch.backends.cuda.matmul.allow_tf32 = True  # what autocast leaves in fp32
-    _WORKER.update(preset=preset, device=torch.device(device), updates=updates, train=train, val=val,
-                   parent=os.getppid())
+    _WORKER.update(preset=preset, device=torch.device(device), updates=updates, train=train, val=val)
+
+    def exit_with_the_parent():  # the benchmark was stopped (killed): do not train on, or wait, as an orphan
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=exit_with_the_parent, daemon=True).start()
 
 
 def _worker_run(name, seed):
     w = _WORKER
 
     def progress(loss):
-        if os.getppid() != w["parent"]:  # the benchmark was stopped (killed): do not train on as an orphan
-            os._exit(1)
         w["updates"].put((name, seed, loss))
 
     result = train_one(w["preset"], VARIANTS[name].overrides, seed, w["train"], w["val"], w["device"], progress)
@@ -371,24 +376,23 @@ def run_all(names, preset, device, train_data, val_data, on_result=None) -> dict
                     on_result(name, seed, results[name][seed])
             return results
         context = multiprocessing.get_context("spawn")
-        with context.Manager() as manager:
-            updates = manager.Queue()
-            with ProcessPoolExecutor(preset.jobs, mp_context=context, initializer=_worker_init,
-                                     initargs=(preset, str(device), updates, train_data, val_data)) as pool:
-                pending = {pool.submit(_worker_run, name, seed) for name, seed in runs}
-                while pending:
-                    try:
-                        name, seed, loss = updates.get(timeout=0.5)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{name} seed {seed} loss {loss:.3f}")
-                    except queue.Empty:
-                        pass
-                    for future in [f for f in pending if f.done()]:
-                        pending.remove(future)
-                        name, seed, result = future.result()
-                        results[name][seed] = result
-                        if on_result is not None:
-                            on_result(name, seed, result)
+        updates = context.Queue()  # handed to the workers as they start (no manager process to orphan)
+        with ProcessPoolExecutor(preset.jobs, mp_context=context, initializer=_worker_init,
+                                 initargs=(preset, str(device), updates, train_data, val_data, os.getpid())) as pool:
+            pending = {pool.submit(_worker_run, name, seed) for name, seed in runs}
+            while pending:
+                try:
+                    name, seed, loss = updates.get(timeout=0.5)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{name} seed {seed} loss {loss:.3f}")
+                except queue.Empty:
+                    pass
+                for future in [f for f in pending if f.done()]:
+                    pending.remove(future)
+                    name, seed, result = future.result()
+                    results[name][seed] = result
+                    if on_result is not None:
+                        on_result(name, seed, result)
     return results
 
 
@@ -519,8 +523,13 @@ def main(argv=None):
     if (preset.tokenizer == "smollm2" and args.data_dir is not None
             and not Path(args.data_dir, TOKENIZER_FILE).is_file()):
         parser.error(f"--data-dir {args.data_dir} has no {TOKENIZER_FILE}: write it with --prepare-data")
-    if args.out and Path(args.out, "results.json").exists():
-        parser.error(f"{args.out}/results.json exists: choose another --out (results are not overwritten)")
+    for name in ("seeds", "steps", "jobs"):
+        if getattr(preset, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(preset, name)}")
+    kept = [name for name in ("results.json", "runs.jsonl") if args.out and Path(args.out, name).exists()]
+    if kept:
+        parser.error(f"{args.out} already holds {', '.join(kept)}: choose another --out (results are not overwritten "
+                     "or mixed with another run's)")
     if preset.tokenizer == "smollm2":
         from tokenizers import Tokenizer
 

@@ -414,9 +414,22 @@ def test_lora_reaches_the_stacked_expert_weights_when_asked(family):
                           lora_target_parameters=bad)
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    with pytest.raises(ValueError, match="applies to method 'lora' or 'qlora', not 'full'"):
+        prepare_model(retrofit(source_model(family), attnres_block_size=2), "full", lora_target_parameters=experts)
     dense = retrofit(LlamaForCausalLM(LlamaConfig(**COMMON)), attnres_block_size=2)
     with pytest.raises(ValueError, match="not a mixture-of-experts model"):
         prepare_model(dense, "lora", lora_r=2, lora_target_parameters=["mlp.experts.down_proj"])
+
+
+def test_kimi_linears_convolution_is_not_offered_as_an_expert_weight(sources):
+    """Kimi Linear's KDA depthwise convolution is 3-D as well; only the experts' stacked weights are LoRA parameter
+    targets (found offered and accepted, PEFT then treated 12,288 channels as experts)."""
+    from attnres_hf.training import expert_parameter_names, prepare_model
+
+    model = retrofitted(sources["kimi_linear"])
+    assert set(expert_parameter_names(model)) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    with pytest.raises(ValueError, match="not found among this model's stacked expert weights: self_attn.conv1d"):
+        prepare_model(model, "lora", lora_r=2, lora_target_parameters=["self_attn.conv1d.weight"])
 
 
 def test_kimi_linear_keeps_its_fp32_modules_in_bf16_and_is_stateful(sources, tmp_path):

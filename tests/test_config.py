@@ -131,6 +131,24 @@ def test_empty_or_negative_sizes_and_a_zero_norm_epsilon_are_refused(name, value
         AttnResConfig.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("backbone, rule", [
+    (dict(model_type="qwen3_moe", num_experts=2, num_experts_per_tok=4), "num_experts_per_tok (4) must not exceed"),
+    (dict(model_type="mixtral", num_local_experts=1), "num_experts_per_tok (2) must not exceed the number of experts"),
+    (dict(model_type="qwen3_moe", moe_intermediate_size=0), "moe_intermediate_size must be a positive"),
+    (dict(model_type="qwen2_moe", moe_intermediate_size=-4), "moe_intermediate_size must be a positive"),
+    (dict(model_type="olmoe", num_experts_per_tok=0), "num_experts_per_tok must be a positive"),
+    (dict(model_type="gemma2", query_pre_attn_scalar=0), "query_pre_attn_scalar must be a positive"),
+    (dict(model_type="gemma2", final_logit_softcapping=0.0), "final_logit_softcapping=0 divides by zero"),
+    (dict(model_type="gemma3_text", attn_logit_softcapping=0), "attn_logit_softcapping=0 divides by zero"),
+])
+def test_expert_counts_and_gemma_scalars_that_cannot_run_are_refused(backbone, rule):
+    """Were accepted and failed only in the forward (`selected index k out of range`, a negative dimension), at
+    init (a bare ZeroDivisionError) or gave NaN logits (soft-capping by 0): now one `ValueError` at construction.
+    Every family's transformers default config still builds (test_backbones)."""
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        AttnResConfig(backbone=backbone)
+
+
 @pytest.mark.parametrize("name, value", [("rms_norm_eps", 1), ("initializer_range", 0), ("attention_dropout", 0)])
 def test_integer_valued_float_fields_in_a_saved_config_still_load(name, value, tmp_path):
     """A config.json with an integer for a float field (as written before `@strict`, or by hand) loads as before."""

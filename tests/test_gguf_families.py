@@ -229,3 +229,24 @@ def test_a_mixtral_gguf_is_refused_naming_its_experts(tmp_path, capsys):
     assert "has tensors the conversion would drop (no llama parameter holds them): " in error
     assert "blk.0.ffn_gate_inp.weight" in error and "blk.0.ffn_gate_exps.weight" in error, error
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, key", [("qwen2_moe", "expert_used_count"), ("qwen3_moe", "expert_used_count"),
+                                       ("qwen2_moe", "expert_count")])
+def test_an_moe_gguf_without_its_expert_counts_is_refused(name, key, tmp_path, capsys, monkeypatch):
+    """Without `<arch>.expert_used_count` transformers' loader falls back to its config default (Qwen2-MoE: top 4),
+    and its own GGUF-loaded model routes the same wrong way, so the exactness check alone would pass (found: max
+    |Δ logits| 6e-7 against that model, 0.18 against the original); without `expert_count` it fails on shapes. Both
+    are refused before loading, naming the key."""
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, f"add_{key}", lambda *a, **k: None)
+    gguf_path = write_gguf(source_model(name), tmp_path / "bad.gguf")
+    monkeypatch.undo()
+    retrofit_module = importlib.import_module("attnres_hf.conversion.retrofit")
+    monkeypatch.setattr(retrofit_module.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights were loaded"))
+    says = f"has expert tensors but no {name.replace('_', '')}.{key}"
+    error = _bad_input_error(capsys, gguf_path, tmp_path / "out")
+    assert says in error, error
+    assert not (tmp_path / "out").exists()

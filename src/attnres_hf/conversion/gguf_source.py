@@ -75,7 +75,8 @@ def gguf_config_fields(path: str | os.PathLike, config) -> dict:
 
     Raises:
         ValueError: the file declares rope scaling other than linear (transformers' GGUF loader ignores it and the
-            model would rotate with unscaled frequencies; no exact model can be built from the file).
+            model would rotate with unscaled frequencies; no exact model can be built from the file), or it has
+            expert tensors but no `<arch>.expert_count` / `expert_used_count`.
     """
     reader = _reader(path)
     arch = gguf_architecture(reader)
@@ -103,7 +104,14 @@ def gguf_config_fields(path: str | os.PathLike, config) -> dict:
     if hasattr(config, "mlp_bias"):
         fields["mlp_bias"] = any(name.endswith((".ffn_gate.bias", ".ffn_up.bias", ".ffn_down.bias")) for name in names)
 
-    # mixture of experts: the expert widths (llama.cpp's qwen2moe / qwen3moe layouts have experts in every layer,
+    # mixture of experts: the expert counts must be in the file (transformers falls back to its config defaults,
+    # e.g. Qwen2-MoE top-4 of 60, and its own GGUF-loaded model then shares the wrong routing: llama.cpp requires them)
+    if any(name.endswith("_exps.weight") for name in names):
+        for key in ("expert_count", "expert_used_count"):
+            if meta(key) is None:
+                raise ValueError(f"{Path(path).name} has expert tensors but no {arch}.{key}: the experts' routing "
+                                 "cannot be read from the file (llama.cpp requires the key too)")
+    # the expert widths (llama.cpp's qwen2moe / qwen3moe layouts have experts in every layer,
     # as transformers' default `mlp_only_layers=[]`, `decoder_sparse_step=1` say)
     for field, key, suffix in (("moe_intermediate_size", "expert_feed_forward_length", ".ffn_down_exps.weight"),
                                ("shared_expert_intermediate_size", "expert_shared_feed_forward_length",

@@ -345,12 +345,22 @@ def _build_backbone(backbone, kwargs: dict):
 
 
 def _check_sizes(fields: dict) -> None:
-    """The backbone's sizes are positive integers and its RMSNorm epsilon positive and finite (checked before the family's
+    """The backbone's sizes (and expert counts, Gemma's attention scalar) are positive, top-k fits the experts, no
+    soft-capping is 0, and the RMSNorm epsilon is positive and finite (checked before the family's
     config class runs, whose own arithmetic would fail on them with a bare ZeroDivisionError); raises `ValueError`."""
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "moe_intermediate_size", "num_experts_per_tok", "query_pre_attn_scalar"):
         value = fields.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:  # the family checks the types
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:  # the family checks types
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    experts = next((fields[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(fields.get(k), int) and fields[k] > 0), None)
+    top_k = fields.get("num_experts_per_tok")
+    if experts is not None and isinstance(top_k, int) and top_k > experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must not exceed the number of experts ({experts})")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if fields.get(name) is not None and not isinstance(fields[name], bool) and fields[name] == 0:
+            raise ValueError(f"{name}=0 divides by zero in the soft-capping; use None to turn it off")
     eps = fields.get("rms_norm_eps")
     if isinstance(eps, (int, float)) and not isinstance(eps, bool) and not 0 < eps < math.inf:
         raise ValueError(f"rms_norm_eps must be a positive finite number (the RMSNorm's epsilon; 0 divides by zero on "

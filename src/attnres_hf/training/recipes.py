@@ -95,8 +95,13 @@ def expert_parameter_names(model: torch.nn.Module) -> list[str]:
     """Names (from the layer on, e.g. `mlp.experts.gate_up_proj`) of the stacked mixture-of-experts weights of `model`:
     parameters of shape `(num_experts, out, in)` that no linear layer holds, so that `target_modules` cannot reach them
     and PEFT adapts them through `LoraConfig(target_parameters=...)`. Empty for a dense model."""
-    names = [name for name, param in model.named_parameters() if param.dim() == 3]
-    return list(dict.fromkeys(name.split(".layers.", 1)[-1].split(".", 1)[-1] for name in names))
+    return list(dict.fromkeys(name.split(".layers.", 1)[-1].split(".", 1)[-1] for name in _expert_paths(model)))
+
+
+def _expert_paths(model: torch.nn.Module) -> list[str]:
+    """Paths of the stacked expert weights: 3-D parameters of a module named `experts` (not, e.g., Kimi Linear's
+    depthwise convolution, also 3-D)."""
+    return [name for name, param in model.named_parameters() if param.dim() == 3 and ".experts." in f".{name}"]
 
 
 def check_lora_target_parameters(model: torch.nn.Module, targets: list[str]) -> list[str]:
@@ -110,7 +115,7 @@ def check_lora_target_parameters(model: torch.nn.Module, targets: list[str]) -> 
     if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
         raise TypeError(f"lora_target_parameters must be a list of parameter names, got {targets!r}")
     valid = expert_parameter_names(model)
-    paths = [name for name, param in model.named_parameters() if param.dim() == 3]
+    paths = _expert_paths(model)
     if not targets or not all(t.strip() for t in targets):
         raise ValueError(f"lora_target_parameters must name at least one parameter; got {list(targets)!r}")
     unmatched = [t for t in targets if not any(p == t or p.endswith("." + t) for p in paths)]
@@ -152,6 +157,8 @@ def prepare_model(
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if lora_target_parameters is not None and method not in ("lora", "qlora"):
+        raise ValueError(f"lora_target_parameters applies to method 'lora' or 'qlora', not {method!r}")
     if method == "full":
         model.requires_grad_(True)
         return model
