@@ -267,3 +267,21 @@ def test_ordering_checks_judge_each_claim_by_its_paired_interval(ablation):
     assert "mHC beats the baseline: mHC (n=4) minus baseline +0.1000 [+0.1000, +0.1000]: NOT recovered " \
            "(opposite sign), significant" in lines
     assert "sigmoid" not in lines  # claims whose variants did not run are left out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--steps", "-1"], "--steps must be at least 1, got -1"),
+    (["--seeds", "0"], "--seeds must be at least 1, got 0"),
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--out", "KEPT"], "already holds runs.jsonl"),
+])
+def test_ablation_refuses_empty_budgets_and_a_folder_with_runs(ablation, argv, says, tmp_path, capsys):
+    """Were a ZeroDivisionError (`--steps 0`), a StatisticsError (`--seeds 0`), a table for untrained models
+    (`--steps -1`), or new runs appended to a killed run's `runs.jsonl`: now parser errors before anything trains."""
+    (tmp_path / "runs.jsonl").write_text('{"variant": "baseline", "seed": 0, "val_loss": 1.0}\n')
+    argv = [str(tmp_path) if a == "KEPT" else a for a in argv]
+    with pytest.raises(SystemExit):
+        ablation.main(["--preset", "smoke", *argv])
+    assert says in capsys.readouterr().err
+    assert (tmp_path / "runs.jsonl").read_text().count("\n") == 1
