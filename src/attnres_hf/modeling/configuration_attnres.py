@@ -30,6 +30,7 @@ from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.utils.type_validators import interval
 
 from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_adapter
+from .backbones_moe import EXPERT_ROUTING
 from .depth_mixing import DEPTH_MIXING
 
 
@@ -345,19 +346,13 @@ def _build_backbone(backbone, kwargs: dict):
 
 
 def _check_sizes(fields: dict) -> None:
-    """The backbone's sizes (and expert counts, Gemma's attention scalar) are positive, top-k fits the experts, no
-    soft-capping is 0, and the RMSNorm epsilon is positive and finite (checked before the family's
+    """The backbone's sizes (and expert widths, Gemma's attention scalar) are positive, no soft-capping is 0, and the RMSNorm epsilon is positive and finite (checked before the family's
     config class runs, whose own arithmetic would fail on them with a bare ZeroDivisionError); raises `ValueError`."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "moe_intermediate_size", "num_experts_per_tok", "query_pre_attn_scalar"):
         value = fields.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:  # the family checks types
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    experts = next((fields[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(fields.get(k), int) and fields[k] > 0), None)
-    top_k = fields.get("num_experts_per_tok")
-    if experts is not None and isinstance(top_k, int) and top_k > experts:
-        raise ValueError(f"num_experts_per_tok ({top_k}) must not exceed the number of experts ({experts})")
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if fields.get(name) is not None and not isinstance(fields[name], bool) and fields[name] == 0:
             raise ValueError(f"{name}=0 divides by zero in the soft-capping; use None to turn it off")
@@ -371,6 +366,11 @@ def _validate_backbone(backbone) -> None:
     """The rules every rotary-attention backbone follows, checked with AttnRes's messages (fields a family lacks are
     skipped; each family's own config checks the rest)."""
     _check_sizes(vars(backbone))
+    routing = EXPERT_ROUTING.get(backbone.model_type)  # the family's field for its number of routed experts
+    experts = getattr(backbone, routing.num_experts, None) if routing is not None else None
+    top_k = getattr(backbone, "num_experts_per_tok", None)
+    if isinstance(experts, int) and experts > 0 and isinstance(top_k, int) and top_k > experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must not exceed the number of experts ({experts})")
     heads, kv_heads = getattr(backbone, "num_attention_heads", None), getattr(backbone, "num_key_value_heads", None)
     if heads is not None and kv_heads is not None:
         if kv_heads < 1:
