@@ -261,3 +261,54 @@ def test_block_attnres_saves_one_partial_sum_per_router(input_ids):
         slots = 1 + (sublayers - 1) // block_size  # the embedding and every block closed before the end
         extra = saved_source_bytes(block, input_ids) - saved_source_bytes(residual, input_ids)
         assert extra <= (partials + slots) * source, (layers, block_size, extra / source)
+
+
+def stacked_grads(model, input_ids, projection, monkeypatch, **kwargs):
+    with path("stacked", monkeypatch):
+        return run(model, input_ids, projection, **kwargs)[2]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
+def test_source_gradients_are_summed_in_place_once_per_slot(block_size, input_ids, monkeypatch):
+    """Eager training sums each source's gradient in the buffer's accumulator (`_SourceGrads`), handed to the source
+    once per slot: no reader returns per-source gradients for autograd to sum, and the gradients equal the stacked
+    path's plain autograd."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(6))
+    reference = stacked_grads(model, input_ids, projection, monkeypatch)
+    taken = []
+    take = mixing_attnres._SourceGrads.take
+    monkeypatch.setattr(mixing_attnres._SourceGrads, "take", lambda self, slot: taken.append(slot) or take(self, slot))
+    monkeypatch.setattr(mixing_attnres, "_per_source", lambda *a: pytest.fail("autograd summed a per-source gradient"))
+    _, _, grads = run(model, input_ids, projection)
+    slots = 1 + (model.config.num_sublayers - 1) // block_size
+    assert sorted(taken) == list(range(slots))  # every slot once; slot 0 is the embedding
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("block_size", [1, 4], ids=["full", "block4"])
+def test_source_gradients_start_from_zero_in_every_backward_pass(block_size, input_ids, monkeypatch):
+    """The accumulator belongs to one backward pass: `retain_graph` replays add exactly one more gradient, and a
+    partial `torch.autograd.grad` (router queries only, the embedding never reached) leaves nothing behind for the
+    next pass; frozen embeddings (router-only training) take no slot gradient."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(7))
+    reference = stacked_grads(model, input_ids, projection, monkeypatch)
+    queries = [p for n, p in model.named_parameters() if n.endswith(".query")]
+    model.zero_grad()
+    loss = (model(input_ids).logits @ projection).square().mean()
+    partial = torch.autograd.grad(loss, queries, retain_graph=True)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for query, grad in zip(queries, partial, strict=True):
+        name = next(n for n, p in model.named_parameters() if p is query)
+        torch.testing.assert_close(grad, reference[name], atol=1e-5, rtol=1e-4)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, 2 * reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    model.get_input_embeddings().weight.requires_grad_(False)
+    frozen = stacked_grads(model, input_ids, projection, monkeypatch)
+    _, _, grads = run(model, input_ids, projection)
+    assert grads.keys() == frozen.keys() and "model.embed_tokens.weight" not in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, frozen[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -150,16 +150,91 @@ def _mix(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights.reshape(batch * seq, -1, n), per_token).view(batch, seq, -1, dim)
 
 
+class _SourceGrads:
+    """The gradients of one forward's source buffer, summed in place (eager training).
+
+    Autograd's own way hands every reader's gradient to each source it read and sums them there: one `(B, T, D)` sum
+    per reader per source, two per router (scores and mixing), so Full AttnRes's ~L^2/2 router reads cost ~L^2 such
+    sums (they were about 70% of its extra training time). Here a reader's backward adds its mixing term for all the
+    slots it read into `grad` `(n_slots, B, T, D)`, one in-place product, and records its scores term (rank `S` per
+    slot: `dL/dlogit` times the queries), which `take` adds in one `(B T, K) @ (K, D)` product per slot. `_SourceSlot`
+    hands a slot's sum to its source once: every reader of the slot is an autograd consumer of the slot's handle, so
+    the engine runs them all before it.
+
+    The sums belong to one backward pass (graph task): `retain_graph` replays and partial `torch.autograd.grad` calls
+    each start from zero. Tracing (`torch.compile`) keeps autograd's own sums (`_store`), which inductor fuses.
+    """
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.task, self.grad, self.score_terms = buffer, None, None, []
+
+    @staticmethod
+    def applies() -> bool:
+        """Eager training with a torch that names the current backward pass (`torch._C._current_graph_task_id`)."""
+        return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and hasattr(torch._C, "_current_graph_task_id"))
+
+    def _current(self) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
+        return self.grad
+
+    def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
+        """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
+        self._current()
+        self.score_terms.append((grad_logits, queries))
+
+    def add_mix(self, n: int, grad_values: torch.Tensor, lo: int = 0) -> None:
+        """Add `grad_values (n - lo, B, T, D)` (a view is fine) to slots `lo .. n - 1`."""
+        self._current()[lo:n].add_(grad_values)
+
+    def add_mix_product(self, n: int, weights: torch.Tensor, grad: torch.Tensor, lo: int = 0) -> None:
+        """Add `weights_i * grad` to slot `i` for `i` in `lo .. n - 1`: `weights (n - lo, B, T, 1)`, `grad (B, T, D)`."""
+        self._current()[lo:n].addcmul_(weights, grad)
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        """Slot `slot`'s summed gradient `(B, T, D)` (buffer dtype), or `None` when no reader ran in this pass."""
+        if self.task != torch._C._current_graph_task_id():
+            return None
+        grad = self.grad[slot]
+        terms = [(g[..., slot], q) for g, q in self.score_terms if slot < g.shape[-1]]
+        if terms:
+            dim = grad.shape[-1]
+            coefficients = torch.cat([g.reshape(-1, g.shape[-1]) for g, _ in terms], dim=-1)  # (B T, K)
+            product = coefficients @ torch.cat([q for _, q in terms])  # (B T, D) fp32
+            grad.view(-1, dim).add_(_as(product, grad.dtype))
+        return grad
+
+
+class _SourceSlot(torch.autograd.Function):
+    """Write `source` into `buffer[slot]` and return its handle: a 0-dim tensor the slot's readers take as an input
+    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`)."""
+
+    @staticmethod
+    def forward(ctx, grads, slot, source):
+        grads.buffer[slot].copy_(source)
+        ctx.grads, ctx.slot = grads, slot
+        ctx.set_materialize_grads(False)
+        return source.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return None, None, ctx.grads.take(ctx.slot)
+
+
 class _SourceScores(torch.autograd.Function):
     """`_scores(buffer[:n], queries)` whose backward reads the buffer instead of a saved copy of the sources.
 
     The buffer is written in place (a slot once per forward, before any reader) and is not saved with
     `save_for_backward`, so later writes do not trip autograd's version counter; slots `< n` never change after they
-    are read. Gradients go to `sources`, the autograd handles of the `n` slots (the tensors that were copied in)."""
+    are read. `inputs` are the `n` slots' autograd handles: `_SourceSlot` handles with `grads` (the gradients are
+    summed in `grads`), or the source tensors themselves with `grads=None` (one gradient per source, autograd sums
+    them; the traced path)."""
 
     @staticmethod
-    def forward(ctx, buffer, n, queries, *sources):
-        ctx.buffer, ctx.n = buffer, n
+    def forward(ctx, buffer, grads, n, queries, *inputs):
+        ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
         ctx.save_for_backward(queries)
         return _scores(buffer[:n], queries)
 
@@ -167,20 +242,27 @@ class _SourceScores(torch.autograd.Function):
     def backward(ctx, grad):  # grad (B, T, S, n)
         (queries,) = ctx.saved_tensors
         values, n = ctx.buffer[: ctx.n], ctx.n
-        flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
         grad_queries = None
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[3]:
+            flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
             grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
-        grad_values = (flat_grad @ queries).view(values.shape) if any(ctx.needs_input_grad[3:]) else None
-        return None, None, grad_queries, *_per_source(grad_values, ctx, n)
+        needs = ctx.needs_input_grad[4:]
+        if not any(needs):
+            return None, None, None, grad_queries, *_nones(needs)
+        if ctx.grads is not None:
+            ctx.grads.add_scores(grad, queries)
+            return None, None, None, grad_queries, *_nones(needs)
+        flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)
+        grad_values = (flat_grad @ queries).view(values.shape)
+        return None, None, None, grad_queries, *_per_source(grad_values, ctx, n)
 
 
 class _SourceMix(torch.autograd.Function):
     """`_mix(buffer[:n], weights)` whose backward reads the buffer (see `_SourceScores`)."""
 
     @staticmethod
-    def forward(ctx, buffer, n, weights, *sources):
-        ctx.buffer, ctx.n = buffer, n
+    def forward(ctx, buffer, grads, n, weights, *inputs):
+        ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
         ctx.save_for_backward(weights)
         return _mix(buffer[:n], weights)
 
@@ -190,26 +272,43 @@ class _SourceMix(torch.autograd.Function):
         values, n = ctx.buffer[: ctx.n], ctx.n
         batch, seq, dim = values.shape[1:]
         grad = grad.reshape(batch * seq, -1, dim)
-        grad_weights = grad_values = None
-        if ctx.needs_input_grad[2]:
+        grad_weights = None
+        if ctx.needs_input_grad[3]:
             per_token = values.reshape(n, batch * seq, dim).permute(1, 2, 0)  # (B T, D, n)
             grad_weights = torch.bmm(grad, per_token).view(weights.shape)
-        if any(ctx.needs_input_grad[3:]):  # (n, B, T, D), slot-major and contiguous: autograd sums each slot's
-            flat = weights.reshape(batch * seq, -1, n)  # gradient with the source's others (3x faster than strided)
-            if flat.shape[1] == 1:  # one router: w_i * grad, a broadcast product
-                grad_values = flat[:, 0].T.unsqueeze(-1) * grad[:, 0]
-            else:  # a block's routers: (B T, n, S) @ (B T, S, D)
-                grad_values = torch.bmm(flat.transpose(1, 2), grad).transpose(0, 1).contiguous()
-            grad_values = grad_values.view(n, batch, seq, dim)
-        return None, None, grad_weights, *_per_source(grad_values, ctx, n)
+        needs = ctx.needs_input_grad[4:]
+        if not any(needs):
+            return None, None, None, grad_weights, *_nones(needs)
+        flat = weights.reshape(batch * seq, -1, n)
+        if ctx.grads is not None:  # summed in place, from the first slot that needs a gradient
+            lo = needs.index(True)
+            if flat.shape[1] == 1:  # one router: slot i += w_i * grad
+                ctx.grads.add_mix_product(n, flat[:, 0, lo:].T.reshape(n - lo, batch, seq, 1),
+                                          grad.view(batch, seq, dim), lo)
+            else:  # a block's routers: (B T, n, S) @ (B T, S, D), added through a (n, B T, D) view
+                product = torch.bmm(flat[..., lo:].transpose(1, 2), grad)
+                ctx.grads.add_mix(n, product.transpose(0, 1).unflatten(1, (batch, seq)), lo)
+            return None, None, None, grad_weights, *_nones(needs)
+        # (n, B, T, D), slot-major and contiguous: autograd sums each slot's gradient with the source's others
+        if flat.shape[1] == 1:  # one router: w_i * grad, a broadcast product
+            grad_values = flat[:, 0].T.unsqueeze(-1) * grad[:, 0]
+        else:  # a block's routers: (B T, n, S) @ (B T, S, D)
+            grad_values = torch.bmm(flat.transpose(1, 2), grad).transpose(0, 1).contiguous()
+        return None, None, None, grad_weights, *_per_source(grad_values.view(n, batch, seq, dim), ctx, n)
+
+
+def _nones(needs) -> tuple:
+    """`None` gradients for the handles."""
+    return (None,) * len(needs)
 
 
 class _SourceInverseRMS(torch.autograd.Function):
-    """`inverse_rms(source)` for the source in buffer slot `slot`, whose backward reads the slot (no saved copy)."""
+    """`inverse_rms` of the source in buffer slot `slot`, whose backward reads the slot (no saved copy). `handle`:
+    the slot's autograd handle (`_store`); with `grads`, the gradient is added to the slot's sum in place."""
 
     @staticmethod
-    def forward(ctx, buffer, slot, eps, source):
-        ctx.buffer, ctx.slot = buffer, slot
+    def forward(ctx, buffer, grads, slot, eps, handle):
+        ctx.buffer, ctx.grads, ctx.slot = buffer, grads, slot
         inv = inverse_rms(buffer[slot], eps)
         ctx.save_for_backward(inv)
         return inv
@@ -217,9 +316,12 @@ class _SourceInverseRMS(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # d/dx (mean(x^2) + eps)^(-1/2) = -inv^3 x / D
         (inv,) = ctx.saved_tensors
-        value = ctx.buffer[ctx.slot].float()
-        grad_source = (grad * inv.pow(3) / -value.shape[-1]).unsqueeze(-1) * value
-        return None, None, None, grad_source.to(ctx.buffer.dtype)
+        value = ctx.buffer[ctx.slot]
+        coefficient = (grad * inv.pow(3) / -value.shape[-1]).unsqueeze(-1)
+        if ctx.grads is not None:
+            ctx.grads.add_mix_product(ctx.slot + 1, _as(coefficient, value.dtype).unsqueeze(0), value, ctx.slot)
+            return None, None, None, None, None
+        return None, None, None, None, (coefficient * value.float()).to(ctx.buffer.dtype)
 
 
 def _merge_partial(partial, mixed, query, lse, eps, key_norm):
@@ -292,17 +394,17 @@ class _PartialMerge(torch.autograd.Function):
 
 def _per_source(grad_values, ctx, n):
     """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
-    if grad_values is None:
-        return (None,) * n
     grad_values = grad_values.to(ctx.buffer.dtype)
-    return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[3:]))
+    return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[4:]))
 
 
-def _read_sources(function, plain, buffer, n, other, sources):
-    """`function` (an autograd Function above) when gradients flow, else the same numbers from `plain`."""
-    if torch.is_grad_enabled() and (other.requires_grad or any(s.requires_grad for s in sources)):
-        return function.apply(buffer, n, other, *sources)
-    return plain(buffer[:n], other)
+def _read_sources(function, plain, state, other):
+    """`function` (an autograd Function above) over the state's completed sources when gradients flow, else the same
+    numbers from `plain`."""
+    n, handles = len(state.sources), state.handles
+    if torch.is_grad_enabled() and (other.requires_grad or any(h.requires_grad for h in handles)):
+        return function.apply(state.buffer, state.grads, n, other, *handles)
+    return plain(state.buffer[:n], other)
 
 
 def _two_phase_applies(config) -> bool:
@@ -376,6 +478,8 @@ class AttnResState(NamedTuple):
     routers: tuple = ()  # the routers of sub-layers 0 .. 2L - 1 in depth order (two-phase); () when not given
     phase1: Phase1 | None = None  # the current block's phase 1 (two-phase path only)
     keep_weights: bool = True  # whether merged routers also return their depth weights
+    handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
+    grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -392,9 +496,11 @@ class AttnResState(NamedTuple):
                        None, keep_weights)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
-        _write_slot(buffer, 0, embeddings)
-        statistics = _source_inverse_rms(buffer, 0, eps, embeddings).unsqueeze(-1)
-        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights)
+        grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
+        handle = _store(buffer, grads, 0, embeddings)
+        statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
+        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights,
+                    (handle,), grads)
         return state._start_block()
 
     def _start_block(self) -> "AttnResState":
@@ -412,15 +518,14 @@ class AttnResState(NamedTuple):
             return self._replace(phase1=None)
         queries = bank[start:stop]  # (S, D): the block's query bank
         key_norm, score_fn = self.routers[start].key_norm is not None, self.routers[start].score_fn
-        n = len(self.sources)
-        logits = _read_sources(_SourceScores, _scores, self.buffer, n, queries, self.sources)  # (B, T, S, n)
+        logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
         if key_norm:
             logits = logits * self.inv_rms.unsqueeze(-2)
         if score_fn == "sigmoid":
             probs, lse = torch.sigmoid(logits), None
         else:
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
-        mixed = _read_sources(_SourceMix, _mix, self.buffer, n, _as(probs, self.buffer.dtype), self.sources)
+        mixed = _read_sources(_SourceMix, _mix, self, _as(probs, self.buffer.dtype))
         return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
                                            None if lse is None else lse.unbind(-1), mixed.unbind(-2), bank, eps))
 
@@ -430,15 +535,16 @@ class AttnResState(NamedTuple):
             return self
         # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
         slot, partial = len(self.sources), self.partial
+        handles = self.handles
         if self.buffer is not None:
-            _write_slot(self.buffer, slot, partial)
+            handles = (*handles, _store(self.buffer, self.grads, slot, partial))
             eps = self.phase1.eps if self.phase1 is not None else self.eps
-            inv, stacked = _source_inverse_rms(self.buffer, slot, eps, partial), None
+            inv, stacked = _source_inverse_rms(self.buffer, self.grads, slot, eps, handles[-1]), None
         else:
             inv = inverse_rms(partial, self.eps)
             stacked = torch.cat([self.stacked, partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
         state = self._replace(sources=(*self.sources, partial), inv_rms=torch.cat([self.inv_rms, inv[..., None]], -1),
-                              partial=None, stacked=stacked)
+                              partial=None, stacked=stacked, handles=handles)
         return state._start_block() if self.buffer is not None else state
 
     def _add(self, output: torch.Tensor) -> DepthWrite:
@@ -468,19 +574,24 @@ class AttnResState(NamedTuple):
         return DepthRead(self, hidden, None, () if weights is None else (weights,))
 
 
-def _write_slot(buffer: torch.Tensor, slot: int, source: torch.Tensor) -> None:
-    """Copy `source` into `buffer[slot]`, outside autograd (the reads route gradients to `source` themselves)."""
+def _store(buffer: torch.Tensor, grads: _SourceGrads | None, slot: int, source: torch.Tensor) -> torch.Tensor:
+    """Copy `source` into `buffer[slot]` and return the handle the slot's readers take as their autograd input: a
+    `_SourceSlot` handle when `grads` sums the gradients (eager training), else `source` itself (the copy is made
+    outside autograd; the readers route one gradient each to `source`)."""
+    if grads is not None and source.requires_grad:
+        return _SourceSlot.apply(grads, slot, source)
     if torch.is_grad_enabled():
         with torch.no_grad():
             buffer[slot].copy_(source)
     else:
         buffer[slot].copy_(source)
+    return source
 
 
-def _source_inverse_rms(buffer, slot, eps, source):
-    """`inverse_rms` of the source in `buffer[slot]` (`source`: its autograd handle), `(B, T)` fp32."""
-    if torch.is_grad_enabled() and source.requires_grad:
-        return _SourceInverseRMS.apply(buffer, slot, eps, source)
+def _source_inverse_rms(buffer, grads, slot, eps, handle):
+    """`inverse_rms` of the source in `buffer[slot]` (`handle`: its autograd handle, `_store`), `(B, T)` fp32."""
+    if torch.is_grad_enabled() and handle.requires_grad:
+        return _SourceInverseRMS.apply(buffer, grads, slot, eps, handle)
     return inverse_rms(buffer[slot], eps)
 
 
@@ -597,9 +708,9 @@ class AttnResRouter(nn.Module):
 
     def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """One router over the source buffer (views of it, no stacking) and the partial sum."""
-        sources, partial, buffer, n = state.sources, state.partial, state.buffer, len(state.sources)
+        partial, buffer, n = state.partial, state.buffer, len(state.sources)
         query = self._folded_query()
-        logits = _read_sources(_SourceScores, _scores, buffer, n, query.unsqueeze(0), sources).squeeze(-2)  # (B, T, n)
+        logits = _read_sources(_SourceScores, _scores, state, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
         if self.key_norm is not None:
             logits = logits * state.inv_rms
         if partial is not None:
@@ -610,7 +721,7 @@ class AttnResRouter(nn.Module):
             weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
         mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
         completed = mix if partial is None else mix.narrow(-1, 0, n)
-        hidden = _read_sources(_SourceMix, _mix, buffer, n, completed.unsqueeze(-2), sources).squeeze(-2)
+        hidden = _read_sources(_SourceMix, _mix, state, completed.unsqueeze(-2)).squeeze(-2)
         if partial is not None:
             hidden = hidden + mix.narrow(-1, n, 1) * partial
         return hidden, weights
