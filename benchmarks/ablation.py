@@ -413,11 +413,11 @@ def t_quantile_975(df: int) -> float:
 
 def paired_difference(losses: list[float], baseline: list[float]) -> tuple[float, float | None, float | None]:
     """Mean of the per-seed differences `losses[s] - baseline[s]` and its 95% t-interval `(mean, low, high)`.
-    With one seed there is no interval: `(mean, None, None)` (`format_paired` prints it as such, JSON as null,
-    and no verdict is drawn from it)."""
+    With one seed, or a non-finite loss (a diverged run), there is no interval: `(mean, None, None)`
+    (`format_paired` prints it as such, JSON as null, and no verdict is drawn from it)."""
     diffs = [a - b for a, b in zip(losses, baseline, strict=True)]
     mean = statistics.mean(diffs)
-    if len(diffs) < 2:
+    if len(diffs) < 2 or not all(math.isfinite(d) for d in diffs):
         return mean, None, None
     half = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return mean, mean - half, mean + half
@@ -425,17 +425,26 @@ def paired_difference(losses: list[float], baseline: list[float]) -> tuple[float
 
 def format_paired(difference: tuple[float, float | None, float | None], unit: str = "seed") -> str:
     """`paired_difference`'s result as `+0.0123 [-0.0040, +0.0286]`, or `+0.0123 [n/a (1 seed)]` without an
-    interval (`unit` names the paired unit)."""
+    interval (`unit` names the paired unit), or `n/a (a loss is not finite)`."""
     mean, low, high = difference
+    if mean is None or not math.isfinite(mean):
+        return "n/a (a loss is not finite)"
     if low is None:
         return f"{mean:+.4f} [n/a (1 {unit})]"
     return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
 
 
+def no_verdict(mean: float | None, unit: str = "seed") -> str:
+    """Why a paired difference without an interval gets no verdict."""
+    finite = mean is not None and math.isfinite(mean)
+    return f"no verdict ({f'one {unit} gives no interval' if finite else 'a loss is not finite'})"
+
+
 def paired_summary(difference: tuple[float, float | None, float | None]) -> dict:
-    """`paired_difference`'s result for JSON: `{"mean", "low", "high"}`, the bounds null without an interval."""
+    """`paired_difference`'s result for JSON: `{"mean", "low", "high"}`, null where there is no number (the bounds
+    without an interval, the mean of a non-finite loss)."""
     mean, low, high = difference
-    return {"mean": mean, "low": low, "high": high}
+    return {"mean": mean if math.isfinite(mean) else None, "low": low, "high": high}
 
 
 def table(results: dict, baseline: str = "baseline", unit: str = "nats/byte") -> str:
@@ -492,7 +501,8 @@ def ordering_checks(results: dict) -> list[dict]:
     difference (variant minus reference) `mean` with its 95% interval `low`, `high`, and `verdict`, whether this run
     recovers it. A strict ordering is recovered when the interval excludes 0 on the paper's side, "same sign, not
     significant" when only the mean is; "on par" claims are consistent when the interval contains 0 (a weak check: a
-    short run has wide intervals). With one seed there is no interval: `low`, `high` and `verdict` are None.
+    short run has wide intervals). With one seed (or a non-finite loss) there is no interval: `low`, `high` and
+    `verdict` are None.
     `format_ordering_check` prints an entry."""
     checks = []
     for claim, variant, reference, sign in PAPER_ORDERINGS:
@@ -517,7 +527,7 @@ def ordering_checks(results: dict) -> list[dict]:
 
 def format_ordering_check(check: dict) -> str:
     """One line of the report for an `ordering_checks` entry."""
-    verdict = check["verdict"] or "no verdict (one seed gives no interval)"
+    verdict = check["verdict"] or no_verdict(check["mean"])
     return (f"- {check['claim']}: {check['variant']} minus {check['reference']} "
             f"{format_paired((check['mean'], check['low'], check['high']))}: {verdict}")
 

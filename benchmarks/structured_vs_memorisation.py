@@ -37,6 +37,7 @@ from ablation import (  # noqa: E402
     autocast,
     build_model,
     format_paired,
+    no_verdict,
     optimizer_and_schedule,
     paired_difference,
 )
@@ -134,8 +135,8 @@ def run_one(task: str, name: str, seed: int, preset: Preset, settings: dict, dev
 
 
 def verdict(mean: float, low: float | None, high: float | None) -> str:
-    if low is None:  # one seed: no interval to judge by
-        return "no verdict (1 seed)"
+    if low is None:  # one seed, or a non-finite loss: no interval to judge by
+        return no_verdict(mean)
     if high < 0:
         return "beats the baseline"
     if low > 0:

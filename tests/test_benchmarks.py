@@ -308,6 +308,7 @@ def test_ordering_checks_draw_no_verdict_without_an_interval(ablation, seeds):
         else:
             assert check["verdict"] and math.isfinite(check["low"]) and math.isfinite(check["high"])
     json.loads(json.dumps(checks, allow_nan=False))
+    assert ablation.format_paired(ablation.paired_difference([1.0], [0.5])) == "+0.5000 [n/a (1 seed)]"
     text = ablation.table(results)
     rows = [row for row in text.splitlines() if row.startswith("| Full AttnRes |")]
     assert ("-0.1000 [n/a (1 seed)]" in rows[0]) == (seeds == 1) and "nan" not in text
@@ -332,3 +333,22 @@ def test_ablation_with_one_seed_reports_no_interval_and_no_verdict(ablation, tmp
     for entry in [*results["paired_vs_baseline"].values(), *results["orderings"]]:
         assert math.isfinite(entry["mean"]) and entry["low"] is None and entry["high"] is None
     assert [o["verdict"] for o in results["orderings"]] == [None, None]
+
+
+def test_a_diverged_run_gives_no_interval_and_no_verdict(ablation, synthetic):
+    """A non-finite loss (a diverged seed) makes no interval: was a [nan, nan] judged 'NOT recovered'."""
+    results = {"baseline": [{"val_loss": 2.0}, {"val_loss": 2.1}],
+               "Full AttnRes": [{"val_loss": math.nan}, {"val_loss": 2.05}],
+               "DenseFormer": [{"val_loss": math.inf}, {"val_loss": 2.05}]}
+    for name in ("Full AttnRes", "DenseFormer"):
+        mean, low, high = ablation.paired_difference([r["val_loss"] for r in results[name]],
+                                                     [r["val_loss"] for r in results["baseline"]])
+        assert low is None and high is None and not math.isfinite(mean)
+        assert ablation.format_paired((mean, low, high)) == "n/a (a loss is not finite)"
+        assert synthetic.verdict(mean, low, high) == "no verdict (a loss is not finite)"
+    checks = ablation.ordering_checks(results)
+    assert [c["verdict"] for c in checks] == [None, None] and all(c["mean"] is None for c in checks)
+    json.loads(json.dumps(checks, allow_nan=False))
+    assert [ablation.format_ordering_check(c).split(": ", 1)[1] for c in checks] == [
+        "Full AttnRes minus baseline n/a (a loss is not finite): no verdict (a loss is not finite)",
+        "DenseFormer minus baseline n/a (a loss is not finite): no verdict (a loss is not finite)"]

@@ -75,7 +75,8 @@ def read_checkpoint_schedule(checkpoint: str | Path) -> dict:
     checkpoints of other runs).
 
     Raises:
-        FileNotFoundError: no `trainer_state.json`. ValueError: a `trainer_state.json` that does not parse.
+        FileNotFoundError: no `trainer_state.json`. ValueError: a `trainer_state.json` that does not parse, or an
+            unreadable `scheduler.pt`.
     """
     checkpoint = Path(checkpoint)
     state_file = checkpoint / "trainer_state.json"
@@ -92,7 +93,11 @@ def read_checkpoint_schedule(checkpoint: str | Path) -> dict:
     if (checkpoint / "scheduler.pt").is_file():
         import torch
 
-        scheduler = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
+        try:
+            scheduler = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
+        except Exception as error:  # a cut-off or damaged file: torch raises RuntimeError, UnpicklingError, EOFError
+            raise ValueError(f"--resume: {checkpoint / 'scheduler.pt'} is unreadable ({type(error).__name__}); remove "
+                             f"{checkpoint.name} to resume from the checkpoint before it") from None
         base_lrs = scheduler.get("base_lrs") if isinstance(scheduler, dict) else None
     return {"global_step": int(state.get("global_step", 0)), "max_steps": int(state.get("max_steps", 0)),
             "base_lrs": base_lrs, "settings": record.get("args") if isinstance(record, dict) else None}
