@@ -345,3 +345,22 @@ def test_a_run_sized_by_epochs_whose_step_count_changed_stops_before_its_first_s
     with pytest.raises(ValueError, match="out/checkpoint-30 belongs to a run of 60 steps, but these settings make 90 "
                                          r"\(num_train_epochs 3"):
         check.on_train_begin(args, TrainerState(max_steps=90), TrainerControl())
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("no-state", "checkpoint-2 has no trainer_state.json (an incomplete checkpoint?); remove it"),
+    ("bad-state", "checkpoint-2/trainer_state.json is not valid JSON"),
+    ("bad-scheduler", "checkpoint-2/scheduler.pt is unreadable"),
+])
+def test_an_incomplete_checkpoint_is_refused_before_loading(damage, says, finished_run, tmp_path, capsys, monkeypatch):
+    out = _midway(finished_run, tmp_path / "cut")
+    if damage == "no-state":
+        (out / "checkpoint-2" / "trainer_state.json").unlink()
+    elif damage == "bad-state":
+        (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2,')
+    else:
+        data = (out / "checkpoint-2" / "scheduler.pt").read_bytes()
+        (out / "checkpoint-2" / "scheduler.pt").write_bytes(data[: len(data) // 2])
+    _no_loading(monkeypatch)
+    assert run_train(finished_run, out, "--method", "routers", "--resume", "--max-steps", "4") == 2
+    assert says in capsys.readouterr().err
