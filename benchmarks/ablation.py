@@ -7,7 +7,8 @@ tokenizer or hub is needed), with the same token budget and hyperparameters for 
 paired: for a given seed every variant starts from the same backbone weights (copied from the seed's baseline
 model) and sees the same batches in the same order, so the per-seed difference to the baseline cancels most of the
 seed-to-seed noise. It prints the held-out validation loss (nats per byte), the mean paired difference to the
-baseline with its 95% t-interval over seeds, and the paper's Table 4 value beside it.
+baseline with its 95% t-interval over seeds, and the paper's Table 4 value beside it. With `--seeds 1` there is no
+interval: the paired difference is printed with `[n/a (1 seed)]` (null in results.json) and no ordering gets a verdict.
 
 The paper's Table 4 is a 16 attention + 16 MLP layer model trained at a scale far beyond these presets (its
 losses are nats per token of its own tokenizer): compare orderings, not numbers. Where one of our variants uses
@@ -410,15 +411,40 @@ def t_quantile_975(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def paired_difference(losses: list[float], baseline: list[float]) -> tuple[float, float, float]:
-    """Mean of the per-seed differences `losses[s] - baseline[s]` and its 95% t-interval `(mean, low, high)`
-    (the interval is `(nan, nan)` with one seed)."""
+def paired_difference(losses: list[float], baseline: list[float]) -> tuple[float, float | None, float | None]:
+    """Mean of the per-seed differences `losses[s] - baseline[s]` and its 95% t-interval `(mean, low, high)`.
+    With one seed, or a non-finite loss (a diverged run), there is no interval: `(mean, None, None)`
+    (`format_paired` prints it as such, JSON as null, and no verdict is drawn from it)."""
     diffs = [a - b for a, b in zip(losses, baseline, strict=True)]
     mean = statistics.mean(diffs)
-    if len(diffs) < 2:
-        return mean, math.nan, math.nan
+    if len(diffs) < 2 or not all(math.isfinite(d) for d in diffs):
+        return mean, None, None
     half = t_quantile_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return mean, mean - half, mean + half
+
+
+def format_paired(difference: tuple[float, float | None, float | None], unit: str = "seed") -> str:
+    """`paired_difference`'s result as `+0.0123 [-0.0040, +0.0286]`, or `+0.0123 [n/a (1 seed)]` without an
+    interval (`unit` names the paired unit), or `n/a (a loss is not finite)`."""
+    mean, low, high = difference
+    if mean is None or not math.isfinite(mean):
+        return "n/a (a loss is not finite)"
+    if low is None:
+        return f"{mean:+.4f} [n/a (1 {unit})]"
+    return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+def no_verdict(mean: float | None, unit: str = "seed") -> str:
+    """Why a paired difference without an interval gets no verdict."""
+    finite = mean is not None and math.isfinite(mean)
+    return f"no verdict ({f'one {unit} gives no interval' if finite else 'a loss is not finite'})"
+
+
+def paired_summary(difference: tuple[float, float | None, float | None]) -> dict:
+    """`paired_difference`'s result for JSON: `{"mean", "low", "high"}`, null where there is no number (the bounds
+    without an interval, the mean of a non-finite loss)."""
+    mean, low, high = difference
+    return {"mean": mean if math.isfinite(mean) else None, "low": low, "high": high}
 
 
 def table(results: dict, baseline: str = "baseline", unit: str = "nats/byte") -> str:
@@ -428,11 +454,10 @@ def table(results: dict, baseline: str = "baseline", unit: str = "nats/byte") ->
     paper_base = VARIANTS[baseline].paper if baseline in VARIANTS else None
     for name, runs in results.items():
         losses = [r["val_loss"] for r in runs]
-        std = statistics.stdev(losses) if len(losses) > 1 else 0.0
+        spread = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""  # no spread from one seed
         delta = "-"
         if base is not None and name != baseline:
-            mean, low, high = paired_difference(losses, base)
-            delta = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+            delta = format_paired(paired_difference(losses, base))
         variant = VARIANTS[name]
         paper = "not in Table 4"
         if variant.paper is not None:
@@ -440,7 +465,7 @@ def table(results: dict, baseline: str = "baseline", unit: str = "nats/byte") ->
                                                and name != baseline else "")
         if variant.paper_setting:
             paper += f"; {variant.paper_setting}"
-        rows.append(f"| {name} | {statistics.mean(losses):.4f} ± {std:.4f} (n={len(losses)}) | {delta} | {paper} | "
+        rows.append(f"| {name} | {statistics.mean(losses):.4f}{spread} (n={len(losses)}) | {delta} | {paper} | "
                     f"{runs[0]['parameters']:,} | {statistics.mean(r['seconds'] for r in runs):.0f} |")
     return "\n".join(rows)
 
@@ -471,18 +496,23 @@ PAPER_ORDERINGS = (
 Block 1.746, sigmoid 1.741, w/o key norm 1.743, window 1.764, DenseFormer 1.767, mHC 1.747, input-dependent 1.731)."""
 
 
-def ordering_checks(results: dict) -> list[str]:
-    """One line per `PAPER_ORDERINGS` claim whose variants ran: the paired difference (variant minus reference) with
-    its 95% interval and whether this run recovers it. A strict ordering is recovered when the interval excludes 0
-    on the paper's side, "same sign, not significant" when only the mean is; "on par" claims are consistent when the
-    interval contains 0 (a weak check: a short run has wide intervals)."""
-    lines = []
+def ordering_checks(results: dict) -> list[dict]:
+    """One entry per `PAPER_ORDERINGS` claim whose variants ran: `claim`, `variant`, `reference`, the paired
+    difference (variant minus reference) `mean` with its 95% interval `low`, `high`, and `verdict`, whether this run
+    recovers it. A strict ordering is recovered when the interval excludes 0 on the paper's side, "same sign, not
+    significant" when only the mean is; "on par" claims are consistent when the interval contains 0 (a weak check: a
+    short run has wide intervals). With one seed (or a non-finite loss) there is no interval: `low`, `high` and
+    `verdict` are None.
+    `format_ordering_check` prints an entry."""
+    checks = []
     for claim, variant, reference, sign in PAPER_ORDERINGS:
         if variant not in results or reference not in results:
             continue
         mean, low, high = paired_difference([r["val_loss"] for r in results[variant]],
                                             [r["val_loss"] for r in results[reference]])
-        if sign == 0:
+        if low is None:
+            verdict = None
+        elif sign == 0:
             verdict = "consistent (interval contains 0)" if low <= 0 <= high else "NOT recovered (interval excludes 0)"
         elif (high < 0) if sign < 0 else (low > 0):
             verdict = "recovered"
@@ -490,8 +520,16 @@ def ordering_checks(results: dict) -> list[str]:
             verdict = "same sign, not significant"
         else:
             verdict = "NOT recovered (opposite sign)" + (", significant" if (low > 0 or high < 0) else "")
-        lines.append(f"- {claim}: {variant} minus {reference} {mean:+.4f} [{low:+.4f}, {high:+.4f}]: {verdict}")
-    return lines
+        checks.append({"claim": claim, "variant": variant, "reference": reference,
+                       **paired_summary((mean, low, high)), "verdict": verdict})
+    return checks
+
+
+def format_ordering_check(check: dict) -> str:
+    """One line of the report for an `ordering_checks` entry."""
+    verdict = check["verdict"] or no_verdict(check["mean"])
+    return (f"- {check['claim']}: {check['variant']} minus {check['reference']} "
+            f"{format_paired((check['mean'], check['low'], check['high']))}: {verdict}")
 
 
 def main(argv=None):
@@ -571,15 +609,22 @@ def main(argv=None):
     start = time.perf_counter()
     results = run_all(names, preset, device, train_data, val_data, on_result)
     wall = time.perf_counter() - start
+    base_name = "baseline" if "baseline" in results else names[0]
+    checks = ordering_checks(results)
+    paired = {name: paired_summary(paired_difference([r["val_loss"] for r in runs],
+                                                     [r["val_loss"] for r in results[base_name]]))
+              for name, runs in results.items() if name != base_name}
     report = "\n".join([
-        table(results, baseline="baseline" if "baseline" in results else names[0], unit=f"nats/{unit}"), "",
+        table(results, baseline=base_name, unit=f"nats/{unit}"), "",
         f"ordering, ours (mean val loss, best first): {our_ordering(results)}",
         f"ordering, paper Table 4 (same variants):     {paper_ordering(results)}", "",
-        "the paper's orderings, paired over seeds (variant minus reference, 95% t-interval):",
-        *ordering_checks(results), "",
+        "the paper's orderings, paired over seeds (variant minus reference, 95% t-interval):"
+        + (" one seed gives no interval, so no verdicts (run --seeds 2 or more)" if preset.seeds < 2 else ""),
+        *map(format_ordering_check, checks), "",
         f"preset {args.preset} on {device}{' (bf16 autocast)' if device.type == 'cuda' else ' (fp32)'}: "
         f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
-        f"{preset.seeds} seeds; wall time {wall / 60:.1f} min; same initial backbone, data order, token budget and "
+        f"{preset.seeds} seed{'s' if preset.seeds > 1 else ''}; wall time {wall / 60:.1f} min; same initial "
+        "backbone, data order, token budget and "
         f"hyperparameters for every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far "
         f"longer (nats per token of its tokenizer; ours: nats per {unit}), "
         f"so only orderings and signs can be "
@@ -590,11 +635,13 @@ def main(argv=None):
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "results.md").write_text(report + "\n")
         Path(args.out, "results.json").write_text(json.dumps(
-            {"preset": asdict(preset), "device": str(device), "results": results, "wall_seconds": wall}, indent=1))
+            {"preset": asdict(preset), "device": str(device), "results": results, "wall_seconds": wall,
+             "baseline": base_name, "paired_vs_baseline": paired, "orderings": checks}, indent=1))
         print(f"wrote {args.out}/results.md, results.json")
     if args.output:
         with open(args.output, "w") as handle:
-            json.dump({"preset": asdict(preset), "results": results, "wall_seconds": wall}, handle, indent=1)
+            json.dump({"preset": asdict(preset), "results": results, "wall_seconds": wall, "baseline": base_name,
+                       "paired_vs_baseline": paired, "orderings": checks}, handle, indent=1)
 
 
 if __name__ == "__main__":

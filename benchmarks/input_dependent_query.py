@@ -129,8 +129,7 @@ def main(argv=None):
         losses = [r["val_loss"] for r in runs]
         delta = "-"
         if base and name != "Full AttnRes" and len(base) == len(losses):
-            mean, low, high = ablation.paired_difference(losses, base)
-            delta = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+            delta = ablation.format_paired(ablation.paired_difference(losses, base))
         print(f"| {name} | {statistics.mean(losses):.4f} (n={len(losses)}) | {delta} |")
     if args.output:
         Path(args.output).write_text(json.dumps({"preset": ablation.asdict(preset), "results": results}, indent=1))

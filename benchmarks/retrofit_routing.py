@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ablation import paired_difference  # noqa: E402  (one home for the paired statistics)
+from ablation import format_paired, paired_difference  # noqa: E402  (one home for the paired statistics)
 
 from attnres_hf import assets  # noqa: E402
 from attnres_hf.analysis import compare_pairs, largest_shifts, load_pairs, record_routing, summarize  # noqa: E402
@@ -300,7 +300,7 @@ def report(results: dict) -> str:
         cells = []
         for key in ("paired_delta_nll_vs_no_training", "paired_delta_nll_vs_routers"):
             value = row.get(key)
-            cells.append("-" if value is None else f"{value[0]:+.4f} [{value[1]:+.4f}, {value[2]:+.4f}]")
+            cells.append("-" if value is None else format_paired(value, unit="window"))
         lines.append(f"| {name} | {params} | {row['perplexity']:.3f} | {cells[0]} | {cells[1]} |")
     for name, arm in results["arms"].items():
         c = arm["curve"]

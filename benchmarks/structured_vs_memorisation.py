@@ -31,7 +31,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ablation import VARIANTS, Preset, autocast, build_model, optimizer_and_schedule, paired_difference  # noqa: E402
+from ablation import (  # noqa: E402
+    VARIANTS,
+    Preset,
+    autocast,
+    build_model,
+    format_paired,
+    no_verdict,
+    optimizer_and_schedule,
+    paired_difference,
+)
 
 TASKS = ("recall", "memorisation")
 MODELS = ("baseline", "Block AttnRes (S=2)", "Full AttnRes")
@@ -125,7 +134,9 @@ def run_one(task: str, name: str, seed: int, preset: Preset, settings: dict, dev
     return {"loss": nll, "accuracy": accuracy, "seconds": time.perf_counter() - started}
 
 
-def verdict(mean: float, low: float, high: float) -> str:
+def verdict(mean: float, low: float | None, high: float | None) -> str:
+    if low is None:  # one seed, or a non-finite loss: no interval to judge by
+        return no_verdict(mean)
     if high < 0:
         return "beats the baseline"
     if low > 0:
@@ -143,9 +154,9 @@ def table(results: dict) -> str:
             delta, judged = "-", "-"
             if name != "baseline":
                 mean, low, high = paired_difference(losses, base)
-                delta, judged = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]", verdict(mean, low, high)
-            std = statistics.stdev(losses) if len(losses) > 1 else 0.0
-            rows.append(f"| {task} | {name} | {statistics.mean(losses):.4f} ± {std:.4f} | "
+                delta, judged = format_paired((mean, low, high)), verdict(mean, low, high)
+            spread = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
+            rows.append(f"| {task} | {name} | {statistics.mean(losses):.4f}{spread} | "
                         f"{statistics.mean(r['accuracy'] for r in runs):.3f} | {delta} | {judged} |")
     return "\n".join(rows)
 

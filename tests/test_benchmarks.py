@@ -38,7 +38,10 @@ def test_paired_difference_and_its_interval(ablation):
     # differences 0.5, 0.5, 1.0: sd 0.288675, t(0.975, 2) = 4.302653
     half = 4.302653 * 0.288675 / math.sqrt(3)
     assert (low, high) == (pytest.approx(mean - half, abs=1e-5), pytest.approx(mean + half, abs=1e-5))
-    assert all(math.isnan(x) for x in ablation.paired_difference([1.0], [0.5])[1:])
+    assert ablation.paired_difference([1.0], [0.5]) == (0.5, None, None)  # one seed: no interval
+    assert ablation.format_paired((mean, low, high)) == f"+0.6667 [{low:+.4f}, {high:+.4f}]"
+    assert ablation.format_paired((0.5, None, None)) == "+0.5000 [n/a (1 seed)]"
+    assert ablation.format_paired((-0.25, None, None), unit="window") == "-0.2500 [n/a (1 window)]"
 
 
 def test_paper_column_is_table_4_and_its_ordering(ablation):
@@ -257,7 +260,7 @@ def test_ordering_checks_judge_each_claim_by_its_paired_interval(ablation):
                "Block AttnRes (S=2)": runs(1.95, 2.15, 2.15),  # mean -0.0167, interval contains 0
                "DenseFormer": runs(2.0, 2.1, 2.2),  # on par
                "mHC (n=4)": runs(2.1, 2.2, 2.3)}  # +0.1 every seed: worse than the baseline
-    lines = "\n".join(ablation.ordering_checks(results))
+    lines = "\n".join(map(ablation.format_ordering_check, ablation.ordering_checks(results)))
     assert "Full AttnRes beats the baseline: Full AttnRes minus baseline -0.1000" in lines
     assert "beats the baseline: Full AttnRes minus baseline -0.1000 [-0.1000, -0.1000]: recovered" in lines
     assert "Block AttnRes beats the baseline: Block AttnRes (S=2) minus baseline -0.0167" in lines
@@ -285,3 +288,67 @@ def test_ablation_refuses_empty_budgets_and_a_folder_with_runs(ablation, argv, s
         ablation.main(["--preset", "smoke", *argv])
     assert says in capsys.readouterr().err
     assert (tmp_path / "runs.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_ordering_checks_draw_no_verdict_without_an_interval(ablation, seeds):
+    """One seed gives a paired difference but no interval: no verdict, and None (JSON null) bounds, never NaN."""
+    losses = {"baseline": [2.0, 2.1], "Full AttnRes": [1.9, 2.05], "DenseFormer": [2.3, 2.4], "mHC (n=4)": [2.0, 2.2]}
+    results = {name: [{"val_loss": x, "parameters": 1, "seconds": 1.0} for x in values[:seeds]]
+               for name, values in losses.items()}
+    checks = ablation.ordering_checks(results)
+    assert {c["claim"] for c in checks} == {"Full AttnRes beats the baseline", "mHC beats the baseline",
+                                            "DenseFormer is on par with the baseline", "mHC is behind Full AttnRes"}
+    for check in checks:
+        line = ablation.format_ordering_check(check)
+        if seeds == 1:
+            assert check["low"] is check["high"] is check["verdict"] is None
+            assert "[n/a (1 seed)]: no verdict (one seed gives no interval)" in line
+            assert not any(word in line for word in ("recovered", "consistent", "nan"))
+        else:
+            assert check["verdict"] and math.isfinite(check["low"]) and math.isfinite(check["high"])
+    json.loads(json.dumps(checks, allow_nan=False))
+    assert ablation.format_paired(ablation.paired_difference([1.0], [0.5])) == "+0.5000 [n/a (1 seed)]"
+    text = ablation.table(results)
+    rows = [row for row in text.splitlines() if row.startswith("| Full AttnRes |")]
+    assert ("-0.1000 [n/a (1 seed)]" in rows[0]) == (seeds == 1) and "nan" not in text
+    assert (" ± " in rows[0]) == (seeds > 1)  # no spread from one seed
+
+
+def test_ablation_with_one_seed_reports_no_interval_and_no_verdict(ablation, tmp_path, capsys):
+    """`--seeds 1` end to end: the paired difference with `[n/a (1 seed)]` in the printed table and results.md,
+    null bounds and verdicts in results.json (strict JSON), and no verdict on any ordering."""
+    out = tmp_path / "out"
+    ablation.main(["--preset", "smoke", "--out", str(out), "--variants", "baseline,Full AttnRes,DenseFormer",
+                   "--steps", "1", "--seeds", "1", "--jobs", "1"])
+    printed = capsys.readouterr().out
+    report = (out / "results.md").read_text()
+    assert report.strip() in printed
+    for text in (printed, report):
+        assert "nan" not in text.lower() and "recovered" not in text and "consistent" not in text
+        assert text.count("[n/a (1 seed)]") == 2 + 2  # two table rows, two orderings
+        assert "one seed gives no interval, so no verdicts" in text
+    results = json.loads((out / "results.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert set(results["paired_vs_baseline"]) == {"Full AttnRes", "DenseFormer"}
+    for entry in [*results["paired_vs_baseline"].values(), *results["orderings"]]:
+        assert math.isfinite(entry["mean"]) and entry["low"] is None and entry["high"] is None
+    assert [o["verdict"] for o in results["orderings"]] == [None, None]
+
+
+def test_a_diverged_run_gives_no_interval_and_no_verdict(ablation, synthetic):
+    """A non-finite loss (a diverged seed) makes no interval: was a [nan, nan] judged 'NOT recovered'."""
+    results = {"baseline": [{"val_loss": 2.0}, {"val_loss": 2.1}],
+               "Full AttnRes": [{"val_loss": math.nan}, {"val_loss": 2.05}],
+               "DenseFormer": [{"val_loss": math.inf}, {"val_loss": 2.05}]}
+    for name in ("Full AttnRes", "DenseFormer"):
+        mean, low, high = ablation.paired_difference([r["val_loss"] for r in results[name]],
+                                                     [r["val_loss"] for r in results["baseline"]])
+        assert low is None and high is None and not math.isfinite(mean)
+        assert ablation.format_paired((mean, low, high)) == "n/a (a loss is not finite)"
+        assert synthetic.verdict(mean, low, high) == "no verdict (a loss is not finite)"
+    checks = ablation.ordering_checks(results)
+    assert [c["verdict"] for c in checks] == [None, None] and all(c["mean"] is None for c in checks)
+    json.loads(json.dumps(checks, allow_nan=False))
+    assert [ablation.format_ordering_check(c).split(": ", 1)[1] for c in checks] == [
+        "Full AttnRes minus baseline n/a (a loss is not finite): no verdict (a loss is not finite)",
+        "DenseFormer minus baseline n/a (a loss is not finite): no verdict (a loss is not finite)"]

@@ -397,3 +397,94 @@ def test_a_byte_level_gguf_naming_no_pre_tokenizer_warns_and_splits_as_llama_cpp
     pieces = [piece for piece, _ in missing.pre_tokenize_str("x 12345!")]
     assert pieces == [byte_level(p) for p in llama_cpp_split("x 12345!", GGUF_PRE_TOKENIZERS["default"])]
     assert pieces == ["x", "Ġ", "123", "45", "!"]  # llama.cpp's fallback: punctuation runs, then digits in threes
+
+
+# --- PyTorch .bin sources (pytorch_model.bin, or shards with pytorch_model.bin.index.json) ---
+
+def bin_source(folder, sharded=False, legacy=False):
+    """A tiny Llama folder whose weights are `torch.save` files (what older Hub repos hold); returns the model."""
+    model = tiny_source("llama")
+    model.config.save_pretrained(folder)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = {"_use_new_zipfile_serialization": False} if legacy else {}
+    if not sharded:
+        torch.save(state, folder / "pytorch_model.bin", **kwargs)
+        return model
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, folder / file, **kwargs)
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return model
+
+
+def _tensor_record_start(path):
+    """Offset of the first byte of the largest tensor record of a `torch.save` zip archive."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = path.read_bytes()
+    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26: record.header_offset + 30])
+    return record.header_offset + 30 + name_length + extra_length, record.filename
+
+
+def test_a_sharded_pytorch_bin_source_converts_exactly(tmp_path):
+    source = bin_source(tmp_path / "source", sharded=True)
+    assert run_cli(tmp_path / "source", tmp_path / "out", "--dtype", "float32") == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(logits(loaded), logits(source), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sharded, legacy", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["single", "sharded", "legacy-pickle", "legacy-pickle-sharded"])
+def test_intact_pytorch_bin_sources_pass_the_checks(sharded, legacy, tmp_path):
+    bin_source(tmp_path / "source", sharded, legacy)
+    assert load_source_config(tmp_path / "source").model_type == "llama"
+
+
+def _damage(folder, damage):
+    """Damage the folder's .bin weights; return the file the error must name and what it must say."""
+    shard = folder / "pytorch_model-00002-of-00002.bin"
+    target = shard if shard.exists() else folder / "pytorch_model.bin"
+    data = target.read_bytes()
+    if damage == "truncated":
+        target.write_bytes(data[: len(data) // 2])
+        return target, ("is a truncated or corrupt PyTorch checkpoint (its zip directory is missing: the file is cut "
+                        "off)")
+    if damage == "flipped-tensor-bytes":  # torch.load reads such a file without complaint, with a wrong weight
+        start, record = _tensor_record_start(target)
+        flipped = bytearray(data)
+        flipped[start + 7] ^= 0x40
+        target.write_bytes(bytes(flipped))
+        return target, f"is a corrupt PyTorch checkpoint: its record {record} fails its CRC-32 check"
+    if damage == "garbage":
+        target.write_bytes(np.random.default_rng(0).bytes(len(data)))
+        return target, "is not a PyTorch checkpoint: neither a torch.save zip archive nor a legacy torch pickle"
+    if damage == "missing-shard":
+        target.unlink()
+        return folder / "pytorch_model.bin.index.json", f"lists {target.name}, which is missing from {folder}"
+    if damage == "legacy-truncated":
+        torch.save(torch.load(target, weights_only=True), target, _use_new_zipfile_serialization=False)
+        target.write_bytes(target.read_bytes()[:-200])
+        return target, "is a truncated or corrupt PyTorch checkpoint (legacy format, which has no checksums)"
+    if damage == "pickled-code":  # transformers would refuse it (weights_only) only once loading started
+        torch.save({"weight": subprocess.Popen}, target)
+        return target, "holds more than tensors: torch.load(weights_only=True)"
+    raise AssertionError(damage)
+
+
+@pytest.mark.parametrize("damage, sharded", [
+    (damage, sharded) for damage in ("truncated", "flipped-tensor-bytes", "garbage", "legacy-truncated", "pickled-code")
+    for sharded in (False, True)] + [("missing-shard", True)])
+def test_a_damaged_pytorch_bin_source_is_refused_before_loading(damage, sharded, tmp_path, capsys, monkeypatch):
+    bin_source(tmp_path / "source", sharded)
+    named, says = _damage(tmp_path / "source", damage)
+    convert_module = importlib.import_module("attnres_hf.conversion.convert")
+    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    error = _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
+    assert f"{named} {says}" in error, error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # no output (or staging) folder

@@ -248,3 +248,119 @@ def test_lora_targets_default_to_the_models_linear_layers_and_match_as_peft_does
     with pytest.warns(FutureWarning, match="default_lora_targets"):
         from attnres_hf.training import DEFAULT_LORA_TARGETS
     assert list(DEFAULT_LORA_TARGETS) == projections
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A tiny router run of 4 steps with checkpoints at steps 2 (midway) and 4 (the end of its schedule)."""
+    folder = tmp_path_factory.mktemp("resume")
+    tiny_model(routers=False, attnres_block_size=2).save_pretrained(folder / "model")
+    word_tokenizer().save_pretrained(folder / "model")
+    (folder / "train.txt").write_text(counting_text())
+    assert run_train(folder, folder / "run", "--method", "routers", "--max-steps", "4", "--save_steps", "2",
+                     "--eval_strategy", "no", "--entropy_batches", "0") == 0
+    assert sorted(p.name for p in (folder / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    return folder
+
+
+def _midway(folder, out, record=True):
+    """A copy of the run's output folder interrupted after its checkpoint at step 2 (of 4)."""
+    import shutil
+
+    shutil.copytree(folder / "run" / "checkpoint-2", out / "checkpoint-2")
+    if not record:  # as written by a plain Trainer run, or by attnres before the schedule was recorded
+        state_file = out / "checkpoint-2" / "trainer_state.json"
+        state = json.loads(state_file.read_text())
+        del state["stateful_callbacks"]["LearningRateSchedule"]
+        state_file.write_text(json.dumps(state))
+    return out
+
+
+def _no_loading(monkeypatch):
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+
+
+@pytest.mark.parametrize("extra", [["--max-steps", "4"], ["--max-steps", "8"], ["--max-steps", "8", "--lr", "1e-3"]],
+                         ids=["same-max-steps", "more-steps", "more-steps-new-lr"])
+def test_resuming_a_finished_schedule_is_refused_before_loading(extra, finished_run, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    before = sorted(p.name for p in (finished_run / "run").iterdir())
+    assert run_train(finished_run, finished_run / "run", "--method", "routers", "--resume", *extra) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-4 (step 4 of max_steps 4) is the end of its run's learning-rate schedule" in err
+    assert "start a new run (another --output-dir) from its weights" in err
+    assert sorted(p.name for p in (finished_run / "run").iterdir()) == before
+
+
+@pytest.mark.parametrize("extra, change, record", [
+    (["--max-steps", "8"], "--max-steps 8 (the checkpoint's run: 4)", True),
+    (["--max-steps", "3"], "--max-steps 3 (the checkpoint's run: 4)", True),
+    (["--max-steps", "4", "--lr", "1e-2"], "--lr 0.01 (the checkpoint's run: 0.0002)", True),
+    (["--max-steps", "4", "--lr_scheduler_type", "cosine"], "--lr_scheduler_type cosine (the checkpoint's run: linear)",
+     True),
+    (["--max-steps", "4", "--warmup_steps", "2"], "--warmup_steps 2.0 (the checkpoint's run: 0)", True),
+    (["--max-steps", "4", "--warmup_steps", "0.5"], "--warmup_steps 0.5 (the checkpoint's run: 0)", True),
+    ([], "--max-steps unset (the run sized by --num_train_epochs) (the checkpoint's run: 4)", True),
+    # Without the record: the length from trainer_state.json, the learning rate from scheduler.pt's base_lrs
+    (["--max-steps", "8"], "--max-steps 8 (the checkpoint's run: 4)", False),
+    (["--max-steps", "4", "--lr", "1e-2"], "--lr 0.01 (the checkpoint's run: 0.0002)", False),
+], ids=["longer", "shorter", "lr", "scheduler", "warmup", "warmup-ratio", "max-steps-unset", "plain-longer",
+        "plain-lr"])
+def test_resuming_with_settings_that_change_the_schedule_is_refused_before_loading(extra, change, record, finished_run,
+                                                                                  tmp_path, capsys, monkeypatch):
+    out = _midway(finished_run, tmp_path / "cut", record)
+    _no_loading(monkeypatch)
+    assert run_train(finished_run, out, "--method", "routers", "--resume", *extra) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint-2 (step 2 of max_steps 4) cannot continue its learning-rate schedule with {change}" in err
+    assert "Resume with the run's settings (" in err and "or start a new run" in err
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+
+def test_resuming_a_checkpoint_without_the_schedule_record_with_the_same_settings_finishes_the_run(finished_run,
+                                                                                                   tmp_path):
+    out = _midway(finished_run, tmp_path / "cut", record=False)
+    assert run_train(finished_run, out, "--method", "routers", "--resume", "--max-steps", "4",
+                     "--save_steps", "2", "--eval_strategy", "no", "--entropy_batches", "0") == 0
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["stateful_callbacks"]["LearningRateSchedule"]["args"]["max_steps"] == 4
+    original = json.loads((finished_run / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert [e["learning_rate"] for e in state["log_history"] if "loss" in e] == \
+        [e["learning_rate"] for e in original["log_history"] if "loss" in e]
+
+
+def test_a_run_sized_by_epochs_whose_step_count_changed_stops_before_its_first_step():
+    from transformers import TrainerControl, TrainerState
+
+    from attnres_hf.training.resume import SameScheduleLength
+
+    check = SameScheduleLength("out/checkpoint-30", 60)
+    args = TrainingArguments(output_dir="unused", num_train_epochs=3, report_to="none")
+    check.on_train_begin(args, TrainerState(max_steps=60), TrainerControl())
+    with pytest.raises(ValueError, match="out/checkpoint-30 belongs to a run of 60 steps, but these settings make 90 "
+                                         r"\(num_train_epochs 3"):
+        check.on_train_begin(args, TrainerState(max_steps=90), TrainerControl())
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("no-state", "checkpoint-2 has no trainer_state.json (an incomplete checkpoint?); remove it"),
+    ("bad-state", "checkpoint-2/trainer_state.json is not valid JSON"),
+    ("bad-scheduler", "checkpoint-2/scheduler.pt is unreadable"),
+])
+def test_an_incomplete_checkpoint_is_refused_before_loading(damage, says, finished_run, tmp_path, capsys, monkeypatch):
+    out = _midway(finished_run, tmp_path / "cut")
+    if damage == "no-state":
+        (out / "checkpoint-2" / "trainer_state.json").unlink()
+    elif damage == "bad-state":
+        (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2,')
+    else:
+        data = (out / "checkpoint-2" / "scheduler.pt").read_bytes()
+        (out / "checkpoint-2" / "scheduler.pt").write_bytes(data[: len(data) // 2])
+    _no_loading(monkeypatch)
+    assert run_train(finished_run, out, "--method", "routers", "--resume", "--max-steps", "4") == 2
+    assert says in capsys.readouterr().err

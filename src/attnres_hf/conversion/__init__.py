@@ -4,7 +4,7 @@ from .families import SUPPORTED_MODEL_TYPES, UnsupportedSourceError
 from .convert import convert, load_tokenizer, model_card
 from .gguf_source import check_against_gguf, gguf_config_fields, gguf_tensor_map, read_gguf_tensors
 from .gguf_tokenizer import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer, load_gguf_tokenizer
-from .retrofit import check_gguf_file, load_source, load_source_config, retrofit, serializable_copy
+from .retrofit import check_gguf_file, check_torch_file, load_source, load_source_config, retrofit, serializable_copy
 from .verify import PROBE_TEXT, verify_conversion
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedSourceError",
     "check_against_gguf",
     "check_gguf_file",
+    "check_torch_file",
     "convert",
     "gguf_config_fields",
     "gguf_pre_tokenizer",

@@ -91,6 +91,86 @@ def _check_safetensors(path: Path) -> None:
         raise ValueError(f"{path} is a truncated or corrupt safetensors file ({error})") from None
 
 
+ZIP_MAGIC = b"PK\x03\x04"
+LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\n" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+"""How a legacy (pre-1.6) `torch.save` file starts: pickle protocol 2, then torch's magic number as a long."""
+
+
+def _first_line(error: Exception, limit: int = 200) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_torch_file(path: str | os.PathLike) -> Path:
+    """Check that `path` is a complete, intact PyTorch `.bin` state dict, as `torch.save` writes it; return it as a
+    `Path`. Nothing in it runs: a `torch.save` zip archive is checked record by record against its CRC-32 checksums
+    (a flipped byte in a tensor loads silently otherwise) and its pickle is read by `torch.load(weights_only=True,
+    map_location="meta")`, which builds no tensor data and refuses anything but tensors and plain containers; a
+    legacy (pre-1.6, not zip) pickle has no checksums and is read the same way, which finds a cut-off file.
+
+    Raises:
+        FileNotFoundError: if it does not exist. ValueError: a truncated or corrupt file (naming the failing record),
+            a file that is not a PyTorch checkpoint, or one whose pickle holds more than tensors (transformers loads
+            `.bin` files with `weights_only=True` and would refuse it) or no state dict.
+    """
+    import zipfile
+    import zlib
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"PyTorch weight file not found: {path}")
+    with path.open("rb") as handle:
+        start = handle.read(64)
+    head = start[:len(LEGACY_TORCH_MAGIC)]
+    if not head:
+        raise ValueError(f"{path} is empty: a truncated PyTorch checkpoint")
+    zipped = head.startswith(ZIP_MAGIC)
+    if start.startswith(b"version https://git-lfs"):
+        raise ValueError(f"{path} is a Git LFS pointer, not the weights: fetch them (git lfs pull)")
+    if not zipped and head != LEGACY_TORCH_MAGIC:
+        raise ValueError(f"{path} is not a PyTorch checkpoint: neither a torch.save zip archive nor a legacy torch "
+                         f"pickle (its first bytes are {head[:8]!r})")
+    if zipped:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()  # reads every record and compares its CRC-32
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error, ValueError) as error:
+            reason = ("its zip directory is missing: the file is cut off" if "not a zip file" in str(error)
+                      else f"its zip archive is unreadable: {_first_line(error)}")
+            raise ValueError(f"{path} is a truncated or corrupt PyTorch checkpoint ({reason})") from None
+        if bad is not None:
+            raise ValueError(f"{path} is a corrupt PyTorch checkpoint: its record {bad} fails its CRC-32 check "
+                             "(damaged bytes); download or save it again")
+    try:
+        state = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = lines[1] if len(lines) > 2 and lines[0].startswith("Weights only load failed") else _first_line(error)
+        raise ValueError(f"{path} holds more than tensors: torch.load(weights_only=True), as transformers loads "
+                         f".bin files, refuses it ({reason}); re-save its state dict with safetensors") from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as error:
+        kind = "checkpoint" if zipped else "checkpoint (legacy format, which has no checksums)"
+        raise ValueError(f"{path} is a truncated or corrupt PyTorch {kind} ({_first_line(error)})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict (a mapping of names to tensors)")
+    others = [f"{k}: {type(v).__name__}" for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if others:
+        raise ValueError(f"{path} is not a state dict of tensors: {', '.join(others[:4])}")
+    return path
+
+
+def _check_shards(folder: Path, index: Path, check_file) -> None:
+    """Check each file that the index `index` maps weights to with `check_file`."""
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index} is not a valid weight index ({type(error).__name__}: {error})") from None
+    for shard in shards:
+        if not isinstance(shard, str) or not (folder / shard).is_file():
+            raise FileNotFoundError(f"{index} lists {shard}, which is missing from {folder}")
+        check_file(folder / shard)
+
+
 def _check_folder(folder: Path) -> None:
     """Check an HF folder's config and weight files (headers only) before anything loads."""
     if not folder.exists():
@@ -105,18 +185,15 @@ def _check_folder(folder: Path) -> None:
         raise ValueError(f"{folder / 'config.json'} is not valid JSON ({error}); re-save the model") from None
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise FileNotFoundError(f"{folder} has no model weights (looked for {', '.join(WEIGHT_FILES)})")
+    # the files transformers will load, in its order of preference (WEIGHT_FILES)
     if (folder / "model.safetensors").is_file():
         _check_safetensors(folder / "model.safetensors")
     elif (folder / "model.safetensors.index.json").is_file():
-        index = folder / "model.safetensors.index.json"
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ValueError(f"{index} is not a valid safetensors index ({type(error).__name__}: {error})") from None
-        for shard in shards:
-            if not (folder / shard).is_file():
-                raise FileNotFoundError(f"{index} lists {shard}, which is missing from {folder}")
-            _check_safetensors(folder / shard)
+        _check_shards(folder, folder / "model.safetensors.index.json", _check_safetensors)
+    elif (folder / "pytorch_model.bin").is_file():
+        check_torch_file(folder / "pytorch_model.bin")
+    else:
+        _check_shards(folder, folder / "pytorch_model.bin.index.json", check_torch_file)
 
 
 def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
@@ -244,7 +321,8 @@ def retrofit(
         UnsupportedSourceError (a `ValueError`): unsupported `model_type` or a feature such as MoE layers.
         KeyError: a source weight the family's key table does not map.
         ValueError: invalid or unknown config overrides (incl. `attnres_window`, which cannot be exact), a bad
-            `dtype`, a malformed / truncated GGUF or safetensors file, a GGUF tensor the model would drop.
+            `dtype`, a malformed / truncated GGUF, safetensors or PyTorch `.bin` file (`check_torch_file`), a GGUF
+            tensor the model would drop.
         TypeError: `source` is neither a model nor a path, or `progress` is not a bool.
         FileNotFoundError: a missing path, or a folder without config or weights.
     """

@@ -32,6 +32,7 @@ from .recipes import (
     load_kwargs,
     prepare_model,
 )
+from .resume import LearningRateSchedule, SameScheduleLength, check_resume_schedule
 
 
 @dataclass
@@ -229,7 +230,9 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     `callbacks` are extra `TrainerCallback`s. The final model (or LoRA adapter with its routers) and the tokenizer
     are saved to `training_args.output_dir`; checkpoints every `save_steps`. With `args.resume`, training continues
     from the last checkpoint there with its optimizer, scheduler, RNG and data order, so the loss trajectory is that
-    of an uninterrupted run.
+    of an uninterrupted run. Resuming keeps the checkpoint's learning-rate schedule: the same `max_steps` (or
+    `num_train_epochs`), `learning_rate`, `lr_scheduler_type`, `lr_scheduler_kwargs` and warmup; anything else is
+    refused (`check_resume_schedule`), since the Trainer would silently mix the two schedules.
 
     Every random draw (weights the checkpoint lacks, LoRA adapters, data order, dropout) comes after seeding with
     `training_args.seed` (`full_determinism` honoured), so two runs with the same settings give identical losses
@@ -238,8 +241,11 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     Raises:
         TypeError: `args` / `training_args` of the wrong class. FileNotFoundError: a missing model folder or data
         file, or `resume` without a checkpoint. FileExistsError: checkpoints of an earlier run in `output_dir`
-        without `resume`. ValueError: bad data, `method="routers"` on a model without depth routers, or a LoRA target
-        that matches no module. All of these are raised before the model's weights load.
+        without `resume`. ValueError: bad data, `method="routers"` on a model without depth routers, a LoRA target
+        that matches no module, or `resume` from a checkpoint at the end of its schedule or with settings that change
+        its learning-rate schedule. All of these are raised before the model's weights load, but for a run sized by
+        `num_train_epochs` resumed on other data or batch sizes (its step count is known once the Trainer starts:
+        raised before the first step).
     """
     if not isinstance(args, AttnResArguments):
         raise TypeError(f"args must be AttnResArguments, got {type(args).__name__}")
@@ -257,6 +263,7 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
             "continue it, or choose another --output-dir"
         )
     checkpoint = existing if args.resume else None
+    resumed = check_resume_schedule(checkpoint, training_args) if checkpoint is not None else None
     _check_before_loading(args)
     if checkpoint is not None and training_args.process_index == 0:
         print(f"Resuming from {checkpoint}", flush=True)
@@ -281,7 +288,8 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
         data_collator=default_data_collator,
         processing_class=tokenizer,
         entropy_batches=args.entropy_batches,
-        callbacks=callbacks,
+        callbacks=[*(callbacks or []), LearningRateSchedule.from_args(training_args),
+                   *([SameScheduleLength(checkpoint, resumed["max_steps"])] if resumed else [])],
     )
     # The held-out loss before training comes from the Trainer's own first evaluation (`eval_on_start`): calling
     # `evaluate()` before `train()` under DDP desynchronises the replicas' first optimizer step.
