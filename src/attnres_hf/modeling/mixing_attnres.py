@@ -454,7 +454,8 @@ class AttnResState(NamedTuple):
     Sources live in one buffer per forward, `(n_slots, batch, seq_len, hidden_size)` slot-major (slot 0: the
     embedding, slot k: block k's sum, written in place once, when the block closes); routers read views of it, so no
     source is re-stacked or copied per router, and backward keeps the sources once (custom autograd Functions read
-    the buffer instead of saving copies): Full AttnRes's training memory grows like the residual stream's. Block
+    the buffer instead of saving copies): Full AttnRes's training memory grows like the residual stream's. In eager
+    training the readers sum the sources' gradients in place (`_SourceGrads`), each handed to its source once. Block
     AttnRes with `S > 1` runs the paper's two-phase inference (Algorithm 1): when a block starts, the routers of its
     `S` sub-layers are scored against the completed sources in one product (`Phase1`), and each sub-layer merges
     only its partial sum, an online-softmax update (`AttnResRouter` docstring).
