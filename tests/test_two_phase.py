@@ -312,3 +312,14 @@ def test_source_gradients_start_from_zero_in_every_backward_pass(block_size, inp
     assert grads.keys() == frozen.keys() and "model.embed_tokens.weight" not in grads
     for name, grad in grads.items():
         torch.testing.assert_close(grad, frozen[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
+def test_second_order_gradients_are_refused_not_wrong(block_size, input_ids):
+    """The buffer's Functions compute their gradients from the buffer, outside autograd: differentiating them again
+    (`create_graph=True`, e.g. a gradient penalty) is a clear error, not silently missing terms."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    queries = [p for n, p in model.named_parameters() if n.endswith(".query")]
+    grads = torch.autograd.grad(model(input_ids, labels=input_ids).loss, queries, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        sum(g.square().sum() for g in grads).backward()

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from transformers import initialization as init
 
@@ -219,6 +220,7 @@ class _SourceSlot(torch.autograd.Function):
         return source.new_zeros(())
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, _):
         return None, None, ctx.grads.take(ctx.slot)
 
@@ -239,6 +241,7 @@ class _SourceScores(torch.autograd.Function):
         return _scores(buffer[:n], queries)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # grad (B, T, S, n)
         (queries,) = ctx.saved_tensors
         values, n = ctx.buffer[: ctx.n], ctx.n
@@ -267,6 +270,7 @@ class _SourceMix(torch.autograd.Function):
         return _mix(buffer[:n], weights)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # grad (B, T, S, D)
         (weights,) = ctx.saved_tensors
         values, n = ctx.buffer[: ctx.n], ctx.n
@@ -314,6 +318,7 @@ class _SourceInverseRMS(torch.autograd.Function):
         return inv
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # d/dx (mean(x^2) + eps)^(-1/2) = -inv^3 x / D
         (inv,) = ctx.saved_tensors
         value = ctx.buffer[ctx.slot]
@@ -363,6 +368,7 @@ class _PartialMerge(torch.autograd.Function):
         return hidden, logit
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_hidden, grad_logit):
         weights, partial, query, logit, inv, share = ctx.saved_tensors
         values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
