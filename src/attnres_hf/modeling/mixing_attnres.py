@@ -450,7 +450,7 @@ class AttnResState(NamedTuple):
         epsilon tensors the state made when it started (`_Constants`)."""
         start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
         if self.block_size == 1 or start >= stop:
-            return self._replace(phase1=None)
+            return self if self.phase1 is None else self._replace(phase1=None)
         if self.constants is None:  # routers wrapped by another library (PEFT's modules_to_save): the direct
             return self._replace(phase1=None)  # path, the same numbers
         bank, eps = self.constants.bank, self.constants.eps
@@ -699,7 +699,8 @@ class AttnResRouter(nn.Module):
         `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
         max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`. With gradients
         the merge is `_PartialMerge`, which keeps the partial sum for backward but not `mixed_j` (recomputed), so a
-        block's training memory is one partial sum per router more than the residual stream's.
+        block's training memory is one partial sum per router more than the residual stream's. Without gradients
+        and depth weights it is `_merge_inference` (the same numbers in fewer operations).
         """
         probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
         count = len(state.sources)
