@@ -115,12 +115,17 @@ def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch)
     """Completed-block key norms come from the state (once per block), never recomputed per router."""
     from attnres_hf.modeling import mixing_attnres
 
-    calls = []
-    original = mixing_attnres.inverse_rms
+    calls, merges = [], []
+    original, merge = mixing_attnres.inverse_rms, mixing_attnres._merge_inference
     monkeypatch.setattr(mixing_attnres, "inverse_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
+    monkeypatch.setattr(mixing_attnres, "_merge_inference", lambda *a: merges.append(1) or merge(*a))
     model = tiny_model(attnres_block_size=2, num_hidden_layers=4)
     with torch.no_grad():
         model(input_ids)
-    # 1 (embedding) + 3 block closures (blocks 1-3; block 4 stays partial) + one per router that has a partial
-    # source (the MLP router of each layer and the final router): 4 + 1.
-    assert len(calls) == 1 + 3 + 5
+        # 1 (embedding) + 3 block closures (blocks 1-3; block 4 stays partial) + one per router that has a partial
+        # source: the final router here, and the MLP router of each layer in its merge (its partial sum's norm in
+        # `_merge_inference`, without depth weights)
+        assert len(calls) == 1 + 3 + 1 and len(merges) == 4
+        calls.clear(), merges.clear()
+        model(input_ids, output_depth_weights=True)  # the merges that also return weights: `inverse_rms` each
+        assert len(calls) == 1 + 3 + 5 and not merges

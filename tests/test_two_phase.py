@@ -323,3 +323,59 @@ def test_second_order_gradients_are_refused_not_wrong(block_size, input_ids):
     grads = torch.autograd.grad(model(input_ids, labels=input_ids).loss, queries, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         sum(g.square().sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("knobs,dtype", [(knobs, torch.float32) for knobs in KNOBS] + [
+    (knobs, torch.bfloat16) for knobs in ("default", "sigmoid-rescale")], ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
+def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, input_ids, monkeypatch):
+    """Without gradients and depth weights, the merges (`_merge_inference`) and the direct reads
+    (`AttnResRouter._direct_inference`) take their own shorter forms: the same logits as the autograd paths (a
+    forward with gradients) and as `naive_attnres`, with and without the KV cache (prefill, then one token at a time)."""
+    model = tiny_model(attnres_block_size=block_size, **KNOBS[knobs]).to(dtype)
+    config = model.config
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    calls = {"merge": 0, "direct": 0}
+    merge, direct = mixing_attnres._merge_inference, AttnResRouter._direct_inference
+    monkeypatch.setattr(mixing_attnres, "_merge_inference",
+                        lambda *a: calls.__setitem__("merge", calls["merge"] + 1) or merge(*a))
+    monkeypatch.setattr(AttnResRouter, "_direct_inference",
+                        lambda *a: calls.__setitem__("direct", calls["direct"] + 1) or direct(*a))
+    autograd = model(input_ids).logits.detach().float()  # parameters require grad: the autograd Functions
+    assert calls == {"merge": 0, "direct": 0}
+    with torch.no_grad():
+        fast = model(input_ids).logits.float()
+        # every router with a partial sum merges (block size > 1), the others read the buffer directly
+        routers, blocks = config.num_sublayers + 1, -(-config.num_sublayers // block_size)
+        merges = 0 if block_size == 1 else config.num_sublayers - blocks
+        assert calls == {"merge": merges, "direct": routers - merges - (0 if block_size == 1 else blocks)}
+        out = model(input_ids[:, :5], use_cache=True)
+        steps = [out.logits]
+        for position in range(5, input_ids.shape[1]):
+            out = model(input_ids[:, position:position + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+        cached = torch.cat(steps, dim=1).float()
+
+        def naive(router, state):  # naive_attnres (paper Eq. 1-4), with the knob applied where it departs
+            sources = list(state.sources) + ([state.partial] if state.partial is not None else [])
+            if router.key_norm is not None and router.score_fn == "softmax":
+                hidden, weights = naive_attnres(sources, router.query, router.key_norm.weight, state.eps)
+            else:
+                values = torch.stack([s.float() for s in sources], dim=-2)
+                keys = values
+                if router.key_norm is not None:
+                    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + state.eps)
+                    keys = keys * router.key_norm.weight.float()
+                logits = keys @ router.query.float()
+                weights = torch.sigmoid(logits) if router.score_fn == "sigmoid" else torch.softmax(logits, -1)
+                hidden = (weights.unsqueeze(-1) * values).sum(-2)
+            if router.rescale_output:
+                hidden = hidden * (2.0 if router.score_fn == "sigmoid" else len(sources))
+            return hidden.to(sources[0].dtype), weights
+
+        with path("stacked", monkeypatch):
+            monkeypatch.setattr(AttnResRouter, "forward", naive)
+            reference = model(input_ids).logits.float()
+    for name, logits in (("no-grad", fast), ("cached", cached), ("autograd", autograd)):
+        torch.testing.assert_close(logits, reference, **tolerance, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(fast, autograd, **tolerance)

@@ -5,6 +5,7 @@ Travels with checkpoints as remote code (a relative import of `depth_mixing.py`)
 its sibling `mixing_base.py`.
 """
 
+import math
 from itertools import islice
 from typing import NamedTuple
 
@@ -346,6 +347,28 @@ def _merge_partial(partial, mixed, query, lse, eps, key_norm):
     return hidden, logit, inv, share
 
 
+def _merge_inference(partial, mixed, query, lse, norm_eps):
+    """`_merge_partial`'s merged output `(B, T, D)` alone, in the fewest operations: the no-grad path without depth
+    weights (a decoded token runs one per sub-layer, and at one token each operation costs microseconds).
+
+    The key norm enters as `p = (partial . q) sqrt(D) / hypot(sqrt(D eps), ||partial||)` (`norm_eps`: the 0-dim fp32
+    tensor `sqrt(D eps)`; `None` without the key norm), which is `(partial . q) rsqrt(mean(partial^2) + eps)`; with
+    softmax scores the completed sources' share `sigmoid(lse - p)` takes one fused `addcdiv`."""
+    values = _as(partial, torch.float32)
+    logit = values @ query  # (B, T): partial . q, before the key norm
+    if norm_eps is not None:
+        norm = torch.hypot(norm_eps, torch.linalg.vector_norm(values, dim=-1))
+        scale = math.sqrt(partial.shape[-1])
+        if lse is not None:  # lse - p in one operation
+            share = torch.sigmoid(torch.addcdiv(lse, logit, norm, value=-scale))
+            return torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+        logit = torch.div(logit, norm).mul_(scale)
+    if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
+        return torch.addcmul(mixed, _as(torch.sigmoid(logit).unsqueeze(-1), partial.dtype), partial)
+    share = torch.sigmoid(lse - logit)
+    return torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+
+
 class _PartialMerge(torch.autograd.Function):
     """Phase 2 of two-phase block inference with gradients (`_merge_partial`), saving for backward the partial sum
     and per-token scalars only: not the completed sources' weighted sum `mixed` (one `(B, T, D)` per router), which
@@ -430,7 +453,8 @@ class Phase1(NamedTuple):
       output before the partial sum joins;
     - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in);
     - `bank`: `(2 L, D)` fp32, the model's query bank (`_query_bank`), of which `queries` are the block's rows;
-    - `eps`: the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); both made once per forward.
+    - `eps`: the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); both made once per forward
+      (`_Constants`).
 
     Each is kept as a tuple of the `S` routers' views (`unbind`), which a merge picks by position.
     """
@@ -448,10 +472,28 @@ class Phase1(NamedTuple):
 def _query_bank(routers) -> torch.Tensor:
     """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
     `AttnResRouter._logits`), stacked once per forward for every block's phase 1."""
-    bank = _as(torch.stack([r.query for r in routers]), torch.float32)
+    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward;
+    # the caller has checked that every router is a plain `AttnResRouter`)
+    bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
     if routers[0].key_norm is not None:
-        bank = bank * _as(torch.stack([r.key_norm.weight for r in routers]), torch.float32)
+        weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
+        bank = bank * _as(torch.stack(weights), torch.float32)
     return bank
+
+
+class _Constants(NamedTuple):
+    """What every router of one forward shares, made once when the state starts (only when every router is a plain
+    `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`); `eps`, the key norm's epsilon
+    as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see `_merge_inference`)."""
+
+    bank: torch.Tensor
+    eps: torch.Tensor
+    norm_eps: torch.Tensor
+
+    @classmethod
+    def build(cls, routers, eps: float, like: torch.Tensor) -> "_Constants":
+        return cls(_query_bank(routers), torch.full((), eps, device=like.device),
+                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device))
 
 
 class AttnResState(NamedTuple):
@@ -487,6 +529,7 @@ class AttnResState(NamedTuple):
     keep_weights: bool = True  # whether merged routers also return their depth weights
     handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
     grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
+    constants: _Constants | None = None  # made once per forward when every router is a plain `AttnResRouter`
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -506,23 +549,23 @@ class AttnResState(NamedTuple):
         grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
         handle = _store(buffer, grads, 0, embeddings)
         statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
+        constants = None
+        if routers and all(type(r) is AttnResRouter for r in routers):
+            constants = _Constants.build(routers, eps, embeddings)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights,
-                    (handle,), grads)
+                    (handle,), grads, constants)
         return state._start_block()
 
     def _start_block(self) -> "AttnResState":
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
-        sources, one product for the scores and one for the weighted sums (`Phase1`). The first block makes the
-        model's query bank and the epsilon tensor; each `Phase1` hands them to the next block."""
+        sources, one product for the scores and one for the weighted sums (`Phase1`), with the query bank and
+        epsilon tensors the state made when it started (`_Constants`)."""
         start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
         if self.block_size == 1 or start >= stop:
-            return self._replace(phase1=None)
-        if self.phase1 is not None:
-            bank, eps = self.phase1.bank, self.phase1.eps
-        elif all(type(r) is AttnResRouter for r in self.routers):
-            bank, eps = _query_bank(self.routers), torch.full((), self.eps, device=self.buffer.device)
-        else:  # routers wrapped by another library (PEFT's modules_to_save): the direct path, the same numbers
-            return self._replace(phase1=None)
+            return self if self.phase1 is None else self._replace(phase1=None)
+        if self.constants is None:  # routers wrapped by another library (PEFT's modules_to_save): the direct
+            return self._replace(phase1=None)  # path, the same numbers
+        bank, eps = self.constants.bank, self.constants.eps
         queries = bank[start:stop]  # (S, D): the block's query bank
         key_norm, score_fn = self.routers[start].key_norm is not None, self.routers[start].score_fn
         logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
@@ -545,7 +588,7 @@ class AttnResState(NamedTuple):
         handles = self.handles
         if self.buffer is not None:
             handles = (*handles, _store(self.buffer, self.grads, slot, partial))
-            eps = self.phase1.eps if self.phase1 is not None else self.eps
+            eps = self.constants.eps if self.constants is not None else self.eps
             inv, stacked = _source_inverse_rms(self.buffer, self.grads, slot, eps, handles[-1]), None
         else:
             inv = inverse_rms(partial, self.eps)
@@ -715,6 +758,8 @@ class AttnResRouter(nn.Module):
 
     def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """One router over the source buffer (views of it, no stacking) and the partial sum."""
+        if state.constants is not None and not torch.is_grad_enabled():
+            return self._direct_inference(state)
         partial, buffer, n = state.partial, state.buffer, len(state.sources)
         query = self._folded_query()
         logits = _read_sources(_SourceScores, _scores, state, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
@@ -733,6 +778,36 @@ class AttnResRouter(nn.Module):
             hidden = hidden + mix.narrow(-1, n, 1) * partial
         return hidden, weights
 
+    def _direct_inference(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_direct` without autograd, in fewer operations (a decoded token of Full AttnRes runs one per sub-layer):
+        the folded query is a row of the forward's query bank, the epsilon a tensor (`_Constants`), and the scores
+        and the weighted sum are one product each over views of the buffer."""
+        partial, buffer, n, constants = state.partial, state.buffer, len(state.sources), state.constants
+        sublayer, routers = state.sublayer, state.routers
+        query = constants.bank[sublayer] if sublayer < len(routers) and routers[sublayer] is self else (
+            self._folded_query())  # (the final router has no row)
+        values = buffer[:n]  # (n, B, T, D), a view
+        logits = (_as(values, torch.float32) @ query).permute(1, 2, 0)  # (B, T, n)
+        if self.key_norm is not None:
+            logits = logits * state.inv_rms
+        if partial is not None:
+            partial_logit = _as(partial, torch.float32) @ query
+            if self.key_norm is not None:
+                partial_logit = partial_logit * inverse_rms(partial, constants.eps)
+            logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
+        if self.score_fn == "sigmoid":
+            weights, factor = torch.sigmoid(logits), 2.0
+        else:
+            weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
+        mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
+        batch, seq, dim = partial.shape if partial is not None else state.sources[0].shape
+        completed = mix if partial is None else mix.narrow(-1, 0, n)
+        per_token = values.view(n, batch * seq, dim).transpose(0, 1)  # (B T, n, D), strided view
+        hidden = torch.bmm(completed.reshape(batch * seq, 1, n), per_token).view(batch, seq, dim)
+        if partial is not None:
+            hidden = torch.addcmul(hidden, mix.narrow(-1, n, 1), partial)
+        return hidden, weights
+
     def _merge(self, state: AttnResState, phase1: Phase1, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Phase 2 (paper Algorithm 1): router `j` of the block merges the partial sum into its phase-1 result.
 
@@ -741,7 +816,8 @@ class AttnResRouter(nn.Module):
         `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
         max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`. With gradients
         the merge is `_PartialMerge`, which keeps the partial sum for backward but not `mixed_j` (recomputed), so a
-        block's training memory is one partial sum per router more than the residual stream's.
+        block's training memory is one partial sum per router more than the residual stream's. Without gradients
+        and depth weights it is `_merge_inference` (the same numbers in fewer operations).
         """
         probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
         count = len(state.sources)
@@ -756,6 +832,9 @@ class AttnResRouter(nn.Module):
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
                 mix_weights = _as(probs, state.buffer.dtype)  # phase 1's, for backward to recompute `mixed`
                 hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
+            elif not state.keep_weights:  # inference: the output alone
+                norm_eps = state.constants.norm_eps if self.key_norm is not None else None
+                hidden = _merge_inference(partial, mixed, phase1.queries[j], lse, norm_eps)
             else:
                 hidden, logit, _, _ = _merge_partial(*arguments)
             weights = None

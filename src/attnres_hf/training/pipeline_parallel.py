@@ -73,7 +73,7 @@ RUNNING_FIELDS = ("partial",)
 POSITION_FIELD = "sublayer"
 """The field holding the index of the next sub-layer: set from the stage's first decoder layer."""
 STATE_FIELDS = ("sources", "inv_rms", "partial", "eps", "block_size", "sublayer", "buffer", "stacked", "routers",
-                "phase1", "keep_weights", "handles", "grads")
+                "phase1", "keep_weights", "handles", "grads", "constants")
 """The fields of `AttnResState` this module knows how to send and rebuild (see `StateCodec`)."""
 
 
