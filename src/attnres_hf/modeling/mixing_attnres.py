@@ -203,9 +203,12 @@ class _SourceGrads:
         terms = [(g[..., slot], q) for g, q in self.score_terms if slot < g.shape[-1]]
         if terms:
             dim = grad.shape[-1]
-            coefficients = torch.cat([g.reshape(-1, g.shape[-1]) for g, _ in terms], dim=-1)  # (B T, K)
-            product = coefficients @ torch.cat([q for _, q in terms])  # (B T, D) fp32
-            grad.view(-1, dim).add_(_as(product, grad.dtype))
+            coefficients = torch.cat([g.reshape(-1, g.shape[-1]) for g, _ in terms], dim=-1)  # (B T, K) fp32
+            queries = torch.cat([q for _, q in terms])  # (K, D) fp32
+            if grad.dtype == queries.dtype:
+                grad.view(-1, dim).addmm_(coefficients, queries)
+            else:  # the product in fp32, added in the buffer's dtype
+                grad.view(-1, dim).add_((coefficients @ queries).to(grad.dtype))
         return grad
 
 
