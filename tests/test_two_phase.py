@@ -314,6 +314,37 @@ def test_source_gradients_start_from_zero_in_every_backward_pass(block_size, inp
         torch.testing.assert_close(grad, frozen[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
+def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size, input_ids, monkeypatch):
+    """The accumulator (a buffer's worth of gradients plus the score terms) is freed when its backward pass ends,
+    not kept while the forward's outputs live (a training loop holds them through the next forward): after
+    `backward`, a `retain_graph` replay and a partial `torch.autograd.grad`, with the same gradients as before."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(8))
+    reference = stacked_grads(model, input_ids, projection, monkeypatch)
+    made = []
+    init = mixing_attnres._SourceGrads.__init__
+    monkeypatch.setattr(mixing_attnres._SourceGrads, "__init__", lambda self, b: made.append(self) or init(self, b))
+    model.zero_grad()
+    out = model(input_ids)
+    loss = (out.logits @ projection).square().mean()
+    (accumulator,) = made
+
+    def released():
+        return accumulator.grad is None and accumulator.score_terms == []
+
+    embed = model.get_input_embeddings().weight
+    (partial,) = torch.autograd.grad(loss, [embed], retain_graph=True)
+    assert released()
+    loss.backward(retain_graph=True)
+    assert released()
+    loss.backward()
+    assert released() and out.logits.grad_fn is not None  # the outputs still live
+    torch.testing.assert_close(partial, reference["model.embed_tokens.weight"], atol=1e-5, rtol=1e-4)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, 2 * reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
 def test_second_order_gradients_are_refused_not_wrong(block_size, input_ids):
     """The buffer's Functions compute their gradients from the buffer, outside autograd: differentiating them again

@@ -164,7 +164,9 @@ class _SourceGrads:
     the engine runs them all before it.
 
     The sums belong to one backward pass (graph task): `retain_graph` replays and partial `torch.autograd.grad` calls
-    each start from zero. Tracing (`torch.compile`) keeps autograd's own sums (`_store`), which inductor fuses.
+    each start from zero, and the pass drops them when it ends (they would otherwise live as long as the forward's
+    outputs, e.g. through the next forward of a training loop). Tracing (`torch.compile`) keeps autograd's own sums
+    (`_store`), which inductor fuses.
     """
 
     def __init__(self, buffer: torch.Tensor):
@@ -180,7 +182,11 @@ class _SourceGrads:
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
+            torch.autograd.Variable._execution_engine.queue_callback(self._release)  # when this pass ends
         return self.grad
+
+    def _release(self) -> None:
+        self.grad, self.score_terms = None, []
 
     def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
         """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
