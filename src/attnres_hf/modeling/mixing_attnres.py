@@ -217,19 +217,22 @@ class _SourceGrads:
 
 class _SourceSlot(torch.autograd.Function):
     """Write `source` into `buffer[slot]` and return its handle: a 0-dim tensor the slot's readers take as an input
-    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`)."""
+    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`).
+    A leaf source (`inputs_embeds` that requires grad) gets a copy: autograd would keep the slot's view itself as
+    its `.grad`, and with it every slot's gradient."""
 
     @staticmethod
     def forward(ctx, grads, slot, source):
         grads.buffer[slot].copy_(source)
-        ctx.grads, ctx.slot = grads, slot
+        ctx.grads, ctx.slot, ctx.leaf = grads, slot, source.is_leaf
         ctx.set_materialize_grads(False)
         return source.new_zeros(())
 
     @staticmethod
     @once_differentiable
     def backward(ctx, _):
-        return None, None, ctx.grads.take(ctx.slot)
+        grad = ctx.grads.take(ctx.slot)
+        return None, None, grad.clone() if ctx.leaf and grad is not None else grad
 
 
 class _SourceScores(torch.autograd.Function):
