@@ -471,9 +471,14 @@ def table(results: dict, baseline: str = "baseline", unit: str = "nats/byte") ->
 
 
 def our_ordering(results: dict) -> str:
-    ranked = sorted((statistics.mean(r["val_loss"] for r in runs), name) for name, runs in results.items()
-                    if VARIANTS[name].paper is not None)
-    return " < ".join(name for _, name in ranked)
+    """The variants with a paper value ranked by mean validation loss, best first; a variant whose loss is not finite
+    (a diverged seed) has no rank: listed after the ranking (a NaN compares false with everything, so sorting it
+    would scramble the rest)."""
+    means = {name: statistics.mean(r["val_loss"] for r in runs) for name, runs in results.items()
+             if VARIANTS[name].paper is not None}
+    ranked = " < ".join(name for _, name in sorted((m, n) for n, m in means.items() if math.isfinite(m)))
+    unranked = [name for name, mean in means.items() if not math.isfinite(mean)]
+    return ranked + (f" (not ranked, a loss is not finite: {', '.join(unranked)})" if unranked else "")
 
 
 PAPER_ORDERINGS = (

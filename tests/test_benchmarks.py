@@ -352,3 +352,15 @@ def test_a_diverged_run_gives_no_interval_and_no_verdict(ablation, synthetic):
     assert [ablation.format_ordering_check(c).split(": ", 1)[1] for c in checks] == [
         "Full AttnRes minus baseline n/a (a loss is not finite): no verdict (a loss is not finite)",
         "DenseFormer minus baseline n/a (a loss is not finite): no verdict (a loss is not finite)"]
+
+
+@pytest.mark.parametrize("diverged", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_our_ordering_ranks_finite_losses_and_names_diverged_variants_apart(ablation, diverged):
+    """A NaN mean compares false with everything: sorted among the others it scrambled the ranking of the rest."""
+    losses = {"baseline": [2.0, 2.1], "Full AttnRes": [diverged, 1.8], "DenseFormer": [2.3, 2.3],
+              "Block AttnRes (S=2)": [1.9, 1.9], "mHC (n=4)": [2.2, 2.2]}
+    results = {name: [{"val_loss": x} for x in values] for name, values in losses.items()}
+    assert ablation.our_ordering(results) == ("Block AttnRes (S=2) < baseline < mHC (n=4) < DenseFormer (not ranked, "
+                                              "a loss is not finite: Full AttnRes)")
+    results["Full AttnRes"] = [{"val_loss": 1.8}]
+    assert ablation.our_ordering(results) == "Full AttnRes < Block AttnRes (S=2) < baseline < mHC (n=4) < DenseFormer"

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from attnres_hf.cli import main
-from attnres_hf.conversion import GGUF_PRE_TOKENIZERS, check_against_gguf, load_gguf_tokenizer, load_source_config, retrofit
+from attnres_hf.conversion import (GGUF_PRE_TOKENIZERS, check_against_gguf, check_torch_file, load_gguf_tokenizer,
+                                   load_source_config, retrofit)
 from utils import TINY
 from gguf_fixtures import byte_level, llama_cpp_split, write_gguf
 from test_save_load import REMOTE_SCRIPT
@@ -401,12 +402,14 @@ def test_a_byte_level_gguf_naming_no_pre_tokenizer_warns_and_splits_as_llama_cpp
 
 # --- PyTorch .bin sources (pytorch_model.bin, or shards with pytorch_model.bin.index.json) ---
 
-def bin_source(folder, sharded=False, legacy=False):
-    """A tiny Llama folder whose weights are `torch.save` files (what older Hub repos hold); returns the model."""
+def bin_source(folder, sharded=False, legacy=False, protocol=2):
+    """A tiny Llama folder whose weights are `torch.save` files (what older Hub repos hold) written with pickle
+    `protocol`; returns the model."""
     model = tiny_source("llama")
     model.config.save_pretrained(folder)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     kwargs = {"_use_new_zipfile_serialization": False} if legacy else {}
+    kwargs["pickle_protocol"] = protocol
     if not sharded:
         torch.save(state, folder / "pytorch_model.bin", **kwargs)
         return model
@@ -444,6 +447,21 @@ def test_a_sharded_pytorch_bin_source_converts_exactly(tmp_path):
 def test_intact_pytorch_bin_sources_pass_the_checks(sharded, legacy, tmp_path):
     bin_source(tmp_path / "source", sharded, legacy)
     assert load_source_config(tmp_path / "source").model_type == "llama"
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-pickle"])
+def test_pytorch_bin_sources_saved_with_pickle_protocol_3_pass_the_checks(legacy, sharded, tmp_path):
+    """`torch.save(..., pickle_protocol=3)` files load with `weights_only=True` as protocol 2's do (the legacy
+    format's magic number follows the protocol header, whichever protocol); protocol 4+ files torch itself refuses,
+    with its reason."""
+    bin_source(tmp_path / "source", sharded, legacy, protocol=3)
+    assert load_source_config(tmp_path / "source").model_type == "llama"
+    check_torch_file(next((tmp_path / "source").glob("*.bin")))
+    refused = tmp_path / "protocol-4.bin"
+    torch.save({"weight": torch.ones(2)}, refused, pickle_protocol=4, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(ValueError, match=r"refuses it \(Unsupported operand 149\)"):
+        check_torch_file(refused)
 
 
 def _damage(folder, damage):

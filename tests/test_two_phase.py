@@ -314,6 +314,57 @@ def test_source_gradients_start_from_zero_in_every_backward_pass(block_size, inp
         torch.testing.assert_close(grad, frozen[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
+def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size, input_ids, monkeypatch):
+    """The accumulator (a buffer's worth of gradients plus the score terms) is freed when its backward pass ends,
+    not kept while the forward's outputs live (a training loop holds them through the next forward): after
+    `backward`, a `retain_graph` replay and a partial `torch.autograd.grad`, with the same gradients as before."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(8))
+    reference = stacked_grads(model, input_ids, projection, monkeypatch)
+    made = []
+    init = mixing_attnres._SourceGrads.__init__
+    monkeypatch.setattr(mixing_attnres._SourceGrads, "__init__", lambda self, b: made.append(self) or init(self, b))
+    model.zero_grad()
+    out = model(input_ids)
+    loss = (out.logits @ projection).square().mean()
+    (accumulator,) = made
+
+    def released():
+        return accumulator.grad is None and accumulator.score_terms == []
+
+    embed = model.get_input_embeddings().weight
+    (partial,) = torch.autograd.grad(loss, [embed], retain_graph=True)
+    assert released()
+    loss.backward(retain_graph=True)
+    assert released()
+    loss.backward()
+    assert released() and out.logits.grad_fn is not None  # the outputs still live
+    torch.testing.assert_close(partial, reference["model.embed_tokens.weight"], atol=1e-5, rtol=1e-4)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, 2 * reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-weights"])
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
+def test_a_leaf_inputs_embeds_gets_its_own_gradient_not_a_view_of_every_slots(block_size, frozen, input_ids,
+                                                                                monkeypatch):
+    """`inputs_embeds` that requires grad (saliency, adversarial inputs) is slot 0's source and a leaf: its `.grad`
+    is its own `(B, T, D)` tensor, equal to the stacked path's, not a view keeping the whole accumulator (every
+    slot's gradient) alive."""
+    model = tiny_model(attnres_block_size=block_size).train().requires_grad_(not frozen)
+    embeds = model.get_input_embeddings()(input_ids).detach()
+    grads = {}
+    for name in ("two-phase", "stacked"):
+        with path(name, monkeypatch):
+            leaf = embeds.clone().requires_grad_(True)
+            model(inputs_embeds=leaf).logits.square().mean().backward()
+            grads[name] = leaf.grad
+    ours = grads["two-phase"]
+    assert ours.untyped_storage().nbytes() == ours.numel() * ours.element_size()
+    torch.testing.assert_close(ours, grads["stacked"], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
 def test_second_order_gradients_are_refused_not_wrong(block_size, input_ids):
     """The buffer's Functions compute their gradients from the buffer, outside autograd: differentiating them again

@@ -92,8 +92,17 @@ def _check_safetensors(path: Path) -> None:
 
 
 ZIP_MAGIC = b"PK\x03\x04"
-LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\n" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-"""How a legacy (pre-1.6) `torch.save` file starts: pickle protocol 2, then torch's magic number as a long."""
+LEGACY_TORCH_MAGIC = b"\x8a\n" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+"""The first pickled object of a legacy (pre-1.6) `torch.save` file: torch's magic number as a long."""
+
+
+def _is_legacy_torch_pickle(start: bytes) -> bool:
+    """Whether `start` (a file's first bytes) opens a legacy `torch.save` pickle: the pickle protocol header (2 by
+    default, any `pickle_protocol` >= 2 that `torch.save` was given), a protocol-4+ frame header, then the magic."""
+    if len(start) < 2 or start[0] != 0x80 or start[1] < 2:
+        return False
+    body = start[11:] if start[1] >= 4 and start[2:3] == b"\x95" else start[2:]  # FRAME opcode + 8-byte length
+    return body.startswith(LEGACY_TORCH_MAGIC)
 
 
 def _first_line(error: Exception, limit: int = 200) -> str:
@@ -121,13 +130,13 @@ def check_torch_file(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"PyTorch weight file not found: {path}")
     with path.open("rb") as handle:
         start = handle.read(64)
-    head = start[:len(LEGACY_TORCH_MAGIC)]
+    head = start[:16]
     if not head:
         raise ValueError(f"{path} is empty: a truncated PyTorch checkpoint")
     zipped = head.startswith(ZIP_MAGIC)
     if start.startswith(b"version https://git-lfs"):
         raise ValueError(f"{path} is a Git LFS pointer, not the weights: fetch them (git lfs pull)")
-    if not zipped and head != LEGACY_TORCH_MAGIC:
+    if not zipped and not _is_legacy_torch_pickle(start):
         raise ValueError(f"{path} is not a PyTorch checkpoint: neither a torch.save zip archive nor a legacy torch "
                          f"pickle (its first bytes are {head[:8]!r})")
     if zipped:
@@ -144,8 +153,10 @@ def check_torch_file(path: str | os.PathLike) -> Path:
     try:
         state = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        reason = lines[1] if len(lines) > 2 and lines[0].startswith("Weights only load failed") else _first_line(error)
+        # torch's reason follows "WeightsUnpickler error:", on its line or the next non-empty one
+        _, marker, after = str(error).partition("WeightsUnpickler error:")
+        lines = [line.strip() for line in after.splitlines() if line.strip()]
+        reason = lines[0] if marker and lines else _first_line(error)
         raise ValueError(f"{path} holds more than tensors: torch.load(weights_only=True), as transformers loads "
                          f".bin files, refuses it ({reason}); re-save its state dict with safetensors") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as error:

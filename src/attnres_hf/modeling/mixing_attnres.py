@@ -164,7 +164,9 @@ class _SourceGrads:
     the engine runs them all before it.
 
     The sums belong to one backward pass (graph task): `retain_graph` replays and partial `torch.autograd.grad` calls
-    each start from zero. Tracing (`torch.compile`) keeps autograd's own sums (`_store`), which inductor fuses.
+    each start from zero, and the pass drops them when it ends (they would otherwise live as long as the forward's
+    outputs, e.g. through the next forward of a training loop). Tracing (`torch.compile`) keeps autograd's own sums
+    (`_store`), which inductor fuses.
     """
 
     def __init__(self, buffer: torch.Tensor):
@@ -180,7 +182,11 @@ class _SourceGrads:
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
+            torch.autograd.Variable._execution_engine.queue_callback(self._release)  # when this pass ends
         return self.grad
+
+    def _release(self) -> None:
+        self.grad, self.score_terms = None, []
 
     def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
         """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
@@ -214,19 +220,22 @@ class _SourceGrads:
 
 class _SourceSlot(torch.autograd.Function):
     """Write `source` into `buffer[slot]` and return its handle: a 0-dim tensor the slot's readers take as an input
-    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`)."""
+    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`).
+    A leaf source (`inputs_embeds` that requires grad) gets a copy: autograd would keep the slot's view itself as
+    its `.grad`, and with it every slot's gradient."""
 
     @staticmethod
     def forward(ctx, grads, slot, source):
         grads.buffer[slot].copy_(source)
-        ctx.grads, ctx.slot = grads, slot
+        ctx.grads, ctx.slot, ctx.leaf = grads, slot, source.is_leaf
         ctx.set_materialize_grads(False)
         return source.new_zeros(())
 
     @staticmethod
     @once_differentiable
     def backward(ctx, _):
-        return None, None, ctx.grads.take(ctx.slot)
+        grad = ctx.grads.take(ctx.slot)
+        return None, None, grad.clone() if ctx.leaf and grad is not None else grad
 
 
 class _SourceScores(torch.autograd.Function):
