@@ -268,14 +268,25 @@ def stacked_grads(model, input_ids, projection, monkeypatch, **kwargs):
         return run(model, input_ids, projection, **kwargs)[2]
 
 
+def with_stacked_reference(block_size, input_ids, monkeypatch, seed):
+    """A tiny Block/Full model in training mode, a random logit projection, and the stacked path's gradients."""
+    model = tiny_model(attnres_block_size=block_size).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+    return model, projection, stacked_grads(model, input_ids, projection, monkeypatch)
+
+
+def assert_same_grads(grads, reference, scale=1.0):
+    """`grads` equal `scale` times `reference` (name -> gradient), to fp32 round-off of another summation order."""
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, scale * reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4"])
 def test_source_gradients_are_summed_in_place_once_per_slot(block_size, input_ids, monkeypatch):
     """Eager training sums each source's gradient in the buffer's accumulator (`_SourceGrads`), handed to the source
     once per slot: no reader returns per-source gradients for autograd to sum, and the gradients equal the stacked
     path's plain autograd."""
-    model = tiny_model(attnres_block_size=block_size).train()
-    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(6))
-    reference = stacked_grads(model, input_ids, projection, monkeypatch)
+    model, projection, reference = with_stacked_reference(block_size, input_ids, monkeypatch, seed=6)
     taken = []
     take = mixing_attnres._SourceGrads.take
     monkeypatch.setattr(mixing_attnres._SourceGrads, "take", lambda self, slot: taken.append(slot) or take(self, slot))
@@ -283,8 +294,7 @@ def test_source_gradients_are_summed_in_place_once_per_slot(block_size, input_id
     _, _, grads = run(model, input_ids, projection)
     slots = 1 + (model.config.num_sublayers - 1) // block_size
     assert sorted(taken) == list(range(slots))  # every slot once; slot 0 is the embedding
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(grads, reference)
 
 
 @pytest.mark.parametrize("block_size", [1, 4], ids=["full", "block4"])
@@ -292,26 +302,20 @@ def test_source_gradients_start_from_zero_in_every_backward_pass(block_size, inp
     """The accumulator belongs to one backward pass: `retain_graph` replays add exactly one more gradient, and a
     partial `torch.autograd.grad` (router queries only, the embedding never reached) leaves nothing behind for the
     next pass; frozen embeddings (router-only training) take no slot gradient."""
-    model = tiny_model(attnres_block_size=block_size).train()
-    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(7))
-    reference = stacked_grads(model, input_ids, projection, monkeypatch)
-    queries = [p for n, p in model.named_parameters() if n.endswith(".query")]
+    model, projection, reference = with_stacked_reference(block_size, input_ids, monkeypatch, seed=7)
+    queries = {n: p for n, p in model.named_parameters() if n.endswith(".query")}
     model.zero_grad()
     loss = (model(input_ids).logits @ projection).square().mean()
-    partial = torch.autograd.grad(loss, queries, retain_graph=True)
+    partial = torch.autograd.grad(loss, list(queries.values()), retain_graph=True)
     loss.backward(retain_graph=True)
     loss.backward()
-    for query, grad in zip(queries, partial, strict=True):
-        name = next(n for n, p in model.named_parameters() if p is query)
-        torch.testing.assert_close(grad, reference[name], atol=1e-5, rtol=1e-4)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, 2 * reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(dict(zip(queries, partial, strict=True)), reference)
+    assert_same_grads({n: p.grad for n, p in model.named_parameters()}, reference, 2.0)
     model.get_input_embeddings().weight.requires_grad_(False)
     frozen = stacked_grads(model, input_ids, projection, monkeypatch)
     _, _, grads = run(model, input_ids, projection)
     assert grads.keys() == frozen.keys() and "model.embed_tokens.weight" not in grads
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, frozen[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(grads, frozen)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
@@ -319,9 +323,7 @@ def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size
     """The accumulator (a buffer's worth of gradients plus the score terms) is freed when its backward pass ends,
     not kept while the forward's outputs live (a training loop holds them through the next forward): after
     `backward`, a `retain_graph` replay and a partial `torch.autograd.grad`, with the same gradients as before."""
-    model = tiny_model(attnres_block_size=block_size).train()
-    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(8))
-    reference = stacked_grads(model, input_ids, projection, monkeypatch)
+    model, projection, reference = with_stacked_reference(block_size, input_ids, monkeypatch, seed=8)
     made = []
     init = mixing_attnres._SourceGrads.__init__
     monkeypatch.setattr(mixing_attnres._SourceGrads, "__init__", lambda self, b: made.append(self) or init(self, b))
@@ -341,8 +343,7 @@ def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size
     loss.backward()
     assert released() and out.logits.grad_fn is not None  # the outputs still live
     torch.testing.assert_close(partial, reference["model.embed_tokens.weight"], atol=1e-5, rtol=1e-4)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, 2 * reference[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_same_grads({n: p.grad for n, p in model.named_parameters()}, reference, 2.0)
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-weights"])
