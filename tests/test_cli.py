@@ -1,5 +1,6 @@
 """The `attnres` command tree: sub-commands, default sub-commands, usage errors and the one error handler."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -98,3 +99,21 @@ def test_info_names_a_file_that_is_not_a_json_config(tmp_path, capsys, content):
     path.write_text(content)
     assert main(["info", str(path)]) == 2
     assert "is not a JSON config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,abbreviation", [
+    (["train", "MODEL", "--data", "x.txt", "--output-dir", "out", "--learning", "1e-3"], "--learning"),
+    (["train", "MODEL", "--data", "x.txt", "--output-dir", "out", "--max_st", "5"], "--max_st"),
+    (["convert", "SRC", "OUT", "--forc"], "--forc"),
+    (["convert", "SRC", "OUT", "--block", "4"], "--block"),
+    (["eval", "MODEL", "--task", "arc"], "--task"),
+])
+def test_a_prefix_of_an_option_is_refused_not_taken_for_it(argv, abbreviation, tmp_path, monkeypatch, capsys):
+    """argparse's prefix matching would read `--learning 1e-3` as `--learning_rate` while the train command's own
+    defaults (it fills the method's learning rate when none is given) did not see it: every parser refuses
+    abbreviations, before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) if argv[0] != "train" else contextlib.nullcontext():
+        assert main(argv) == 2
+    assert abbreviation in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "OUT").exists()

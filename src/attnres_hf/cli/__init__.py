@@ -31,7 +31,8 @@ EXPECTED_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals for Hugging Face transformers")
+    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals for Hugging Face transformers",
+                                     allow_abbrev=False)  # a prefix of one option is no other option
     parser.add_argument("--version", action="version", version=f"attnres-hf {__version__}")
     parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:

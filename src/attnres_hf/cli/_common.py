@@ -5,7 +5,7 @@ import argparse
 
 def add_command(commands: argparse._SubParsersAction, name: str, func, **kwargs) -> argparse.ArgumentParser:
     """Add the sub-command `name`, run by `func(args) -> exit code`."""
-    parser = commands.add_parser(name, **kwargs)
+    parser = commands.add_parser(name, allow_abbrev=False, **kwargs)
     parser.set_defaults(func=func, parser=parser)
     return parser
 
@@ -16,7 +16,7 @@ def add_family(commands: argparse._SubParsersAction, name: str, default: str, **
 
     Returns the sub-command collection of the new command.
     """
-    family = commands.add_parser(name, **kwargs)
+    family = commands.add_parser(name, allow_abbrev=False, **kwargs)
     family.set_defaults(parser=family)
     family.default_subcommand = default
     family.subcommands = family.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)

@@ -30,7 +30,7 @@ def train_parser():
     from ..training import METHODS, AttnResArguments
 
     return HfArgumentParser(
-        (AttnResArguments, TrainingArguments),
+        (AttnResArguments, TrainingArguments), allow_abbrev=False,  # `--learning 1e-3` is no `--learning_rate`
         usage=f"attnres train MODEL --data FILE [FILE ...] [--method {{{','.join(METHODS)}}}] --output-dir DIR "
         "[--max-steps N] [--seq-len T] [--lr LR] [--resume] [any TrainingArguments flag; _ and - both work]",
     )
