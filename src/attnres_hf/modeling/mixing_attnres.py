@@ -763,8 +763,19 @@ class AttnResRouter(nn.Module):
         query = _as(self.query, torch.float32)
         return query * _as(self.key_norm.weight, torch.float32) if self.key_norm is not None else query
 
-    def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
-        """The partial block sum's logit `(B, T)` fp32."""
+    def _rescale(self, count: int) -> float:
+        """`attnres_rescale_output`'s factor over `count` sources: 2 for sigmoid scores (sigmoid(0) = 1/2: zero
+        scores give the residual sum), `count` for softmax (uniform weights give the sum)."""
+        return 2.0 if self.score_fn == "sigmoid" else float(count)
+
+    def _weights(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The depth weights from `logits (..., n)` fp32 (softmax over the sources, or each one's sigmoid), and the
+        mixing weights in `dtype` (times `_rescale(n)` with `attnres_rescale_output`)."""
+        weights = torch.sigmoid(logits) if self.score_fn == "sigmoid" else torch.softmax(logits, dim=-1)
+        return weights, _as(weights * self._rescale(logits.shape[-1]) if self.rescale_output else weights, dtype)
+
+    def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
+        """The partial block sum's logit `(B, T)` fp32 (`eps`: a float or a 0-dim tensor, see `inverse_rms`)."""
         logit = _as(partial, torch.float32) @ query
         return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
 
@@ -779,11 +790,7 @@ class AttnResRouter(nn.Module):
             logits = logits * state.inv_rms
         if partial is not None:
             logits = torch.cat([logits, self._partial_logit(partial, query, state.eps).unsqueeze(-1)], dim=-1)
-        if self.score_fn == "sigmoid":
-            weights, factor = torch.sigmoid(logits), 2.0
-        else:
-            weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
-        mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
+        weights, mix = self._weights(logits, buffer.dtype)
         completed = mix if partial is None else mix.narrow(-1, 0, n)
         hidden = _read_sources(_SourceMix, _mix, state, completed.unsqueeze(-2)).squeeze(-2)
         if partial is not None:
@@ -803,15 +810,8 @@ class AttnResRouter(nn.Module):
         if self.key_norm is not None:
             logits = logits * state.inv_rms
         if partial is not None:
-            partial_logit = _as(partial, torch.float32) @ query
-            if self.key_norm is not None:
-                partial_logit = partial_logit * inverse_rms(partial, constants.eps)
-            logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
-        if self.score_fn == "sigmoid":
-            weights, factor = torch.sigmoid(logits), 2.0
-        else:
-            weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
-        mix = _as(weights * factor if self.rescale_output else weights, buffer.dtype)
+            logits = torch.cat([logits, self._partial_logit(partial, query, constants.eps).unsqueeze(-1)], dim=-1)
+        weights, mix = self._weights(logits, buffer.dtype)
         batch, seq, dim = partial.shape if partial is not None else state.sources[0].shape
         completed = mix if partial is None else mix.narrow(-1, 0, n)
         per_token = values.view(n, batch * seq, dim).transpose(0, 1)  # (B T, n, D), strided view
@@ -857,7 +857,7 @@ class AttnResRouter(nn.Module):
                     completed_share, partial_share = torch.sigmoid(lse - logit), torch.sigmoid(logit - lse)
                     weights = torch.cat([probs * completed_share.unsqueeze(-1), partial_share.unsqueeze(-1)], dim=-1)
         if self.rescale_output:
-            hidden = hidden * (2.0 if self.score_fn == "sigmoid" else float(count))
+            hidden = hidden * self._rescale(count)
         return hidden, weights
 
     def _stacked_forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -871,11 +871,7 @@ class AttnResRouter(nn.Module):
         need_partial_inv = partial is not None and (self.key_norm is not None or self.query_proj is not None)
         partial_inv = inverse_rms(partial, state.eps) if need_partial_inv else None
         logits = self._logits(sources, inv_rms, partial, partial_inv)
-        if self.score_fn == "sigmoid":
-            weights, factor = torch.sigmoid(logits), 2.0  # sigmoid(0) = 1/2: x2 makes zero scores the residual sum
-        else:
-            weights, factor = torch.softmax(logits, dim=-1), logits.shape[-1]
-        mix = (weights * factor if self.rescale_output else weights).to(sources.dtype)
+        weights, mix = self._weights(logits, sources.dtype)
         n = sources.shape[-2]
         if self.num_heads == 1:
             hidden = (mix[..., None, :n] @ sources).squeeze(-2)  # (B, T, 1, n) @ (B, T, n, D) -> (B, T, D)
