@@ -51,6 +51,7 @@ def test_demo_runs_its_steps_in_order_and_writes_the_summary(tiny_source, tmp_pa
     for label in ("max |delta logits| vs source", "held-out perplexity, source", "router-trained",
                   "control: RMSNorm weights only", "wall time"):
         assert label in summary and label in printed
+    assert f"tokens of {results['perplexity']['text']})" in summary  # the README: the summary names the text source
     assert (out / "routing_average.png").is_file() and not (out / "train_text.txt").exists()
 
 
@@ -90,7 +91,8 @@ def test_summary_renderer_reports_a_failed_check_loudly():
         "verification": {"max_abs_logit_delta": 0.5, "num_probe_tokens": 86, "greedy_new_tokens": 16,
                          "greedy_match": False},
         "plain_mean_verification": {"max_abs_logit_delta": 4e-2, "argmax_agreement": 0.99},
-        "perplexity": {"source": {"perplexity": 10.0, "tokens": 100}, "converted": {"perplexity": 10.5}},
+        "perplexity": {"source": {"perplexity": 10.0, "tokens": 100}, "converted": {"perplexity": 10.5},
+                       "text": "LAMBADA"},
         "router_training": None, "wall_time_s": 3.0,
         "evaluation": {"rows": [{"benchmark": "mmlu", "title": "MMLU", "metric": "acc,none", "baseline": 0.3,
                                  "model": 0.25}],

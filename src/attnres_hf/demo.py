@@ -290,7 +290,8 @@ def summary_rows(results: dict, source_folder: str | Path) -> list[tuple[str, st
                                          f"{mean_check['argmax_agreement']:.3f})"),
         (f"{verification['greedy_new_tokens']}-token greedy continuation",
          "identical" if verification["greedy_match"] else "DIFFERENT"),
-        ("held-out perplexity, source", f"{ppl['source']['perplexity']:.4f} ({ppl['source']['tokens']} tokens)"),
+        ("held-out perplexity, source",
+         f"{ppl['source']['perplexity']:.4f} ({ppl['source']['tokens']} tokens of {ppl['text']})"),
         ("  converted (at init)", f"{ppl['converted']['perplexity']:.4f}"),
     ]
     training = results.get("router_training")
