@@ -4,6 +4,7 @@ The depth-mixing modules stay unquantized fp32 for every `depth_mixing`; the nam
 model's own modules (`MIXING_MODULES`), never a hand list.
 """
 
+import copy
 import json
 
 import pytest
@@ -14,9 +15,15 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
 from attnres_hf.cli import main
 from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS
 from attnres_hf.modeling.depth_mixing import MIXING_MODULES
-from attnres_hf.quantization import qlora_quantization_config, quantized_modules
+from attnres_hf.quantization import (
+    check_4bit_shapes,
+    keep_4bit_layers_trainable,
+    qlora_quantization_config,
+    quantized_modules,
+    unsupported_4bit_shapes,
+)
 from attnres_hf.training.recipes import merge_lora, prepare_model
-from utils import TINY, tiny_model
+from utils import FOUR_BIT_SHAPE, TINY, counting_text, tiny_model, word_tokenizer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
@@ -30,12 +37,29 @@ def _int8_weight_only():
     return TorchAoConfig(Int8WeightOnlyConfig())
 
 
+def _dequantized_4bit(quantized, model):
+    """A copy of the fp32 `model` holding the 4-bit weights of `quantized`, dequantized: the function the 4-bit model
+    computes, up to its matmuls' rounding (taken before the first forward, which may repack the weights)."""
+    import bitsandbytes as bnb
+
+    reference = copy.deepcopy(model)
+    weights = {f"{name}.weight": bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+               for name, module in quantized.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    assert not reference.load_state_dict(weights, strict=False).unexpected_keys
+    return reference
+
+
 QUANTIZATIONS = {
-    "bnb-4bit": (lambda: qlora_quantization_config(), 0.3),  # NF4 on random weights: ~0.17 measured
-    "bnb-8bit": (lambda: BitsAndBytesConfig(load_in_8bit=True), 0.05),
-    "torchao-int8": (_int8_weight_only, 0.05),
+    # NF4 itself is ~0.13-0.39 from the fp32 model on these random weights (0.39: AttnRes with random routers), so the
+    # 4-bit model is held to its own dequantized weights. bitsandbytes' AVX-512 BF16 CPU kernel computes in bf16:
+    # measured 0.004-0.009 (0.021 for AttnRes) from them; a misread input (a row-strided one, DCA's) gave 1.08.
+    "bnb-4bit": (lambda: qlora_quantization_config(), _dequantized_4bit, 0.05),
+    # LLM.int8 and int8 weight-only on the same weights: well under 0.05 from the fp32 model
+    "bnb-8bit": (lambda: BitsAndBytesConfig(load_in_8bit=True), None, 0.05),
+    "torchao-int8": (_int8_weight_only, None, 0.05),
 }
-"""name -> (quantization config, bound on the logits' relative error against the fp32 model)."""
+"""name -> (quantization config, the reference the logits are held to (`None`: the fp32 model), bound on the logits'
+relative error against it)."""
 
 
 def _mixing_parameters(model) -> dict[str, torch.Tensor]:
@@ -53,7 +77,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     out = {}
     for method in DEPTH_MIXING_METHODS:
-        model = tiny_model(seed=1, depth_mixing=method, hidden_size=64, intermediate_size=128)
+        model = tiny_model(seed=1, depth_mixing=method, **FOUR_BIT_SHAPE)
         with torch.no_grad():  # every mixing parameter away from its init, so a lost or rounded one shows
             for param in _mixing_parameters(model).values():
                 param.add_(0.1 * torch.randn_like(param))
@@ -70,10 +94,12 @@ CASES += [(method, name) for name in ("bnb-8bit", "torchao-int8") for method in 
 @pytest.mark.parametrize(("method", "quantization"), CASES, ids=[f"{m}-{q}" for m, q in CASES])
 def test_quantized_load_keeps_depth_mixing_in_fp32(saved, method, quantization):
     folder, reference = saved[method]
-    config, tolerance = QUANTIZATIONS[quantization]
+    config, dequantized, tolerance = QUANTIZATIONS[quantization]
     model = AutoModelForCausalLM.from_pretrained(
         folder, quantization_config=config(), device_map="cpu", dtype=torch.bfloat16
     ).eval()
+    if dequantized is not None:
+        reference = dequantized(model, reference)
     layers = TINY["num_hidden_layers"]
     assert quantized_modules(model) == sorted(
         f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}"
@@ -93,6 +119,23 @@ def test_quantized_load_keeps_depth_mixing_in_fp32(saved, method, quantization):
     assert model.generate(IDS[:1], max_new_tokens=4, do_sample=False).shape == (1, IDS.shape[1] + 4)
 
 
+@pytest.mark.parametrize("method", DEPTH_MIXING_METHODS)
+def test_every_projection_reads_a_row_major_input(method):
+    """The depth state hands the sub-layers contiguous inputs (`DepthRead`), whatever the method computes them with:
+    bitsandbytes' AVX-512 BF16 4-bit CPU kernel reads its input as row-major, so a strided one (DCA's einsum output
+    had the hidden axis strided) gives unrelated outputs on that CPU and right ones elsewhere."""
+    model = tiny_model(depth_mixing=method)
+    layouts = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda mod, args, name=name: layouts.append((name, args[0].stride(),
+                                                                                         args[0].is_contiguous())))
+    with torch.no_grad():
+        model(IDS)
+    assert len(layouts) == TINY["num_hidden_layers"] * len(PROJECTIONS) + 1  # and the head
+    assert [entry for entry in layouts if not entry[2]] == []
+
+
 def test_bfloat16_load_keeps_depth_mixing_in_fp32(saved):
     folder, _ = saved["muddformer"]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
@@ -107,11 +150,97 @@ def test_qlora_needs_a_4bit_model():
         prepare_model(tiny_model(), "qlora")
 
 
+SHAPES = {"hidden32": dict(hidden_size=32, intermediate_size=64), "down96": dict(hidden_size=64, intermediate_size=96),
+          "hidden64": FOUR_BIT_SHAPE}
+"""Layer shapes around bitsandbytes' AVX-512 BF16 CPU kernel's rule: no projection, the down projection only, all."""
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_4bit_shape_rule_is_what_bitsandbytes_runs_on_this_cpu(shape, tmp_path):
+    """`unsupported_4bit_shapes` says which models bitsandbytes' 4-bit CPU kernel cannot run here: a plain transformers
+    Llama and the AttnRes model of the same shape both run an eval-mode no-grad forward exactly when it finds no
+    layer (on a CPU without AVX-512 BF16 every shape runs and it finds none)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**{**TINY, **shape}))
+    for name, model in (("llama", llama), ("attnres", tiny_model(**shape))):
+        model.save_pretrained(tmp_path / name)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name, quantization_config=qlora_quantization_config())
+        unsupported = unsupported_4bit_shapes(loaded.config)
+        try:
+            with torch.no_grad():
+                loaded.eval()(IDS)
+        except RuntimeError as error:
+            assert unsupported, f"{name}: bitsandbytes failed where no layer was predicted to: {error}"
+        else:
+            assert not unsupported, f"{name}: ran although {unsupported} were predicted not to"
+
+
+def test_4bit_shape_rule_names_each_layer_that_breaks_it():
+    """The rule itself, on every CPU (the kernel's detection forced on): in_features % 64, out_features % 32."""
+    from utils import tiny_config
+
+    assert unsupported_4bit_shapes(tiny_config(**FOUR_BIT_SHAPE), repacking=True) == []
+    assert unsupported_4bit_shapes(tiny_config(**SHAPES["down96"]), repacking=False) == []
+    assert unsupported_4bit_shapes(tiny_config(**SHAPES["down96"]), repacking=True) == [
+        f"model.layers.{i}.mlp.down_proj (96 -> 64)" for i in range(TINY["num_hidden_layers"])]
+    # k/v: 32 -> 16 (2 heads of 8) breaks both rules; the tied lm_head is never quantized
+    bad = unsupported_4bit_shapes(tiny_config(), repacking=True)
+    assert len(bad) == 6 * TINY["num_hidden_layers"] and "model.layers.0.self_attn.k_proj (32 -> 16)" in bad
+    assert not any("lm_head" in name or "down_proj" in name for name in bad)
+    with pytest.raises(ValueError, match=r"^bitsandbytes' 4-bit CPU kernel .* by 64 and out_features by 32; "
+                                         r"model\.layers\.0\.self_attn\.q_proj \(32 -> 32\) and 17 more"):
+        check_4bit_shapes(tiny_config(), repacking=True)
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    loss = model(IDS, labels=IDS).loss
+    loss.backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("shape", [SHAPES["hidden32"], FOUR_BIT_SHAPE], ids=["hidden32", "hidden64"])
+def test_qlora_keeps_gradients_through_4bit_layers_after_an_evaluation(shape, tmp_path):
+    """An evaluation in the middle of QLoRA training (`Trainer.evaluate`: eval mode, no grad) must not change the next
+    step's gradients: bitsandbytes' AVX-512 BF16 CPU kernel, which a no-grad forward switches to, has no backward (every
+    adapter before the last layer lost part of its gradient), and it runs only some shapes (hidden 32 crashed)."""
+    tiny_model(**shape).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=qlora_quantization_config())
+    model = prepare_model(loaded, "qlora", lora_r=4)
+    with torch.no_grad():  # LoRA B starts at zero: give every adapter a gradient path through the 4-bit layers
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    before = _lora_grads(model.train())
+    with torch.no_grad():
+        model.eval()(IDS)
+    after = _lora_grads(model.train())
+    adapters = TINY["num_hidden_layers"] * len(PROJECTIONS)
+    assert before.keys() == after.keys() and sum("lora_A" in name for name in after) == adapters
+    for name, grad in after.items():  # the same layers, kernels and inputs: only the order of a few sums may differ
+        torch.testing.assert_close(grad, before[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert keep_4bit_layers_trainable(model) == adapters
+
+
+@pytest.fixture
+def four_bit_model_dir(tmp_path):
+    """`tiny_model_dir` at layer shapes bitsandbytes' 4-bit CPU kernels run on every CPU."""
+    tiny_model(routers=False, attnres_block_size=2, **FOUR_BIT_SHAPE).save_pretrained(tmp_path / "model")
+    word_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "train.txt").write_text(counting_text())
+    return tmp_path
+
+
 @pytest.mark.slow
-def test_qlora_trains_saves_reloads_and_merges(tiny_model_dir):
-    out = tiny_model_dir / "qlora"
-    assert main(["train", str(tiny_model_dir / "model"), "--data", str(tiny_model_dir / "train.txt"), "--output-dir",
-                 str(out), "--method", "qlora", "--max-steps", "8", "--lr", "1e-2", "--lora_r", "4", "--seq-len", "64",
+def test_qlora_trains_saves_reloads_and_merges(four_bit_model_dir):
+    root = four_bit_model_dir
+    out = root / "qlora"
+    assert main(["train", str(root / "model"), "--data", str(root / "train.txt"), "--output-dir", str(out),
+                 "--method", "qlora", "--max-steps", "8", "--lr", "1e-2", "--lora_r", "4", "--seq-len", "64",
                  "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--seed", "0", "--eval_steps", "8",
                  "--save_steps", "8", "--logging_steps", "4"]) == 0
     summary = json.loads((out / "train_summary.json").read_text())
@@ -124,9 +253,9 @@ def test_qlora_trains_saves_reloads_and_merges(tiny_model_dir):
 
     from peft import PeftModel
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir / "model", quantization_config=qlora_quantization_config())
+    base = AutoModelForCausalLM.from_pretrained(root / "model", quantization_config=qlora_quantization_config())
     reloaded = PeftModel.from_pretrained(base, out).eval()
-    merged = merge_lora(tiny_model_dir / "model", out, tiny_model_dir / "merged").eval()
+    merged = merge_lora(root / "model", out, root / "merged").eval()
     with torch.no_grad():  # the merged fp32 model and the adapter on the 4-bit base differ by the 4-bit rounding only
         adapted, full = reloaded(IDS).logits, merged(IDS).logits
     assert (adapted - full).norm() / full.norm() < 0.15

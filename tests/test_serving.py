@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import attnres_hf
 from attnres_hf.quantization import qlora_quantization_config
-from utils import tiny_model, word_tokenizer
+from utils import FOUR_BIT_SHAPE, tiny_model, word_tokenizer
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 START_TIMEOUT_S = 300
@@ -32,15 +32,19 @@ MAX_TOKENS = 6
 PROMPTS = ["w5 w6 w7", "w40 w41 w42 w43 w44"]
 
 
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
+def _chat_folder(root: Path, **shape) -> Path:
     """A saved tiny AttnRes model (trained-like routers) with a word tokenizer that has a chat template."""
-    folder = tmp_path_factory.mktemp("served") / "model"
-    tiny_model(seed=3).save_pretrained(folder)
+    folder = root / "model"
+    tiny_model(seed=3, **shape).save_pretrained(folder)
     tokenizer = word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    return _chat_folder(tmp_path_factory.mktemp("served"))
 
 
 def _free_port() -> int:
@@ -160,11 +164,29 @@ def test_models_lists_the_folder(server):
 
 
 @pytest.mark.slow
-def test_four_bit_server_answers_as_the_four_bit_model(chat_model_dir, tmp_path):
+def test_four_bit_server_answers_as_the_four_bit_model(tmp_path):
     """`--quantization bnb-4bit` is transformers serve's NF4 + double quantization, QLoRA's 4-bit load."""
-    with _running_server(chat_model_dir, tmp_path / "server.log", "--quantization", "bnb-4bit") as base:
+    folder = _chat_folder(tmp_path, **FOUR_BIT_SHAPE)
+    with _running_server(folder, tmp_path / "server.log", "--quantization", "bnb-4bit") as base:
         answer = _ask(base, "chat/completions", PROMPTS[0], stream=False)
-    assert answer.strip() == _expected(str(chat_model_dir), PROMPTS[0], chat=True, four_bit=True).strip()
+    assert answer.strip() == _expected(str(folder), PROMPTS[0], chat=True, four_bit=True).strip()
+
+
+@pytest.mark.parametrize("options", [["--quantization", "bnb-4bit"], ["--quantization=bnb-4bit", "--device", "cpu"],
+                                     ["--quantization", "bnb-8bit", "--quantization", "bnb-4bit"]])
+def test_four_bit_server_refuses_shapes_the_cpu_kernel_cannot_run(chat_model_dir, options, monkeypatch, capsys):
+    """Where bitsandbytes repacks 4-bit weights for its AVX-512 BF16 CPU kernel (forced on here, so that the test runs
+    on every CPU), a folder with a layer it cannot run (hidden 32: in_features not a multiple of 64) is refused in one
+    line before the server starts, instead of an HTTP 500 at the first request."""
+    from attnres_hf import quantization
+    from attnres_hf.cli import main
+
+    monkeypatch.setattr(quantization, "cpu_4bit_repacking", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", str(chat_model_dir), *options, "--port", str(_free_port())]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("attnres serve: error: bitsandbytes' 4-bit CPU kernel") and "\n" not in error
+    assert "model.layers.0.self_attn.q_proj (32 -> 32)" in error
 
 
 def test_register_with_transformers_is_idempotent():

@@ -18,6 +18,11 @@ TINY = dict(
 )
 
 
+FOUR_BIT_SHAPE = dict(hidden_size=64, intermediate_size=128)
+"""Tiny-model layer shapes that bitsandbytes' 4-bit CPU kernels run on every CPU: its AVX-512 BF16 kernel needs
+in_features divisible by 64 and out_features by 32 (`attnres_hf.quantization.unsupported_4bit_shapes`)."""
+
+
 def tiny_config(**overrides) -> AttnResConfig:
     """transformers' model-tester size: vocab 99, hidden 32; 3 layers = 6 sub-layers, GQA 4/2 heads."""
     return AttnResConfig(**{**TINY, **overrides})

@@ -41,3 +41,89 @@ def _is_quantized(param: torch.Tensor) -> bool:
     # bitsandbytes: `Params4bit` / `Int8Params` (int8 or packed uint8 data); torchao: tensor subclasses.
     kind = type(param.data if isinstance(param, torch.nn.Parameter) else param)
     return type(param).__name__ in {"Params4bit", "Int8Params"} or kind.__module__.startswith("torchao")
+
+
+
+# bitsandbytes' CPU backend, on a CPU with AVX-512 BF16, repacks a `Linear4bit`'s weight at its first eval-mode no-grad
+# forward for a fused inference kernel (`functional._convert_weight_packed_for_cpu`, bitsandbytes 0.49+): tiles of 32
+# output rows and one scale per `blocksize` inputs, so a layer of any other shape fails there with `shape '[N, 0]' is
+# invalid for input of size ...`, as a plain transformers Llama does. That kernel has no backward either: a model
+# repacked by an evaluation trains on with no gradient through its 4-bit layers (torch only warns).
+PACKED_OUTPUT_TILE = 32
+"""Output features per tile of bitsandbytes' repacked CPU 4-bit weights (its `block_n`)."""
+
+
+def cpu_4bit_repacking() -> bool:
+    """Whether bitsandbytes' CPU backend repacks 4-bit weights for its AVX-512 BF16 inference kernel on this machine:
+    then only some layer shapes run on the CPU (`unsupported_4bit_shapes`)."""
+    import bitsandbytes.functional as bnb_functional
+
+    return hasattr(bnb_functional, "_convert_weight_packed_for_cpu") and bool(bnb_functional.has_avx512bf16())
+
+
+def four_bit_blocksize() -> int:
+    """Inputs per quantization block of a 4-bit weight as transformers loads it (bitsandbytes' `Params4bit` default;
+    transformers' `BitsAndBytesConfig` does not set it)."""
+    from bitsandbytes.nn import Params4bit
+
+    return Params4bit(torch.empty(0)).blocksize
+
+
+def unsupported_4bit_shapes(config, quantization_config: BitsAndBytesConfig | None = None,
+                            repacking: bool | None = None) -> list[str]:
+    """The linear layers that a 4-bit load of a model of `config` quantizes and that bitsandbytes' CPU inference kernel
+    cannot run on this machine, as `"name (in_features -> out_features)"`; empty where every shape runs (no AVX-512
+    BF16, or a bitsandbytes without the repacking kernel).
+
+    The layers are found as transformers' bitsandbytes quantizer finds them (every `nn.Linear` of a meta-device model
+    but the output embedding, the tied and fp32 modules and `llm_int8_skip_modules`). A layer runs when its
+    `in_features` is a multiple of the block size (`four_bit_blocksize()`, 64) and its `out_features` of
+    `PACKED_OUTPUT_TILE` (32). `repacking` overrides the detection of the kernel (`cpu_4bit_repacking()`).
+    """
+    if not (cpu_4bit_repacking() if repacking is None else repacking):
+        return []
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    skip = getattr(quantization_config, "llm_int8_skip_modules", None)
+    keep = HfQuantizer.get_modules_to_not_convert(model, skip, model._keep_in_fp32_modules)
+    blocksize = four_bit_blocksize()
+    return [
+        f"{name} ({module.in_features} -> {module.out_features})"
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear and should_convert_module(name, keep)
+        and (module.in_features % blocksize or module.out_features % PACKED_OUTPUT_TILE)
+    ]
+
+
+def check_4bit_shapes(config, quantization_config: BitsAndBytesConfig | None = None,
+                      repacking: bool | None = None) -> None:
+    """Refuse, before any weight loads, a 4-bit CPU inference of a model whose layers bitsandbytes' CPU kernel cannot
+    run on this machine (`unsupported_4bit_shapes`), instead of a crash at its first forward.
+
+    Raises:
+        ValueError: one line naming the rule, the first layer that breaks it and how many more do.
+    """
+    bad = unsupported_4bit_shapes(config, quantization_config, repacking)
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ValueError(
+            f"bitsandbytes' 4-bit CPU kernel on this CPU (AVX-512 BF16) needs in_features divisible by "
+            f"{four_bit_blocksize()} and out_features by {PACKED_OUTPUT_TILE}; {bad[0]}{more} is not: serve or "
+            f"evaluate this model unquantized, on a GPU, or on a CPU without AVX-512 BF16")
+
+
+def keep_4bit_layers_trainable(model: torch.nn.Module) -> int:
+    """Turn off bitsandbytes' CPU repacking of 4-bit weights on every `Linear4bit` of `model` (QLoRA): the repacked
+    kernel has no backward, so an evaluation during training (`Trainer.evaluate`, eval mode, no grad) would cut the
+    gradients through every 4-bit layer from then on, and it runs only some shapes. The plain dequantize-and-matmul
+    path trains, evaluates and runs every shape. Returns how many layers were set."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         ImportError: the serving dependencies are missing (install `attnres-hf[serve]`).
         FileNotFoundError: MODEL is a local folder without `config.json`.
+        ValueError: `--quantization bnb-4bit` on a CPU whose bitsandbytes kernel cannot run the folder's layer shapes
+            (`quantization.check_4bit_shapes`).
     """
     from transformers.utils.import_utils import is_serve_available
 
@@ -60,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and not argv[0].startswith("-") and os.path.isdir(argv[0]):
         if not os.path.isfile(os.path.join(argv[0], "config.json")):
             raise FileNotFoundError(f"{argv[0]} has no config.json: give a model folder (e.g. from `attnres convert`)")
+        if _option(argv, "--quantization") == "bnb-4bit" and _on_cpu(_option(argv, "--device") or "auto"):
+            from transformers import AutoConfig
+
+            from .quantization import check_4bit_shapes
+
+            check_4bit_shapes(AutoConfig.from_pretrained(argv[0]))  # before the server starts, not at its first answer
     if not is_serve_available():
         raise ImportError('attnres serve needs fastapi, uvicorn, openai and pydantic: pip install "attnres-hf[serve]"')
     register_with_transformers()
@@ -72,6 +80,24 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     return 0
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of `name` in `argv` as typer reads it (`--name value` or `--name=value`; the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _on_cpu(device: str) -> bool:
+    """Whether `transformers serve --device DEVICE` puts the model on the CPU ("auto": when no GPU is there)."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class DepthRead(NamedTuple):
       or `None` when `hidden` feeds all three projections (and always for the MLP and the final read).
     - `depth_weights`: the weights the read computed, fp32 (empty when it computed none); see the record's
       `depth_weights` text for their shape.
+
+    `hidden` and `key_value` are contiguous (row-major), as a residual stream is: some kernels of the projections
+    they feed read them so whatever their strides (bitsandbytes' AVX-512 BF16 4-bit CPU kernel).
     """
 
     state: "DepthState"

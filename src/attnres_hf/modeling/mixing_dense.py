@@ -259,7 +259,9 @@ class GRNv3(nn.Module):
         # sum_i (b_{c,i} + s_{c,i}) * y_i, without materialising the (B, T, C, n, D) weights
         outputs = torch.einsum("cnd,btnd->btcd", self.bias.float(), values) + dynamic @ values  # (B, T, C, D)
         weights = self.bias.float() + dynamic.unsqueeze(-1) if keep_weights else None
-        return outputs.to(sources[0].dtype).unbind(-2), weights
+        # each output row-major (`DepthRead`): einsum may return the hidden axis strided, which bitsandbytes' AVX-512
+        # BF16 4-bit CPU kernel misreads as row-major (relative logit error ~1 on a 4-bit DCA model)
+        return outputs.to(sources[0].dtype).movedim(-2, 0).contiguous().unbind(0), weights
 
 
 class DCAState(NamedTuple):

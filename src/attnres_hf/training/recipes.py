@@ -144,7 +144,9 @@ def prepare_model(
       `expert_parameter_names`) adds adapters on a mixture-of-experts model's stacked expert weights, which are
       parameters rather than linear layers (PEFT `target_parameters`); by default the experts are not adapted.
     - `qlora`: `lora` on a 4-bit backbone (load it with `load_kwargs("qlora")`), after PEFT's
-      `prepare_model_for_kbit_training`; the depth-mixing modules are unquantized fp32 and train in full.
+      `prepare_model_for_kbit_training`; the depth-mixing modules are unquantized fp32 and train in full. The 4-bit
+      layers keep bitsandbytes' dequantize-and-matmul path (`quantization.keep_4bit_layers_trainable`), so that
+      evaluations during training leave their gradients intact on every CPU and every layer shape.
     - `full`: everything.
 
     Raises:
@@ -167,6 +169,9 @@ def prepare_model(
             raise ValueError("method 'qlora' needs a 4-bit model: from_pretrained(folder, **load_kwargs('qlora'))")
         from peft import prepare_model_for_kbit_training
 
+        from ..quantization import keep_4bit_layers_trainable
+
+        keep_4bit_layers_trainable(model)  # evaluations must not repack the weights for a kernel without backward
         model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
     if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
