@@ -113,10 +113,11 @@ def test_pipeline_step_equals_one_process_step_with_and_without_caching(case, tw
         # numbers summed in another order (measured: at most 2.7e-6 apart, on gradients of size ~0.4)
         for name, grad in grads.items():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5, msg=name)
-    # caching changes what is sent, not the numbers: the same losses; the same gradients up to the order autograd sums
-    # a kept source's gradient in (measured: at most 1.8e-7 apart, on gradients of size ~1)
+    # caching changes what is sent, not the numbers: the same losses and gradients up to the order autograd sums a kept
+    # source's gradient in (measured: gradients at most 1.8e-7 apart, on gradients of size ~1; losses of ~4.65 one fp32
+    # ulp apart, 1.0e-7 relative, after the second step on an AVX-512 EPYC, bit-equal on other CPUs)
     for rank in two_ranks:
-        assert rank[case, True]["losses"] == rank[case, False]["losses"]
+        assert rank[case, True]["losses"] == pytest.approx(rank[case, False]["losses"], rel=1e-6, abs=0)
         for name, grad in rank[case, False]["grads"].items():
             torch.testing.assert_close(rank[case, True]["grads"][name], grad, rtol=1e-6, atol=1e-6, msg=name)
     assert "input_ids must be an int64 tensor of shape (8, 12)" in two_ranks[0][case, True]["shape_error"]
@@ -124,8 +125,10 @@ def test_pipeline_step_equals_one_process_step_with_and_without_caching(case, tw
     saved = AttnResForCausalLM.from_pretrained(out / case).state_dict()
     assert set(saved) == set(weights) and not list(out.glob(f"{case}/pipeline-rank*"))
     for name, weight in weights.items():
-        # lr 0.5 x the summation-order noise above, over two steps (measured: at most 3.7e-5)
-        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-4, msg=name)
+        # lr 0.5 x the summation-order noise above, amplified by the second step's gradient at the weights it moved:
+        # measured at most 3.7e-5 on one CPU and 1.5e-4 on an AVX-512 Xeon (the embedding tied with the head, its
+        # gradient summed across the two ranks, weights ~0.9); a lost gradient term moves a weight by lr x |grad| > 1e-2
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=5e-4, msg=name)
 
 
 @pytest.mark.slow
