@@ -348,7 +348,8 @@ def retrofit(
         KeyError: a source weight the family's key table does not map.
         ValueError: invalid or unknown config overrides (incl. `attnres_window`, which cannot be exact), a bad
             `dtype`, a malformed / truncated GGUF, safetensors or PyTorch `.bin` file (`check_torch_file`), a GGUF
-            tensor the model would drop.
+            tensor the model would drop, an HF folder whose tensors do not cover the model its config builds (see
+            `load_source_config`).
         TypeError: `source` is neither a model nor a path, or `progress` is not a bool.
         FileNotFoundError: a missing path, or a folder without config or weights.
     """
