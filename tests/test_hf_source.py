@@ -127,6 +127,17 @@ def test_intact_folders_pass_and_convert(tie, save, tmp_path):
     assert report["source"]["unused_config_keys"] == [] and report["verification"]["greedy_match"]
 
 
+def test_one_weight_of_a_tied_pair_is_enough_and_neither_is_refused(tmp_path, no_weight_loads):
+    llama_folder(tmp_path / "source", tie=True)
+    state = load_file(tmp_path / "source" / "model.safetensors")
+    assert "lm_head.weight" not in state  # transformers saves the embedding only
+    _edit_tensors(tmp_path / "source", lambda s: s.update({"lm_head.weight": s.pop("model.embed_tokens.weight")}))
+    load_source_config(tmp_path / "source")  # transformers ties the embedding to the head it finds
+    _edit_tensors(tmp_path / "source", lambda s: s.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"no tensor for lm_head\.weight, model\.embed_tokens\.weight$"):
+        load_source_config(tmp_path / "source")
+
+
 def _every_family():
     from test_backbones import FAMILIES as DENSE
     from test_backbones import source_model as dense_model

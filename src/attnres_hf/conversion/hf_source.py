@@ -103,8 +103,8 @@ def _quiet_transformers():
 
 
 def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | os.PathLike) -> None:
-    """Before loading: the `tensors` (see `folder_tensors`) fill every weight of the model `config` builds (the tied
-    `lm_head` excepted) with the shape it has, and each has a weight, after transformers' own key renaming and weight
+    """Before loading: the `tensors` (see `folder_tensors`) fill every weight of the model `config` builds (one of a
+    tied pair, such as `lm_head` and the embedding, is enough) with the shape it has, and each has a weight, after transformers' own key renaming and weight
     conversions; the model is built on the meta device only.
 
     Raises:
@@ -124,9 +124,12 @@ def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | 
         info, _ = convert_and_load_state_dict_in_model(model, dict(tensors), load)
         model._adjust_missing_and_unexpected_keys(info)  # transformers' own exceptions (e.g. legacy inv_freq buffers)
     expected = set(model.state_dict())
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     broken = {name: error.strip().splitlines()[-1] for name, error in info.conversion_errors.items()}
-    missing = sorted(set(info.missing_keys) - tied - set(broken))
+    missing = set(info.missing_keys) - set(broken)
+    for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if not set(pair) <= missing:  # transformers ties a pair either way round (`tie_weights`): one is enough
+            missing -= set(pair)
+    missing = sorted(missing)
     problems = []
     if missing:
         problems.append(f"no tensor for {_missing_summary(missing, expected, tensors, config)}")
