@@ -14,6 +14,7 @@ without a word (a misspelt `num_hiden_layers`, a legacy `rope_theta` that `rope_
 """
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -104,8 +105,8 @@ def _quiet_transformers():
 
 def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | os.PathLike) -> None:
     """Before loading: the `tensors` (see `folder_tensors`) fill every weight of the model `config` builds (one of a
-    tied pair, such as `lm_head` and the embedding, is enough) with the shape it has, and each has a weight, after transformers' own key renaming and weight
-    conversions; the model is built on the meta device only.
+    tied pair, such as `lm_head` and the embedding, is enough) with the shape it has, and each has a weight, after
+    transformers' own key renaming and weight conversions; the model is built on the meta device only.
 
     Raises:
         ValueError: naming the model's weights no tensor holds (whole layers summarised, with the layer count the
@@ -118,8 +119,8 @@ def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | 
     from transformers.modeling_utils import LoadStateDictConfig
 
     with _quiet_transformers():
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # on a copy: from_config sets the attention and experts implementations in it
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
         load = LoadStateDictConfig(device_map={"": "meta"}, weight_mapping=get_model_conversion_mapping(model))
         info, _ = convert_and_load_state_dict_in_model(model, dict(tensors), load)
         model._adjust_missing_and_unexpected_keys(info)  # transformers' own exceptions (e.g. legacy inv_freq buffers)
@@ -143,7 +144,8 @@ def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | 
         problems.append(f"tensors that cannot be combined: {_shown([f'{k} ({v})' for k, v in sorted(broken.items())])}")
     if problems:
         raise ValueError(f"{where}: the weight files do not cover the {config.model_type} model its config.json "
-                         f"builds (transformers would initialise or drop these at random); {'; '.join(problems)}")
+                         "builds (transformers would initialise what is missing at random and drop the rest); "
+                         f"{'; '.join(problems)}")
 
 
 def _missing_summary(missing: list[str], expected: set[str], tensors: dict, config) -> str:
