@@ -201,7 +201,10 @@ def unused_config_keys(config_file: str | os.PathLike, config) -> list[str]:
         for key in raw:
             if key in fields or key == "model_type" or _read_by_model_code(config, key):
                 continue
-            without = cls.from_dict({k: v for k, v in raw.items() if k != key}).to_dict()
+            try:
+                without = cls.from_dict({k: v for k, v in raw.items() if k != key}).to_dict()
+            except (ValueError, TypeError, KeyError):  # the config cannot do without it: used
+                continue
             if without == {k: v for k, v in built.items() if k != key}:
                 hint = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.8)
                 unused.append(f"{key} ({hint[0]}?)" if hint else key)
