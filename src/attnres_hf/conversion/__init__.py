@@ -4,6 +4,7 @@ from .families import SUPPORTED_MODEL_TYPES, UnsupportedSourceError
 from .convert import convert, load_tokenizer, model_card
 from .gguf_source import check_against_gguf, gguf_config_fields, gguf_tensor_map, read_gguf_tensors
 from .gguf_tokenizer import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer, load_gguf_tokenizer
+from .hf_source import check_folder_tensors, folder_tensors, unused_config_keys
 from .retrofit import check_gguf_file, check_torch_file, load_source, load_source_config, retrofit, serializable_copy
 from .verify import PROBE_TEXT, verify_conversion
 
@@ -13,9 +14,11 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedSourceError",
     "check_against_gguf",
+    "check_folder_tensors",
     "check_gguf_file",
     "check_torch_file",
     "convert",
+    "folder_tensors",
     "gguf_config_fields",
     "gguf_pre_tokenizer",
     "gguf_tensor_map",
@@ -27,5 +30,6 @@ __all__ = [
     "read_gguf_tensors",
     "retrofit",
     "serializable_copy",
+    "unused_config_keys",
     "verify_conversion",
 ]

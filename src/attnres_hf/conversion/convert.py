@@ -20,6 +20,7 @@ from ..modeling.depth_mixing import DEPTH_MIXING
 from .._io import staged_folder
 from .gguf_source import check_against_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
+from .hf_source import unused_config_keys
 from .retrofit import check_dtype, check_path_argument, load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
 from .verify import PROBE_TEXT, verify_conversion
 
@@ -213,7 +214,9 @@ def convert(
     Raises:
         FileExistsError: `output_dir` exists and `force` is false (checked before any work).
         TypeError, ValueError: a wrong-typed or invalid argument (checked before any file is read).
-        FileNotFoundError, ValueError, KeyError: see `retrofit`; raised before anything is written. From a GGUF file,
+        FileNotFoundError, ValueError, KeyError: see `retrofit`; raised before anything is written (an HF folder
+            whose tensors do not cover the model its config builds is a `ValueError` naming them; the config keys its
+            family does not use are a warning and the report's `source.unused_config_keys`). From a GGUF file,
             a tensor of the file that the model would drop, or a converted weight that is not the file's tensor
             (compared in fp32 after dequantisation) is a `ValueError` naming it.
     """
@@ -230,6 +233,7 @@ def convert(
         raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
     target_dtype = check_dtype(dtype)
 
+    unused = []  # config.json keys the source family's config class does not use (HF folders)
     if isinstance(source, PreTrainedModel):
         # verification runs in fp32; never change the caller's model in place
         source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
@@ -240,6 +244,9 @@ def convert(
         retrofit_config(source_config, **config_overrides, **size, depth_mixing=depth_mixing)  # invalid options fail here
         tokenizer = tokenizer or load_tokenizer(source, gguf_file)
         source_model, name = load_source(source, gguf_file, dtype=torch.float32), str(source)
+        folder, file_name = split_gguf_path(source, gguf_file)
+        if file_name is None:  # also a UserWarning of load_source_config
+            unused = unused_config_keys(folder / "config.json", source_config)
     name = source_name or name
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
@@ -264,7 +271,8 @@ def convert(
     config = model.config
     report = {
         "attnres_hf_version": __version__,
-        "source": {"name": name, "gguf_file": gguf_file, "model_type": source_model.config.model_type},
+        "source": {"name": name, "gguf_file": gguf_file, "model_type": source_model.config.model_type,
+                   "unused_config_keys": unused},
         "output_dir": str(output_dir),
         "dtype": str(target_dtype).removeprefix("torch."),
         "config": {

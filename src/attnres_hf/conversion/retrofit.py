@@ -24,6 +24,7 @@ import difflib
 import json
 import os
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.depth_mixing import MIXING_MODULES
 from .families import attnres_config_fields, check_supported, map_keys
 from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields
+from .hf_source import check_folder_tensors, folder_tensors, read_index, unused_config_keys
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 GGUF_MAGIC = b"GGUF"
@@ -170,20 +172,19 @@ def check_torch_file(path: str | os.PathLike) -> Path:
     return path
 
 
-def _check_shards(folder: Path, index: Path, check_file) -> None:
-    """Check each file that the index `index` maps weights to with `check_file`."""
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{index} is not a valid weight index ({type(error).__name__}: {error})") from None
+def _check_shards(folder: Path, index: Path, check_file) -> list[Path]:
+    """Check each file that the index `index` maps weights to with `check_file`; return them."""
+    shards = sorted(set(read_index(index).values()))
     for shard in shards:
-        if not isinstance(shard, str) or not (folder / shard).is_file():
+        if not (folder / shard).is_file():
             raise FileNotFoundError(f"{index} lists {shard}, which is missing from {folder}")
         check_file(folder / shard)
+    return [folder / shard for shard in shards]
 
 
-def _check_folder(folder: Path) -> None:
-    """Check an HF folder's config and weight files (headers only) before anything loads."""
+def _check_folder(folder: Path) -> tuple[list[Path], Path | None]:
+    """Check an HF folder's config and weight files (headers only) before anything loads; return the weight files
+    transformers will load and their index (`None` for a single file)."""
     if not folder.exists():
         raise FileNotFoundError(f"{folder} does not exist: pass an HF model folder or a .gguf file")
     if not folder.is_dir():
@@ -199,19 +200,26 @@ def _check_folder(folder: Path) -> None:
     # the files transformers will load, in its order of preference (WEIGHT_FILES)
     if (folder / "model.safetensors").is_file():
         _check_safetensors(folder / "model.safetensors")
-    elif (folder / "model.safetensors.index.json").is_file():
-        _check_shards(folder, folder / "model.safetensors.index.json", _check_safetensors)
-    elif (folder / "pytorch_model.bin").is_file():
-        check_torch_file(folder / "pytorch_model.bin")
-    else:
-        _check_shards(folder, folder / "pytorch_model.bin.index.json", check_torch_file)
+        return [folder / "model.safetensors"], None
+    if (folder / "model.safetensors.index.json").is_file():
+        index = folder / "model.safetensors.index.json"
+        return _check_shards(folder, index, _check_safetensors), index
+    if (folder / "pytorch_model.bin").is_file():
+        return [check_torch_file(folder / "pytorch_model.bin")], None
+    index = folder / "pytorch_model.bin.index.json"
+    return _check_shards(folder, index, check_torch_file), index
 
 
 def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
     """Read the source's config and check its family is supported, without loading weights.
 
     `source` is an HF folder, or a `.gguf` file (or a folder plus `gguf_file`). Raises `FileNotFoundError`,
-    `ValueError` (not GGUF / truncated), or `UnsupportedSourceError` (a `ValueError`) before anything heavy runs.
+    `ValueError` (not GGUF / truncated), or `UnsupportedSourceError` (a `ValueError`) before anything heavy runs. The
+    source's tensors must be the weights of the model its config builds (read from the headers, see
+    `hf_source.check_folder_tensors` and `gguf_source.check_gguf_coverage`: a `ValueError` names the weights no tensor
+    holds, the tensors no weight takes, those of another shape, and a sharded index that disagrees with its shards);
+    `config.json` keys the family's config class does not use are named in a `UserWarning`
+    (`hf_source.unused_config_keys`).
     """
     path, gguf_file = split_gguf_path(source, gguf_file)
     if gguf_file is not None:
@@ -223,12 +231,19 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
             setattr(config, name, value)
         check_gguf_coverage(gguf_path, config)
         return config
-    _check_folder(path)
+    files, index = _check_folder(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except (KeyError, ValueError) as error:  # e.g. a model_type transformers does not know
         raise ValueError(f"{path / 'config.json'} cannot be read as a transformers config ({error})") from None
     check_supported(config)
+    unused = unused_config_keys(path / "config.json", config)
+    if unused:  # reported, not refused: many real configs carry keys of other tools (e.g. transformers.js_config)
+        warnings.warn(f"{path / 'config.json'} has keys that {type(config).__name__} and its model do not use "
+                      "(ignored): "
+                      f"{', '.join(unused)}", UserWarning, stacklevel=2)
+    # every weight of the model the config builds has its tensor in the files, and every tensor a weight
+    check_folder_tensors(config, folder_tensors(files, index), path)
     return config
 
 
@@ -333,7 +348,8 @@ def retrofit(
         KeyError: a source weight the family's key table does not map.
         ValueError: invalid or unknown config overrides (incl. `attnres_window`, which cannot be exact), a bad
             `dtype`, a malformed / truncated GGUF, safetensors or PyTorch `.bin` file (`check_torch_file`), a GGUF
-            tensor the model would drop.
+            tensor the model would drop, an HF folder whose tensors do not cover the model its config builds (see
+            `load_source_config`).
         TypeError: `source` is neither a model nor a path, or `progress` is not a bool.
         FileNotFoundError: a missing path, or a folder without config or weights.
     """
