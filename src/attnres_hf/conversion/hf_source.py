@@ -191,7 +191,9 @@ def unused_config_keys(config_file: str | os.PathLike, config) -> list[str]:
     file (an unknown or misspelt key, another tool's key, or a legacy key that a newer one overrides, e.g. `rope_theta`
     beside `rope_parameters`), each with the field it may be a misspelling of (`"num_hiden_layers
     (num_hidden_layers?)"`). A legacy key transformers reads (`rope_theta` alone, `torch_dtype`) and an alias of the
-    class's `attribute_map` count as used."""
+    class's `attribute_map` count as used, and so do transformers' private bookkeeping (`_name_or_path`, the GGUF
+    loader's `_model_name_or_path`) and special-token ids (`unk_token_id`: read by tokenizers and generation, not by
+    the model)."""
     raw = json.loads(Path(config_file).read_text())
     cls = type(config)
     fields = {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
@@ -199,7 +201,9 @@ def unused_config_keys(config_file: str | os.PathLike, config) -> list[str]:
         built = cls.from_dict(raw).to_dict()
         unused = []
         for key in raw:
-            if key in fields or key == "model_type" or _read_by_model_code(config, key):
+            if key in fields or key == "model_type" or key.startswith("_") or key.endswith("_token_id"):
+                continue
+            if _read_by_model_code(config, key):
                 continue
             try:
                 without = cls.from_dict({k: v for k, v in raw.items() if k != key}).to_dict()
