@@ -171,7 +171,7 @@ def test_4bit_shape_rule_is_what_bitsandbytes_runs_on_this_cpu(shape, tmp_path):
         try:
             with torch.no_grad():
                 loaded.eval()(IDS)
-        except RuntimeError as error:
+        except (RuntimeError, AssertionError) as error:  # bitsandbytes asserts the output tile, reshapes the scales
             assert unsupported, f"{name}: bitsandbytes failed where no layer was predicted to: {error}"
         else:
             assert not unsupported, f"{name}: ran although {unsupported} were predicted not to"
@@ -202,20 +202,43 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _qlora_model(folder, evaluate_first: bool = False):
+    loaded = AutoModelForCausalLM.from_pretrained(folder, quantization_config=qlora_quantization_config())
+    if evaluate_first:  # a baseline perplexity or `generate` before training: repacks the weights on AVX-512 BF16
+        with torch.no_grad():
+            loaded.eval()(IDS)
+    torch.manual_seed(0)
+    model = prepare_model(loaded, "qlora", lora_r=4)
+    with torch.no_grad():  # LoRA B starts at zero: give every adapter a gradient path through the 4-bit layers
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    return model.train()
+
+
+def test_qlora_on_a_model_evaluated_before_it_gets_its_gradients(tmp_path):
+    """A model that ran a no-grad forward before `prepare_model(..., "qlora")` (its weights repacked where the CPU has
+    AVX-512 BF16) has its weights unpacked again, and its gradients pass through every 4-bit layer: those of a model
+    that did not, up to its scales' rounding (repacking keeps them in bf16, unpacking quantizes them again): measured
+    on an AVX-512 Xeon, relative differences median 0.015, largest 0.06; with the gradients cut, median 0.45."""
+    tiny_model(**FOUR_BIT_SHAPE).save_pretrained(tmp_path)
+    model = _qlora_model(tmp_path, evaluate_first=True)
+    states = [getattr(param, "quant_state", None) for param in model.parameters()]
+    assert not any(getattr(state, "packing_format_for_cpu", False) for state in states)
+    fresh, evaluated = _lora_grads(_qlora_model(tmp_path)), _lora_grads(model)
+    assert fresh.keys() == evaluated.keys()
+    differences = sorted(((evaluated[n] - grad).norm() / grad.norm()).item() for n, grad in fresh.items())
+    assert differences[len(differences) // 2] < 0.05 and differences[-1] < 0.2, differences
+
+
 @pytest.mark.parametrize("shape", [SHAPES["hidden32"], FOUR_BIT_SHAPE], ids=["hidden32", "hidden64"])
 def test_qlora_keeps_gradients_through_4bit_layers_after_an_evaluation(shape, tmp_path):
     """An evaluation in the middle of QLoRA training (`Trainer.evaluate`: eval mode, no grad) must not change the next
     step's gradients: bitsandbytes' AVX-512 BF16 CPU kernel, which a no-grad forward switches to, has no backward (every
     adapter before the last layer lost part of its gradient), and it runs only some shapes (hidden 32 crashed)."""
     tiny_model(**shape).save_pretrained(tmp_path)
-    torch.manual_seed(0)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=qlora_quantization_config())
-    model = prepare_model(loaded, "qlora", lora_r=4)
-    with torch.no_grad():  # LoRA B starts at zero: give every adapter a gradient path through the 4-bit layers
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    before = _lora_grads(model.train())
+    model = _qlora_model(tmp_path)
+    before = _lora_grads(model)
     with torch.no_grad():
         model.eval()(IDS)
     after = _lora_grads(model.train())

@@ -172,21 +172,55 @@ def test_four_bit_server_answers_as_the_four_bit_model(tmp_path):
     assert answer.strip() == _expected(str(folder), PROMPTS[0], chat=True, four_bit=True).strip()
 
 
-@pytest.mark.parametrize("options", [["--quantization", "bnb-4bit"], ["--quantization=bnb-4bit", "--device", "cpu"],
-                                     ["--quantization", "bnb-8bit", "--quantization", "bnb-4bit"]])
-def test_four_bit_server_refuses_shapes_the_cpu_kernel_cannot_run(chat_model_dir, options, monkeypatch, capsys):
-    """Where bitsandbytes repacks 4-bit weights for its AVX-512 BF16 CPU kernel (forced on here, so that the test runs
-    on every CPU), a folder with a layer it cannot run (hidden 32: in_features not a multiple of 64) is refused in one
-    line before the server starts, instead of an HTTP 500 at the first request."""
+REFUSED = {"after": ["FOLDER", "--quantization", "bnb-4bit"], "before": ["--quantization=bnb-4bit", "FOLDER"],
+           "device-cpu": ["--device", "cpu", "FOLDER", "--quantization", "bnb-4bit"],
+           "last-wins": ["FOLDER", "--quantization", "bnb-8bit", "--quantization", "bnb-4bit"],
+           "saved-in-4-bit": ["FOLDER-4BIT"]}
+
+
+@pytest.fixture
+def cpu_kernel_repacks(monkeypatch):
+    """bitsandbytes' AVX-512 BF16 repacking forced on and no GPU, so that the refusal is tested on every machine."""
     from attnres_hf import quantization
-    from attnres_hf.cli import main
 
     monkeypatch.setattr(quantization, "cpu_4bit_repacking", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["serve", str(chat_model_dir), *options, "--port", str(_free_port())]) == 2
+
+
+@pytest.mark.parametrize("argv", REFUSED.values(), ids=REFUSED.keys())
+def test_four_bit_server_refuses_shapes_the_cpu_kernel_cannot_run(argv, chat_model_dir, tmp_path, cpu_kernel_repacks,
+                                                                  capsys):
+    """Where bitsandbytes repacks 4-bit weights for its AVX-512 BF16 CPU kernel, a folder with a layer it cannot run
+    (hidden 32: in_features not a multiple of 64) is refused in one line before the server starts, instead of an HTTP
+    500 at every request: the options parsed as `transformers serve` parses them, and a folder saved in 4 bits too."""
+    from attnres_hf.cli import main
+
+    four_bit = tmp_path / "four-bit"
+    if "FOLDER-4BIT" in argv:
+        AutoModelForCausalLM.from_pretrained(chat_model_dir, quantization_config=qlora_quantization_config()
+                                             ).save_pretrained(four_bit)
+    folders = {"FOLDER": str(chat_model_dir), "FOLDER-4BIT": str(four_bit)}
+    capsys.readouterr()
+    assert main(["serve", *[folders.get(arg, arg) for arg in argv], "--port", str(_free_port())]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("attnres serve: error: bitsandbytes' 4-bit CPU kernel") and "\n" not in error
-    assert "model.layers.0.self_attn.q_proj (32 -> 32)" in error
+    assert "model.layers.0.self_attn.q_proj (32 -> 32) and 17 more layers are not" in error
+
+
+def test_four_bit_check_leaves_other_loads_to_the_server(chat_model_dir, tmp_path, cpu_kernel_repacks):
+    """No refusal where the load is not 4-bit on the CPU, where the folder's layers run, or where transformers has no
+    causal-LM class for the folder (transformers serve reports that itself, as it would without attnres)."""
+    from attnres_hf.serving import _check_cpu_4bit
+
+    fits = _chat_folder(tmp_path / "fits", **FOUR_BIT_SHAPE)
+    (tmp_path / "vision").mkdir()
+    (tmp_path / "vision" / "config.json").write_text(json.dumps({"model_type": "clip_vision_model"}))
+    for folder, options in [(chat_model_dir, {"quantization": "bnb-8bit"}), (chat_model_dir, {}),
+                            (chat_model_dir, {"quantization": "bnb-4bit", "device": "cuda"}),
+                            (fits, {"quantization": "bnb-4bit"}), (tmp_path / "vision", {"quantization": "bnb-4bit"})]:
+        _check_cpu_4bit(str(folder), options)
+    with pytest.raises(ValueError, match="more layers are not"):
+        _check_cpu_4bit(str(chat_model_dir), {"quantization": "bnb-4bit", "device": "auto"})
 
 
 def test_register_with_transformers_is_idempotent():

@@ -70,60 +70,91 @@ def four_bit_blocksize() -> int:
 
 
 def unsupported_4bit_shapes(config, quantization_config: BitsAndBytesConfig | None = None,
-                            repacking: bool | None = None) -> list[str]:
-    """The linear layers that a 4-bit load of a model of `config` quantizes and that bitsandbytes' CPU inference kernel
+                            repacking: bool | None = None, trust_remote_code: bool = False) -> list[str]:
+    """The layers that a 4-bit load of a model of `config` quantizes and that bitsandbytes' CPU inference kernel
     cannot run on this machine, as `"name (in_features -> out_features)"`; empty where every shape runs (no AVX-512
     BF16, or a bitsandbytes without the repacking kernel).
 
-    The layers are found as transformers' bitsandbytes quantizer finds them (every `nn.Linear` of a meta-device model
-    but the output embedding, the tied and fp32 modules and `llm_int8_skip_modules`). A layer runs when its
-    `in_features` is a multiple of the block size (`four_bit_blocksize()`, 64) and its `out_features` of
-    `PACKED_OUTPUT_TILE` (32). `repacking` overrides the detection of the kernel (`cpu_4bit_repacking()`).
+    The layers are found as transformers' bitsandbytes quantizer finds them, on a meta-device model of the class
+    `config.architectures` names (else `AutoModelForCausalLM`'s): every `nn.Linear` and GPT-2 `Conv1D` but the output
+    embedding, the tied and fp32 modules and `llm_int8_skip_modules`. A layer runs when its `in_features` is a multiple
+    of the block size (`four_bit_blocksize()`, 64) and its `out_features` of `PACKED_OUTPUT_TILE` (32). `repacking`
+    overrides the detection of the kernel (`cpu_4bit_repacking()`).
+
+    Raises:
+        ValueError: transformers has no model class for `config` (or it needs `trust_remote_code`).
     """
     if not (cpu_4bit_repacking() if repacking is None else repacking):
         return []
-    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = _meta_model(config, trust_remote_code)
     skip = getattr(quantization_config, "llm_int8_skip_modules", None)
     keep = HfQuantizer.get_modules_to_not_convert(model, skip, model._keep_in_fp32_modules)
-    blocksize = four_bit_blocksize()
-    return [
-        f"{name} ({module.in_features} -> {module.out_features})"
-        for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear and should_convert_module(name, keep)
-        and (module.in_features % blocksize or module.out_features % PACKED_OUTPUT_TILE)
-    ]
+    blocksize, bad = four_bit_blocksize(), []
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear:
+            features = module.in_features, module.out_features
+        elif isinstance(module, Conv1D):  # weight (in, out)
+            features = tuple(module.weight.shape)
+        else:
+            continue
+        if should_convert_module(name, keep) and (features[0] % blocksize or features[1] % PACKED_OUTPUT_TILE):
+            bad.append(f"{name} ({features[0]} -> {features[1]})")
+    return bad
+
+
+def _meta_model(config, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The model `from_pretrained` would build for `config`, on the meta device: the class `config.architectures` names
+    on `transformers` (as `transformers serve` picks it), else `AutoModelForCausalLM`'s."""
+    import transformers
+
+    architecture = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    with torch.device("meta"):
+        if isinstance(architecture, type) and issubclass(architecture, PreTrainedModel):
+            return architecture._from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def check_4bit_shapes(config, quantization_config: BitsAndBytesConfig | None = None,
-                      repacking: bool | None = None) -> None:
+                      repacking: bool | None = None, trust_remote_code: bool = False) -> None:
     """Refuse, before any weight loads, a 4-bit CPU inference of a model whose layers bitsandbytes' CPU kernel cannot
     run on this machine (`unsupported_4bit_shapes`), instead of a crash at its first forward.
 
     Raises:
         ValueError: one line naming the rule, the first layer that breaks it and how many more do.
     """
-    bad = unsupported_4bit_shapes(config, quantization_config, repacking)
+    bad = unsupported_4bit_shapes(config, quantization_config, repacking, trust_remote_code)
     if bad:
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise ValueError(
-            f"bitsandbytes' 4-bit CPU kernel on this CPU (AVX-512 BF16) needs in_features divisible by "
-            f"{four_bit_blocksize()} and out_features by {PACKED_OUTPUT_TILE}; {bad[0]}{more} is not: serve or "
-            f"evaluate this model unquantized, on a GPU, or on a CPU without AVX-512 BF16")
+        raise ValueError(unsupported_4bit_message(bad))
+
+
+def unsupported_4bit_message(bad: list[str]) -> str:
+    """The one-line refusal of `check_4bit_shapes` for the layers `bad` (`unsupported_4bit_shapes`' names)."""
+    layers = f"{bad[0]} and {len(bad) - 1} more layers are" if len(bad) > 1 else f"{bad[0]} is"
+    return (f"bitsandbytes' 4-bit CPU kernel on this CPU (AVX-512 BF16) needs in_features divisible by "
+            f"{four_bit_blocksize()} and out_features by {PACKED_OUTPUT_TILE}; {layers} not: serve or evaluate this "
+            f"model unquantized, on a GPU, or on a CPU without AVX-512 BF16")
 
 
 def keep_4bit_layers_trainable(model: torch.nn.Module) -> int:
     """Turn off bitsandbytes' CPU repacking of 4-bit weights on every `Linear4bit` of `model` (QLoRA): the repacked
     kernel has no backward, so an evaluation during training (`Trainer.evaluate`, eval mode, no grad) would cut the
     gradients through every 4-bit layer from then on, and it runs only some shapes. The plain dequantize-and-matmul
-    path trains, evaluates and runs every shape. Returns how many layers were set."""
+    path trains, evaluates and runs every shape. A weight an earlier no-grad forward already repacked is unpacked
+    with bitsandbytes' own inverse (as its `save_pretrained` does; with double quantization its scales are quantized
+    again). Returns how many layers were set."""
     count = 0
     for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-            count += 1
+        if not hasattr(module, "support_avx512bf16_for_cpu"):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        weight = module.weight
+        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        count += 1
     return count

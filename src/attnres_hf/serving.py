@@ -53,25 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         ImportError: the serving dependencies are missing (install `attnres-hf[serve]`).
         FileNotFoundError: MODEL is a local folder without `config.json`.
-        ValueError: `--quantization bnb-4bit` on a CPU whose bitsandbytes kernel cannot run the folder's layer shapes
-            (`quantization.check_4bit_shapes`).
+        ValueError: a 4-bit load (`--quantization bnb-4bit`, or a folder saved in 4 bits) on a CPU whose bitsandbytes
+            kernel cannot run the folder's layer shapes (`quantization.check_4bit_shapes`).
     """
     from transformers.utils.import_utils import is_serve_available
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and not argv[0].startswith("-") and os.path.isdir(argv[0]):
-        if not os.path.isfile(os.path.join(argv[0], "config.json")):
-            raise FileNotFoundError(f"{argv[0]} has no config.json: give a model folder (e.g. from `attnres convert`)")
-        if _option(argv, "--quantization") == "bnb-4bit" and _on_cpu(_option(argv, "--device") or "auto"):
-            from transformers import AutoConfig
-
-            from .quantization import check_4bit_shapes
-
-            check_4bit_shapes(AutoConfig.from_pretrained(argv[0]))  # before the server starts, not at its first answer
     if not is_serve_available():
         raise ImportError('attnres serve needs fastapi, uvicorn, openai and pydantic: pip install "attnres-hf[serve]"')
-    register_with_transformers()
     from transformers.cli.transformers import app
+
+    options = app.get_command(None, "serve").make_context("serve", list(argv), resilient_parsing=True).params
+    folder = options.get("force_model")
+    if folder and os.path.isdir(folder) and "--help" not in argv:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise FileNotFoundError(f"{folder} has no config.json: give a model folder (e.g. from `attnres convert`)")
+        register_with_transformers()  # the check builds the class `config.architectures` names, as the server does
+        _check_cpu_4bit(folder, options)
+    register_with_transformers()
 
     # typer/click parse the arguments, print `--help` and report bad options exactly as `transformers serve` does,
     # then exit: the code of that exit is returned.
@@ -82,22 +81,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _option(argv: list[str], name: str) -> str | None:
-    """The value of `name` in `argv` as typer reads it (`--name value` or `--name=value`; the last one wins)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def _on_cpu(device: str) -> bool:
-    """Whether `transformers serve --device DEVICE` puts the model on the CPU ("auto": when no GPU is there)."""
+def _check_cpu_4bit(folder: str, options: dict) -> None:
+    """Before the server starts: refuse a 4-bit load on the CPU (`--quantization bnb-4bit`, or a folder saved in 4
+    bits) of a folder whose layers bitsandbytes' CPU kernel cannot run here (`quantization.check_4bit_shapes`), which
+    would answer every request with an HTTP 500. A folder transformers cannot build a model class for is left to
+    `transformers serve` to report."""
     import torch
+    from transformers import AutoConfig, BitsAndBytesConfig
 
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    from .quantization import unsupported_4bit_message, unsupported_4bit_shapes
+
+    device, trust = options.get("device") or "auto", bool(options.get("trust_remote_code"))
+    if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
+        return
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust)
+    saved = getattr(config, "quantization_config", None)
+    saved = BitsAndBytesConfig.from_dict(saved) if isinstance(saved, dict) and saved.get("load_in_4bit") else None
+    if options.get("quantization") != "bnb-4bit" and saved is None:
+        return
+    try:
+        bad = unsupported_4bit_shapes(config, saved, trust_remote_code=trust)
+    except (ValueError, KeyError, TypeError, ImportError, OSError, AttributeError):  # no model class for the folder:
+        return  # transformers serve says so itself
+    if bad:
+        raise ValueError(unsupported_4bit_message(bad))
 
 
 if __name__ == "__main__":
