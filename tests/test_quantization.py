@@ -189,6 +189,12 @@ def test_4bit_shape_rule_names_each_layer_that_breaks_it():
     bad = unsupported_4bit_shapes(tiny_config(), repacking=True)
     assert len(bad) == 6 * TINY["num_hidden_layers"] and "model.layers.0.self_attn.k_proj (32 -> 16)" in bad
     assert not any("lm_head" in name or "down_proj" in name for name in bad)
+    # GPT-2's Conv1D layers (weight (in, out)) are quantized too: at width 96 all but the MLP's output break the rule
+    from transformers import GPT2Config
+
+    gpt2 = unsupported_4bit_shapes(GPT2Config(n_embd=96, n_layer=1, n_head=2, vocab_size=99), repacking=True)
+    assert gpt2 == ["transformer.h.0.attn.c_attn (96 -> 288)", "transformer.h.0.attn.c_proj (96 -> 96)",
+                    "transformer.h.0.mlp.c_fc (96 -> 384)"]
     with pytest.raises(ValueError, match=r"^bitsandbytes' 4-bit CPU kernel .* by 64 and out_features by 32; "
                                          r"model\.layers\.0\.self_attn\.q_proj \(32 -> 32\) and 17 more"):
         check_4bit_shapes(tiny_config(), repacking=True)
