@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -204,8 +205,17 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # AttnRes: every mixing module starts as the residual model (AttnRes: zero pseudo-queries, uniform depth
         # weights at step 0, which the paper requires; see each module's `reset_parameters`); its norms are its own.
         if isinstance(module, MIXING_MODULES):
+            # AttnRes: in fp32 however the tensor was made. transformers' `dtype_plan` (`_keep_in_fp32_modules_strict`)
+            # casts loaded tensors only; one missing from the checkpoint (a Llama folder loaded into this class) or
+            # built under `dtype=bfloat16` (`from_config`, a bf16 default dtype) is created in that dtype and lands
+            # here. `float()` keeps each Parameter object (and its `_is_hf_initialized` flag) and copies loaded values.
+            module.float()
             module.reset_parameters(self.config.initializer_range)
-        elif not isinstance(module, AttnResRMSNorm):  # the backbone's modules: as the family initialises them
+        elif isinstance(module, AttnResRMSNorm):
+            # AttnRes: a router's key norm, fp32 too; transformers inits it on its own when only its weight is missing
+            # (the router holding a loaded query counts as initialised), which left uninitialised memory.
+            init.ones_(module.float().weight)
+        else:  # the backbone's modules: as the family initialises them
             init_backbone_weights(backbone_adapter(self.config), self.config.backbone, module)
 
 
