@@ -2,12 +2,14 @@
 
 from .families import SUPPORTED_MODEL_TYPES, UnsupportedSourceError
 from .convert import convert, load_tokenizer, model_card
-from .gguf_source import check_against_gguf, gguf_config_fields, gguf_tensor_map, read_gguf_tensors
+from .gguf_source import (GGUF_END_TOKENS, check_against_gguf, gguf_config_fields, gguf_stop_token_ids, gguf_tensor_map,
+                          read_gguf_tensors)
 from .gguf_tokenizer import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer, load_gguf_tokenizer
 from .retrofit import check_gguf_file, check_torch_file, load_source, load_source_config, retrofit, serializable_copy
 from .verify import PROBE_TEXT, verify_conversion
 
 __all__ = [
+    "GGUF_END_TOKENS",
     "GGUF_PRE_TOKENIZERS",
     "PROBE_TEXT",
     "SUPPORTED_MODEL_TYPES",
@@ -18,6 +20,7 @@ __all__ = [
     "convert",
     "gguf_config_fields",
     "gguf_pre_tokenizer",
+    "gguf_stop_token_ids",
     "gguf_tensor_map",
     "load_gguf_tokenizer",
     "load_source",
