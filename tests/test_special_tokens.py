@@ -179,3 +179,21 @@ def test_every_end_token_of_a_gguf_file_is_a_stop_token_of_the_converted_folder(
 def test_a_gguf_file_without_end_tokens_declares_none(tmp_path):
     llama = _llama(eos_token_id=None, bos_token_id=None, pad_token_id=None)
     assert gguf_stop_token_ids(write_gguf(llama, tmp_path / "tiny.gguf")) == []
+
+
+@pytest.mark.slow
+def test_transformers_serve_stops_at_the_backbone_eos(stop_ids, tmp_path):
+    """`attnres serve` (transformers' own server) answers what the equal Llama generates: up to its EOS."""
+    from test_serving import _request, _running_server
+
+    ids = _ids(stop_ids, "int")
+    llama = _llama(**ids)
+    _from_config(llama, ids).save_pretrained(tmp_path / "model")
+    tokenizer = word_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "model")
+    want = _greedy(llama, PROMPTS[:1])[0, PROMPTS.shape[1]:]
+    assert want[-1] == stop_ids[0] and len(want) < NEW_TOKENS
+    payload = {"prompt": " ".join(f"w{t}" for t in PROMPTS[0].tolist()), "max_tokens": NEW_TOKENS, "temperature": 0}
+    with _running_server(tmp_path / "model", tmp_path / "server.log") as base:
+        answer = json.loads(_request(f"{base}/v1/completions", payload))["choices"][0]["text"]
+    assert answer.split() == tokenizer.decode(want, skip_special_tokens=True).split()
