@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, pipeli
 from transformers.trainer_utils import align_special_tokens
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM
-from attnres_hf.conversion import convert, gguf_stop_token_ids, load_source, retrofit
+from attnres_hf.conversion import convert, gguf_stop_token_ids, load_source, retrofit, serializable_copy
 from gguf_fixtures import write_gguf
 from utils import TINY, word_tokenizer
 
@@ -166,6 +166,9 @@ def test_every_end_token_of_a_gguf_file_is_a_stop_token_of_the_converted_folder(
     assert gguf_stop_token_ids(path) == want  # llama.cpp's end-of-generation ids, each once
     source = load_source(path)
     assert source.generation_config.eos_token_id == (want if len(want) > 1 else want[0])
+    serializable_copy(source).save_pretrained(tmp_path / "hf-copy")  # the demo's HF-format copy of a GGUF file
+    copied = json.loads((tmp_path / "hf-copy" / "generation_config.json").read_text())
+    assert copied["eos_token_id"] == source.generation_config.eos_token_id
     convert(path, tmp_path / "out", attnres_block_size=2)
     converted = AttnResForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert converted.generation_config.eos_token_id == source.generation_config.eos_token_id

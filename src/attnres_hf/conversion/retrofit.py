@@ -300,13 +300,16 @@ def serializable_copy(model: PreTrainedModel) -> PreTrainedModel:
 
     transformers marks a model loaded from GGUF with a quantizer and refuses to save it ("The model is quantized
     with gguf and is not serializable"), although its weights are dequantised. The copy is the same class, built
-    from the config without `quantization_config`, holding the same weights.
+    from the config without `quantization_config`, holding the same weights and generation config (the file's stop
+    tokens, see `load_source`).
     """
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = type(model)(config).to(model.dtype)
     plain.load_state_dict(model.state_dict())
+    if getattr(model, "generation_config", None) is not None:
+        plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
 
 
