@@ -110,7 +110,7 @@ def write_gguf(
     key_length: bool = True, drop: tuple[str, ...] = (), metadata: dict | None = None,
 ) -> Path:
     """Write `model` (an HF causal LM) as llama.cpp would; `extra_tensors` adds `{gguf name: array}`, `drop` leaves
-    out the named GGUF tensors, `metadata` adds `{key: str or float}`; `vocab` is `(tokens, merges, pre)` for a
+    out the named GGUF tensors, `metadata` adds `{key: str, int (uint32) or float}`; `vocab` is `(tokens, merges, pre)` for a
     byte-level BPE tokenizer; `key_length=False` leaves out `attention.key_length` / `value_length` (as older
     converters did)."""
     config = model.config
@@ -123,7 +123,9 @@ def write_gguf(
     _add_metadata(writer, config, arch_name, head_dim, key_length)
     writer.add_file_type(ftype)
     for key, value in (metadata or {}).items():
-        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+        add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) else (
+            writer.add_float32)
+        add(key, value)
     if vocab is not None:
         tokens, merges, pre = vocab
         writer.add_tokenizer_model("gpt2")

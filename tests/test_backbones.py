@@ -97,7 +97,8 @@ def test_cached_greedy_generation_equals_full_recompute(family, variant):
     model = retrofit(source_model(family), **ATTNRES[variant])
     perturb_mixing(model)
     prompt = IDS[:1, :5]
-    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    # min_new_tokens: the retrofit stops at the source's EOS, as the source does; all 10 tokens are compared
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     cached = model.generate(prompt, use_cache=True, **kwargs)
     recomputed = model.generate(prompt, use_cache=False, **kwargs)
     assert cached.shape[1] == 15 and torch.equal(cached, recomputed)

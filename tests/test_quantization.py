@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
 
+from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.cli import main
 from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS
 from attnres_hf.modeling.depth_mixing import MIXING_MODULES
@@ -143,6 +144,62 @@ def test_bfloat16_load_keeps_depth_mixing_in_fp32(saved):
     assert mixing and all(param.dtype == torch.float32 for param in mixing.values())
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert model(IDS).logits.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A plain LlamaForCausalLM folder of the tiny shape: it holds no depth-mixing tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("method", [m for m in DEPTH_MIXING_METHODS if m != "residual"])
+def test_mixing_initialised_at_load_is_fp32(llama_folder, method, dtype):
+    # every mixing tensor is missing from a Llama folder: transformers initialises it, and it is fp32 as loaded ones are
+    def load(dtype):
+        torch.manual_seed(0)  # MUDDFormer's w1 and mHC's phi are random: the same draws in both loads
+        config = AttnResConfig(**TINY, depth_mixing=method)
+        return AutoModelForCausalLM.from_pretrained(llama_folder, config=config, dtype=dtype)
+
+    model, reference = load(dtype), load(torch.float32)
+    mixing = _mixing_parameters(model)
+    assert mixing and {name: p.dtype for name, p in mixing.items()} == dict.fromkeys(mixing, torch.float32)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == dtype
+    expected = _mixing_parameters(reference)  # initialised in fp32, not rounded through `dtype`
+    for name, param in mixing.items():
+        torch.testing.assert_close(param.data, expected[name].data, rtol=0, atol=0)
+    assert model(IDS).logits.dtype == dtype
+
+
+def test_mixing_partly_in_checkpoint_is_fp32_and_keeps_loaded_values(saved, tmp_path):
+    # the queries are in the checkpoint, the key-norm weights are not: all fp32, the queries exactly the saved ones
+    from safetensors.torch import save_file
+
+    folder, reference = saved["attnres"]
+    state = load_file(folder / "model.safetensors")
+    kept = {k: v for k, v in state.items() if "_res.key_norm" not in k}
+    assert len(kept) < len(state)
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = AttnResForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    expected = _mixing_parameters(reference)
+    for name, param in _mixing_parameters(model).items():
+        assert param.dtype == torch.float32, name
+        want = torch.ones_like(param) if ".key_norm." in name else expected[name]
+        torch.testing.assert_close(param.data, want.data, rtol=0, atol=0)
+
+
+def test_mixing_built_in_bfloat16_is_fp32():
+    for model in (AttnResForCausalLM._from_config(AttnResConfig(**TINY), dtype=torch.bfloat16),
+                  AutoModelForCausalLM.from_config(AttnResConfig(**TINY, depth_mixing="mhc"), dtype=torch.bfloat16)):
+        mixing = _mixing_parameters(model)
+        assert mixing and all(param.dtype == torch.float32 for param in mixing.values())
+        assert model.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_qlora_needs_a_4bit_model():
@@ -288,5 +345,5 @@ def test_qlora_trains_saves_reloads_and_merges(four_bit_model_dir):
     with torch.no_grad():  # the merged fp32 model and the adapter on the 4-bit base differ by the 4-bit rounding only
         adapted, full = reloaded(IDS).logits, merged(IDS).logits
     assert (adapted - full).norm() / full.norm() < 0.15
-    generated = merged.generate(IDS[:1], max_new_tokens=5, do_sample=False)
+    generated = merged.generate(IDS[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert generated.shape == (1, IDS.shape[1] + 5)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import ModelCard, ModelCardData
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import __version__
 from ..modeling.depth_mixing import DEPTH_MIXING
@@ -140,12 +140,10 @@ attnres train {Path(report["output_dir"]).name} --data train.txt --method lora -
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 
 
-def _write_folder(folder: Path, model, tokenizer, generation_config, report: dict, max_shard_size: str) -> None:
-    model.save_pretrained(folder, max_shard_size=max_shard_size)
+def _write_folder(folder: Path, model, tokenizer, report: dict, max_shard_size: str) -> None:
+    model.save_pretrained(folder, max_shard_size=max_shard_size)  # with the source's generation config (`retrofit`)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    if generation_config is not None:
-        generation_config.save_pretrained(folder)
     model_card(report).save(folder / "README.md")
     (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -284,9 +282,6 @@ def convert(
         },
         "verification": verification,
     }
-    generation_config = getattr(source_model, "generation_config", None)
-    generation_config = GenerationConfig.from_dict(generation_config.to_dict()) if generation_config else None
-
     with staged_folder(output_dir, replace=force) as staging:
-        _write_folder(staging, model, tokenizer, generation_config, report, max_shard_size)
+        _write_folder(staging, model, tokenizer, report, max_shard_size)
     return report

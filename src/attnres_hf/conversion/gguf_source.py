@@ -36,6 +36,12 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 `llama-model.cpp`): a GGUF file holds no `query_pre_attn_scalar`, its reader derives it so."""
 
 
+GGUF_END_TOKENS = ("eos", "eot", "eom")
+"""The `tokenizer.ggml.<name>_token_id` keys of a GGUF file that end generation: end of sequence, of turn (Llama 3's
+`<|eot_id|>`, Gemma's `<end_of_turn>`) and of message (Llama 3.1's `<|eom_id|>`); llama.cpp stops on each
+(`llama_vocab::is_eog`), transformers' GGUF loader reads the eos id only."""
+
+
 def _reader(path: str | os.PathLike):
     from gguf import GGUFReader
 
@@ -52,6 +58,13 @@ def _field(reader, key: str):
 def gguf_architecture(reader) -> str:
     """The file's `general.architecture` (llama.cpp's name: `llama`, `qwen2`, `qwen3`, ...)."""
     return str(_field(reader, "general.architecture"))
+
+
+def gguf_stop_token_ids(path: str | os.PathLike) -> list[int]:
+    """The end-token ids a GGUF file declares (`GGUF_END_TOKENS`, in that order, each once; `[]` if none)."""
+    reader = _reader(path)
+    ids = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in GGUF_END_TOKENS]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def gguf_config_fields(path: str | os.PathLike, config) -> dict:

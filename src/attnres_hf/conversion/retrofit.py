@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.depth_mixing import MIXING_MODULES
 from .families import attnres_config_fields, check_supported, map_keys
-from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields
+from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields, gguf_stop_token_ids
 from .hf_source import check_folder_tensors, folder_tensors, read_index, unused_config_keys
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -255,7 +255,8 @@ def load_source(
 
     The family and files are checked first (see `load_source_config`). A GGUF file is dequantised by transformers'
     GGUF loader with the config completed from the file, then every weight is compared with the file's own tensor
-    (`check_against_gguf`, in fp32): every tensor of the file is in the model, or a `ValueError` names it.
+    (`check_against_gguf`, in fp32): every tensor of the file is in the model, or a `ValueError` names it. The GGUF
+    model's generation config stops on every end token of the file (`gguf_stop_token_ids`), as llama.cpp does.
     """
     dtype = check_dtype(dtype)
     config = load_source_config(source, gguf_file)
@@ -267,6 +268,9 @@ def load_source(
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files
         raise ValueError(f"{path}: the weights cannot be read, the file is truncated or corrupt ({error})") from None
     check_against_gguf(model, path / gguf_file, complete=True)
+    stop = gguf_stop_token_ids(path / gguf_file)
+    if stop:  # transformers' GGUF loader reads the eos id only; llama.cpp stops on every one
+        model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
     return model.to(dtype).eval()
 
 
@@ -311,13 +315,16 @@ def serializable_copy(model: PreTrainedModel) -> PreTrainedModel:
 
     transformers marks a model loaded from GGUF with a quantizer and refuses to save it ("The model is quantized
     with gguf and is not serializable"), although its weights are dequantised. The copy is the same class, built
-    from the config without `quantization_config`, holding the same weights.
+    from the config without `quantization_config`, holding the same weights and generation config (the file's stop
+    tokens, see `load_source`).
     """
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = type(model)(config).to(model.dtype)
     plain.load_state_dict(model.state_dict())
+    if getattr(model, "generation_config", None) is not None:
+        plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
 
 
@@ -340,8 +347,9 @@ def retrofit(
             `attnres_rescale_output=False` (the paper's plain mean), an AttnRes ablation knob.
 
     Returns:
-        The AttnRes model in eval mode, with every backbone weight copied unchanged and every depth-mixing module at
-        its residual-model initialisation (AttnRes: zero pseudo-queries).
+        The AttnRes model in eval mode, with every backbone weight copied unchanged, every depth-mixing module at
+        its residual-model initialisation (AttnRes: zero pseudo-queries) and a copy of the source's generation config
+        (its stop tokens: generation stops where the source's stops).
 
     Raises:
         UnsupportedSourceError (a `ValueError`): unsupported `model_type` or a feature such as MoE layers.
@@ -399,4 +407,8 @@ def retrofit(
                        f"{', '.join(unexpected[:8])}")
     if missing:  # would keep uninitialised memory
         raise KeyError(f"{source.config.model_type} checkpoint has no weight for {', '.join(missing[:8])}")
+    if getattr(source, "generation_config", None) is not None:
+        # the source's own: every stop token it declares (a generation_config.json's eos list, a GGUF file's eot/eom,
+        # see `load_source`), where the model config holds one id; sampling defaults too
+        model.generation_config = copy.deepcopy(source.generation_config)
     return model.eval()

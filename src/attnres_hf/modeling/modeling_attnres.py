@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -159,6 +160,18 @@ class AttnResPreTrainedModel(PreTrainedModel):
         config.backbone._experts_implementation_internal = config._experts_implementation_internal
         # AttnRes: a family with recurrent state (Kimi Linear's KDA) cannot rewind its cache (no assisted decoding).
         self._is_stateful = backbone_adapter(config).pretrained_model._is_stateful
+        if self.can_generate():
+            self.generation_config = self._generation_config_from_model_config()
+
+    def _generation_config_from_model_config(self):
+        """The generation config transformers derives from the model config (`GenerationConfig.from_model_config`),
+        with what the backbone config says: its special token ids (`eos_token_id`, `bos_token_id`, `pad_token_id`)
+        and any other generation value it holds, as the equal backbone-family model (`LlamaForCausalLM`) gets them."""
+        # AttnRes: those ids live in `config.backbone` only, and `from_model_config` reads a composite config's decoder
+        # from its `text_config` entry (`get_text_config` knows no `backbone`): without it, `generate`, `pipeline`,
+        # `Trainer`'s token alignment and `transformers serve` saw no EOS and generated past it.
+        model_config = {**self.config.to_dict(), "text_config": self.config.backbone.to_dict()}
+        return self.generation_config_class.from_model_config(model_config)
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -204,8 +217,17 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # AttnRes: every mixing module starts as the residual model (AttnRes: zero pseudo-queries, uniform depth
         # weights at step 0, which the paper requires; see each module's `reset_parameters`); its norms are its own.
         if isinstance(module, MIXING_MODULES):
+            # AttnRes: in fp32 however the tensor was made. transformers' `dtype_plan` (`_keep_in_fp32_modules_strict`)
+            # casts loaded tensors only; one missing from the checkpoint (a Llama folder loaded into this class) or
+            # built under `dtype=bfloat16` (`from_config`, a bf16 default dtype) is created in that dtype and lands
+            # here. `float()` keeps each Parameter object (and its `_is_hf_initialized` flag) and copies loaded values.
+            module.float()
             module.reset_parameters(self.config.initializer_range)
-        elif not isinstance(module, AttnResRMSNorm):  # the backbone's modules: as the family initialises them
+        elif isinstance(module, AttnResRMSNorm):
+            # AttnRes: a router's key norm, fp32 too; transformers inits it on its own when only its weight is missing
+            # (the router holding a loaded query counts as initialised), which left uninitialised memory.
+            init.ones_(module.float().weight)
+        else:  # the backbone's modules: as the family initialises them
             init_backbone_weights(backbone_adapter(self.config), self.config.backbone, module)
 
 
@@ -350,6 +372,16 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def adjust_generation_fn(self, *args, **kwargs):
+        super().adjust_generation_fn(*args, **kwargs)
+        # AttnRes: a generation config transformers derived from a folder's config (no generation_config.json: it
+        # reads config.json's top level, without the backbone), or one saved so before the backbone's ids were read,
+        # gets the values it lacks from the model config, as `__init__` derives them. One a person wrote is kept.
+        if self.generation_config is not None and self.generation_config._from_model_config:
+            derived = self._generation_config_from_model_config().to_diff_dict()
+            derived.pop("transformers_version", None)
+            self.generation_config.update(**derived, defaults_only=True)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
