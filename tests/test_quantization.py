@@ -117,7 +117,7 @@ def test_quantized_load_keeps_depth_mixing_in_fp32(saved, method, quantization):
     with torch.no_grad():
         logits, want = model(IDS).logits.float(), reference(IDS).logits
     assert (logits - want).norm() / want.norm() < tolerance
-    assert model.generate(IDS[:1], max_new_tokens=4, do_sample=False).shape == (1, IDS.shape[1] + 4)
+    assert model.generate(IDS[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, IDS.shape[1] + 4)
 
 
 @pytest.mark.parametrize("method", DEPTH_MIXING_METHODS)
