@@ -1,19 +1,208 @@
-"""The README's example is run as written."""
+"""The README's recipes run as written.
 
+The README itself is what runs: its fenced blocks are read from the file, and a section in `RUN_HERE` has each of
+its blocks run in order, in a folder laid out as the blocks expect (a tiny model at `out/attnres-model`, a corpus at
+`corpus.jsonl`): `attnres ...` lines through the CLI's `main`, `python -c` lines and ```python blocks with `exec`,
+`pip install -e ".[extra]"` lines checked against the package's extras (installing is `make test`'s job). A section
+whose blocks need what a test machine lacks (a real checkpoint, GPUs, hours) is in `NOT_RUN_HERE` with the reason
+and the test that runs the same thing at model-tester size; a new block in neither fails
+`test_every_readme_block_is_run_here_or_says_why`.
+"""
+
+import json
 import re
+import shlex
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+@dataclass(frozen=True)
+class Block:
+    section: str  # the heading above the block, as written ("## Quantization / QLoRA")
+    language: str
+    code: str
+    line: int  # of the opening fence, 1-based
+
+
+def readme_blocks() -> list[Block]:
+    blocks, section, lines = [], None, README.read_text().splitlines()
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.startswith("#") and not line.startswith("#!"):
+            section = line.strip()
+        elif line.startswith("```") and len(line) > 3:
+            end = lines.index("```", index + 1)
+            blocks.append(Block(section, line[3:].strip(), "\n".join(lines[index + 1:end]) + "\n", index + 1))
+            index = end
+        index += 1
+    return blocks
+
+
+def section_blocks(section: str) -> list[Block]:
+    blocks = [block for block in readme_blocks() if block.section == section]
+    assert blocks, f"no code block under {section!r} in the README"
+    return blocks
+
+
+RUN_HERE = {
+    "## Example": "test_readme_example_runs",
+    "## Quantization / QLoRA": "test_readme_quantization_and_qlora_recipes_run_as_written",
+}
+"""section -> the test below that runs its blocks as written."""
+
+NOT_RUN_HERE = {
+    "## Retrofitting a pretrained model": "paths stand for a real HF folder and GGUF file; tests/test_convert.py and "
+    "tests/test_cli.py run `attnres convert` with these options on tiny folders and files",
+    "### Mixture-of-experts backbones and Kimi Linear (the paper's own backbone)": "real MoE / Kimi Linear folders; "
+    "tests/test_backbones_moe.py runs the convert and train commands on tiny ones, tests/test_benchmarks.py the "
+    "ablation presets",
+    "## Training": "book and corpus paths stand for the user's data, and `accelerate launch --multi_gpu` needs 8 GPUs; "
+    "tests/test_train.py runs each `attnres train` method, --resume and gradient checkpointing on a tiny model, and "
+    "the 2-process DDP/FSDP launch on CPU",
+    "## Serving": "a server on the fixed port 8000, shared by everyone on a test machine; tests/test_serving.py "
+    "starts the same command on a free port and sends the same requests",
+    "## Pipeline parallelism": "torchrun with 2 processes for 200 steps of 512 tokens; "
+    "tests/test_pipeline_parallel.py runs the same pipeline with 2 gloo processes on a tiny model",
+    "## Evaluation (lm-eval-harness, offline)": "needs the benchmark packages' data (prepare-data fetches them); "
+    "tests/test_eval.py and tests/test_eval_cli.py run each command on the offline task pack with tiny models",
+    "## Reading the depth routing": "the text and book stand for the user's; tests/test_routing_cli.py and "
+    "tests/test_analysis.py run map, compare and dynamics on tiny models",
+    "## The depth-mixing family": "benchmarks of 15 s to 1.5 hours on the real SmolLM2 and books; "
+    "tests/test_benchmarks.py runs their smoke presets",
+    "## Citation": "not code",
+}
+"""section -> why its blocks are not run as written here, and which test runs the same thing."""
+
+
+def test_every_readme_block_is_run_here_or_says_why():
+    sections = {block.section for block in readme_blocks()}
+    assert sections == set(RUN_HERE) | set(NOT_RUN_HERE), (
+        f"README sections with code that no test runs: {sorted(sections - set(RUN_HERE) - set(NOT_RUN_HERE))}; "
+        f"listed but gone: {sorted(set(RUN_HERE) | set(NOT_RUN_HERE) - sections)}")
+    assert not set(RUN_HERE) & set(NOT_RUN_HERE)
+    assert all(name in globals() for name in RUN_HERE.values())
+
+
+def shell_commands(code: str) -> list[list[str]]:
+    """The command lines of a bash block: continuation lines joined, `# ...` comments dropped."""
+    return [argv for line in code.replace("\\\n", " ").splitlines() if (argv := shlex.split(line, comments=True))]
+
+
+def _check_pip_install(argv: list[str]) -> None:
+    # `pip install -e ".[quant]"`: the extras it names exist (installing them is `make test`'s job, not a test's).
+    target = argv[argv.index("-e") + 1]
+    match = re.fullmatch(r"\.\[([\w,-]+)\]", target)
+    assert match, f"unexpected pip target {target!r}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(match[1].split(",")) <= set(extras), f"{target}: no such extra in pyproject.toml"
+
+
+def run_section(section: str) -> list[dict]:
+    """Run every block of `section` in order in the current folder; returns each Python block's namespace."""
+    from attnres_hf.cli import main
+
+    namespaces = []
+    for block in section_blocks(section):
+        where = f"{README.name}:{block.line}"
+        if block.language == "python":
+            namespace = {"__name__": "__readme__"}
+            exec(compile(block.code, where, "exec"), namespace)
+            namespaces.append(namespace)
+            continue
+        assert block.language == "bash", f"{where}: no runner for ```{block.language}"
+        for argv in shell_commands(block.code):
+            if argv[:2] == ["pip", "install"]:
+                _check_pip_install(argv)
+            elif argv[0] == "attnres":
+                assert main(argv[1:]) == 0, f"{where}: {shlex.join(argv)}"
+            elif argv[:2] == ["python", "-c"]:
+                exec(compile(argv[2], where, "exec"), {"__name__": "__readme__"})
+            else:
+                raise AssertionError(f"{where}: no runner for {shlex.join(argv)}")
+    return namespaces
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 1
-    code = blocks[0]
-    assert len(code.strip().splitlines()) <= 12
+    (block,) = section_blocks("## Example")
+    assert block.language == "python" and len(block.code.strip().splitlines()) <= 12
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(README), "exec"), {})
+    run_section("## Example")
     assert (tmp_path / "tiny-attnres" / "model.safetensors").exists()
+
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }} {% endfor %}"
+
+
+def readme_folder(root: Path) -> None:
+    """What the README's recipes start from: `out/attnres-model` (a tiny AttnRes model, its tokenizer with a chat
+    template) and `corpus.jsonl`. Hidden 64 / intermediate 128: bitsandbytes' 4-bit CPU kernels need in_features a
+    multiple of 64 and out_features of 32 on some CPUs. The corpus is 3 blocks of the default 512 tokens (2 to train
+    on, 1 held out), so each step of the recipes' default batch is 2 blocks."""
+    from utils import counting_text, tiny_model, word_tokenizer
+
+    model = tiny_model(routers=False, attnres_block_size=2, hidden_size=64, intermediate_size=128)
+    model.save_pretrained(root / "out" / "attnres-model")
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(root / "out" / "attnres-model")
+    lines = counting_text(lines=64).splitlines()
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+
+
+@pytest.mark.slow
+def test_readme_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from attnres_hf.quantization import qlora_quantization_config, quantized_modules
+    from attnres_hf.training import base_quantization_config
+
+    readme_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    loads, adapted = run_section("## Quantization / QLoRA")
+
+    # The quantized loads are what they say: NF4, and int8.
+    assert loads["model_4bit"].config.quantization_config.bnb_4bit_quant_type == "nf4"
+    assert quantized_modules(loads["model_4bit"]) and quantized_modules(loads["model_8bit"])
+
+    # The adapter and each checkpoint record the NF4 double-quantized base; load_adapter put the adapter on that base,
+    # so it computes what PEFT computes on a base loaded with QLoRA's own config (same code path: float noise only).
+    for folder in [Path("runs/qlora"), *Path("runs/qlora").glob("checkpoint-*")]:
+        record = json.loads((folder / "base_quantization.json").read_text())
+        assert record["quantization_config"]["bnb_4bit_quant_type"] == "nf4", folder
+        assert record["quantization_config"]["bnb_4bit_use_double_quant"] is True, folder
+    assert base_quantization_config("runs/qlora").to_dict() == qlora_quantization_config().to_dict()
+    model = adapted["model"]
+    assert isinstance(model, PeftModel)
+    assert model.get_base_model().config.quantization_config.bnb_4bit_use_double_quant
+    ids = torch.randint(3, 99, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained("out/attnres-model", quantization_config=qlora_quantization_config())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, PeftModel.from_pretrained(base, "runs/qlora").eval()(ids).logits)
+
+    # The merged folder is complete: it chats through transformers' pipeline as `generate` does on the chat template.
+    merged = Path("out/merged")
+    for name in ("model.safetensors", "config.json", "modeling_attnres.py", "generation_config.json",
+                 "tokenizer.json", "chat_template.jinja"):
+        assert (merged / name).is_file(), name
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    chat = pipeline("text-generation", model=str(merged))
+    reply = chat(messages, max_new_tokens=4, do_sample=False)[0]["generated_text"][-1]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    reference = AutoModelForCausalLM.from_pretrained(merged).eval()
+    tokens = reference.generate(**prompt, max_new_tokens=4, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert reply == {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}
 
 
 def test_readme_names_the_two_setup_commands():
