@@ -31,8 +31,9 @@ class Block:
     line: int  # of the opening fence, 1-based
 
 
-def readme_blocks() -> list[Block]:
-    blocks, section, lines = [], None, README.read_text().splitlines()
+def fenced_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of a Markdown text, with the heading each stands under."""
+    blocks, section, lines = [], None, text.splitlines()
     index = 0
     while index < len(lines):
         line = lines[index]
@@ -44,6 +45,10 @@ def readme_blocks() -> list[Block]:
             index = end
         index += 1
     return blocks
+
+
+def readme_blocks() -> list[Block]:
+    return fenced_blocks(README.read_text())
 
 
 def section_blocks(section: str) -> list[Block]:
@@ -97,37 +102,64 @@ def shell_commands(code: str) -> list[list[str]]:
 
 
 def _check_pip_install(argv: list[str]) -> None:
-    # `pip install -e ".[quant]"`: the extras it names exist (installing them is `make test`'s job, not a test's).
-    target = argv[argv.index("-e") + 1]
-    match = re.fullmatch(r"\.\[([\w,-]+)\]", target)
-    assert match, f"unexpected pip target {target!r}"
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(match[1].split(",")) <= set(extras), f"{target}: no such extra in pyproject.toml"
+    # `pip install -e ".[quant]"` or `pip install "attnres-hf[serve]"`: this package, and the extras it names exist
+    # (installing them is `make test`'s job, not a test's).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = argv[-1]
+    match = re.fullmatch(r"(\.|[\w-]+)\[([\w,-]+)\]", target)
+    assert match and match[1] in (".", project["name"]), f"unexpected pip target {shlex.join(argv)!r}"
+    assert match[1] != "." or argv[-2] == "-e", f"{shlex.join(argv)}: the checkout installs editable (-e)"
+    assert set(match[2].split(",")) <= set(project["optional-dependencies"]), f"{target}: no such extra"
 
 
-def run_section(section: str) -> list[dict]:
-    """Run every block of `section` in order in the current folder; returns each Python block's namespace."""
+def run_blocks(blocks: list[Block], where: str, serve=None) -> list[dict]:
+    """Run `blocks` in order in the current folder; returns each Python block's namespace. An `attnres serve` line
+    goes to `serve(argv)` (a server is started by the test, on a free port), or fails without one."""
     from attnres_hf.cli import main
 
     namespaces = []
-    for block in section_blocks(section):
-        where = f"{README.name}:{block.line}"
+    for block in blocks:
+        at = f"{where}:{block.line}"
         if block.language == "python":
             namespace = {"__name__": "__readme__"}
-            exec(compile(block.code, where, "exec"), namespace)
+            exec(compile(block.code, at, "exec"), namespace)
             namespaces.append(namespace)
             continue
-        assert block.language == "bash", f"{where}: no runner for ```{block.language}"
+        assert block.language == "bash", f"{at}: no runner for ```{block.language}"
         for argv in shell_commands(block.code):
             if argv[:2] == ["pip", "install"]:
                 _check_pip_install(argv)
+            elif argv[:2] == ["attnres", "serve"] and serve is not None:
+                serve(argv)
             elif argv[0] == "attnres":
-                assert main(argv[1:]) == 0, f"{where}: {shlex.join(argv)}"
+                assert main(argv[1:]) == 0, f"{at}: {shlex.join(argv)}"
             elif argv[:2] == ["python", "-c"]:
-                exec(compile(argv[2], where, "exec"), {"__name__": "__readme__"})
+                exec(compile(argv[2], at, "exec"), {"__name__": "__readme__"})
             else:
-                raise AssertionError(f"{where}: no runner for {shlex.join(argv)}")
+                raise AssertionError(f"{at}: no runner for {shlex.join(argv)}")
     return namespaces
+
+
+def run_section(section: str) -> list[dict]:
+    """Run every block of the README's `section` in order in the current folder (`run_blocks`)."""
+    return run_blocks(section_blocks(section), README.name)
+
+
+def serve_and_chat(argv: list[str], log: Path) -> None:
+    """`attnres serve FOLDER [options]` as a line shows it, but on 127.0.0.1 and a free port (a fixed port on a shared
+    test machine may be taken): a chat completion equals greedy `generate` on the folder's chat template."""
+    from test_serving import _ask, _expected, _running_server
+
+    folder, options, index = argv[2], [], 3
+    while index < len(argv):
+        if argv[index] in ("--host", "--port"):
+            index += 2
+            continue
+        options.append(argv[index])
+        index += 1
+    prompt = "w5 w6 w7"
+    with _running_server(folder, log, *options) as base:
+        assert _ask(base, "chat/completions", prompt, stream=False) == _expected(str(folder), prompt, chat=True)
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):
@@ -138,7 +170,8 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     assert (tmp_path / "tiny-attnres" / "model.safetensors").exists()
 
 
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }} {% endfor %}"
+# Contents only: the word tokenizer's unknown token is its pad token, which `generate` masks and a server need not.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 
 
 def readme_folder(root: Path) -> None:
@@ -203,6 +236,37 @@ def test_readme_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypa
     reference = AutoModelForCausalLM.from_pretrained(merged).eval()
     tokens = reference.generate(**prompt, max_new_tokens=4, do_sample=False)[0, prompt["input_ids"].shape[1]:]
     assert reply == {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}
+    # ... and serves, as the section says (`attnres serve out/merged`) and the Serving section shows.
+    serve_and_chat(["attnres", "serve", "out/merged"], tmp_path / "server.log")
+
+
+@pytest.mark.slow
+def test_model_card_recipes_run_as_written(tmp_path, monkeypatch):
+    """The model card `attnres convert` writes shows recipes too: each runs as written beside the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnres_hf.conversion import convert
+    from utils import TINY, counting_text, word_tokenizer
+
+    torch.manual_seed(0)
+    # initializer_range 0.5, not 0.02: a random model's logits are then far from ties, so the server's greedy answer
+    # and `generate`'s cannot part on float noise (at 0.02 they did after 3 tokens).
+    source = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 64, "intermediate_size": 128,
+                                             "initializer_range": 0.5})).eval()
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    convert(source, tmp_path / "attnres-tiny", tokenizer=tokenizer, attnres_block_size=2)
+    (tmp_path / "train.txt").write_text(counting_text(lines=64))
+    card = (tmp_path / "attnres-tiny" / "README.md").read_text()
+    blocks = [block for block in fenced_blocks(card) if block.language != "bibtex"]
+    assert {block.language for block in blocks} == {"python", "bash"}
+    monkeypatch.chdir(tmp_path)
+    loaded, four_bit = run_blocks(blocks, "attnres-tiny/README.md",
+                                  serve=lambda argv: serve_and_chat(argv, tmp_path / "server.log"))
+    assert loaded["tokenizer"].chat_template == CHAT_TEMPLATE
+    assert four_bit["model"].config.quantization_config.bnb_4bit_quant_type == "nf4"
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "base_quantization.json").read_text())["quantization_config"] is None
 
 
 def test_readme_names_the_two_setup_commands():
