@@ -267,8 +267,7 @@ def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str
         from .._io import staged_folder
 
         with staged_folder(output_dir, replace=force) as staging:
-            merged.save_pretrained(staging)
-            merged.generation_config.save_pretrained(staging)
+            merged.save_pretrained(staging)  # with generation_config.json
             tokenizer.save_pretrained(staging)
     return merged
 
