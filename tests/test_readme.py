@@ -60,24 +60,22 @@ def section_blocks(section: str) -> list[Block]:
 RUN_HERE = {
     "## Example": "test_readme_example_runs",
     "## Quantization / QLoRA": "test_readme_quantization_and_qlora_recipes_run_as_written",
+    "## Training": "test_readme_training_recipes_run_as_written",
 }
 """section -> the test below that runs its blocks as written."""
 
 NOT_RUN_HERE = {
-    "## Retrofitting a pretrained model": "paths stand for a real HF folder and GGUF file; tests/test_convert.py and "
-    "tests/test_cli.py run `attnres convert` with these options on tiny folders and files",
+    "## Retrofitting a pretrained model": "paths stand for a real HF folder and GGUF file; tests/test_convert.py "
+    "runs `attnres convert` with these options on tiny folders and files",
     "### Mixture-of-experts backbones and Kimi Linear (the paper's own backbone)": "real MoE / Kimi Linear folders; "
     "tests/test_backbones_moe.py runs the convert and train commands on tiny ones, tests/test_benchmarks.py the "
     "ablation presets",
-    "## Training": "book and corpus paths stand for the user's data, and `accelerate launch --multi_gpu` needs 8 GPUs; "
-    "tests/test_train.py runs each `attnres train` method, --resume and gradient checkpointing on a tiny model, and "
-    "the 2-process DDP/FSDP launch on CPU",
     "## Serving": "a server on the fixed port 8000, shared by everyone on a test machine; tests/test_serving.py "
     "starts the same command on a free port and sends the same requests",
     "## Pipeline parallelism": "torchrun with 2 processes for 200 steps of 512 tokens; "
     "tests/test_pipeline_parallel.py runs the same pipeline with 2 gloo processes on a tiny model",
     "## Evaluation (lm-eval-harness, offline)": "needs the benchmark packages' data (prepare-data fetches them); "
-    "tests/test_eval.py and tests/test_eval_cli.py run each command on the offline task pack with tiny models",
+    "tests/test_eval.py and tests/test_eval_cli.py run these commands on the offline task pack with tiny models",
     "## Reading the depth routing": "the text and book stand for the user's; tests/test_routing_cli.py and "
     "tests/test_analysis.py run map, compare and dynamics on tiny models",
     "## The depth-mixing family": "benchmarks of 15 s to 1.5 hours on the real SmolLM2 and books; "
@@ -188,6 +186,24 @@ def readme_folder(root: Path) -> None:
     tokenizer.save_pretrained(root / "out" / "attnres-model")
     lines = counting_text(lines=64).splitlines()
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    (root / "book1.txt").write_text(counting_text(lines=64, seed=1))
+
+
+@pytest.mark.slow
+def test_readme_training_recipes_run_as_written(tmp_path, monkeypatch):
+    blocks = section_blocks("## Training")
+    # `accelerate launch --multi_gpu --num_processes 8` needs 8 GPUs; tests/test_train.py launches the same DDP and
+    # FSDP runs with 2 CPU processes.
+    launches = [block for block in blocks if block.code.startswith("accelerate launch")]
+    assert len(launches) == 1
+    readme_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_blocks([block for block in blocks if block not in launches], README.name)
+    routers = json.loads(Path("runs/routers/train_summary.json").read_text())
+    assert routers["method"] == "routers" and routers["steps"] == 200
+    assert routers["eval_loss_after"] < routers["eval_loss_before"]
+    assert json.loads(Path("runs/lora/train_summary.json").read_text())["method"] == "lora"
+    assert Path("runs/lora/adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow
