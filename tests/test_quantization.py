@@ -347,3 +347,111 @@ def test_qlora_trains_saves_reloads_and_merges(four_bit_model_dir):
     assert (adapted - full).norm() / full.norm() < 0.15
     generated = merged.generate(IDS[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert generated.shape == (1, IDS.shape[1] + 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An adapter's base quantisation: recorded, and checked before the adapter loads (`attnres_hf.training.adapters`)
+# ---------------------------------------------------------------------------------------------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from attnres_hf.training import adapters  # noqa: E402
+from attnres_hf.training.adapters import check_base_quantization, load_adapter, save_base_quantization  # noqa: E402
+
+BASES = {
+    "full-precision": lambda: None,
+    "nf4-double": qlora_quantization_config,
+    "nf4-double-bf16-compute": lambda: qlora_quantization_config(torch.bfloat16),
+    "nf4-single": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "fp4 (load_in_4bit=True alone)": lambda: BitsAndBytesConfig(load_in_4bit=True),
+    "fp4-double": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True),
+    "int8": lambda: BitsAndBytesConfig(load_in_8bit=True),
+}
+"""name -> the quantization config a base is loaded with (None: full precision)."""
+
+ACCEPTED = {  # trained on -> the bases its adapter accepts (a full-precision base always: the merge)
+    "nf4-double": {"full-precision", "nf4-double", "nf4-double-bf16-compute"},
+    "full-precision": {"full-precision"},
+    "int8": {"full-precision", "int8"},
+    "fp4 (load_in_4bit=True alone)": {"full-precision", "fp4 (load_in_4bit=True alone)"},
+}
+CHECKS = [(trained, base) for trained in ACCEPTED for base in BASES]
+
+
+def _recorded_adapter(folder, trained_on: str):
+    """An adapter folder (PEFT's file, a stand-in) whose record says its base was `trained_on`."""
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    config = BASES[trained_on]()
+    save_base_quantization(SimpleNamespace(config=SimpleNamespace(quantization_config=config)), folder)
+    return folder
+
+
+def _as_dict(config):
+    return None if config is None else json.loads(json.dumps(config.to_dict()))
+
+
+@pytest.mark.parametrize(("trained", "base"), CHECKS, ids=[f"{t}-on-{b}" for t, b in CHECKS])
+def test_adapter_accepts_only_its_own_base_quantisation_or_full_precision(tmp_path, trained, base):
+    folder = _recorded_adapter(tmp_path / "adapter", trained)
+    quantization = _as_dict(BASES[base]())
+    if base in ACCEPTED[trained]:
+        check_base_quantization(quantization, folder)
+    else:
+        with pytest.raises(ValueError, match=r"was trained on a base in .* but this base is in .*load_adapter"):
+            check_base_quantization(quantization, folder)
+    check_base_quantization(quantization, folder, allow_other_quantization=True)  # the explicit override
+
+
+def test_adapter_record_descriptions_and_unrecorded_adapters(tmp_path):
+    folder = _recorded_adapter(tmp_path / "adapter", "nf4-double")
+    record = json.loads((folder / adapters.BASE_QUANTIZATION_FILE).read_text())
+    assert record["description"] == "bitsandbytes 4-bit nf4 with double quantization"
+    assert adapters.base_quantization_config(folder).to_dict() == qlora_quantization_config().to_dict()
+    assert adapters.describe_quantization(_as_dict(BASES["int8"]())) == "bitsandbytes 8-bit (int8)"
+    assert adapters.describe_quantization(None).startswith("full precision")
+    (folder / adapters.BASE_QUANTIZATION_FILE).unlink()  # PEFT alone writes no record: nothing to check against
+    check_base_quantization(_as_dict(BASES["int8"]()), folder)
+    assert adapters.base_quantization_config(folder) is None
+    for broken in ("{not json", '{"description": "x"}', '{"quantization_config": 4}'):
+        (folder / adapters.BASE_QUANTIZATION_FILE).write_text(broken)
+        with pytest.raises(ValueError, match="base_quantization.json"):
+            check_base_quantization(None, folder)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model or adapter load fails the test: the refusals below come before one."""
+    from peft import PeftModel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model loaded before the check")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(PeftModel, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize("base", ["fp4 (load_in_4bit=True alone)", "nf4-single", "int8"])
+def test_load_adapter_refuses_another_quantisation_before_loading(saved, tmp_path, base, no_model_loads):
+    folder = _recorded_adapter(tmp_path / "adapter", "nf4-double")
+    with pytest.raises(ValueError, match="but this base is in bitsandbytes"):
+        load_adapter(saved["attnres"][0], folder, quantization_config=BASES[base]())
+
+
+def test_merge_lora_refuses_before_loading(saved, tmp_path, no_model_loads):
+    folder = _recorded_adapter(tmp_path / "adapter", "nf4-double")
+    with pytest.raises(FileNotFoundError, match="no tokenizer in .* nor in the base folder"):  # neither has one
+        merge_lora(saved["attnres"][0], folder, tmp_path / "merged")
+    (tmp_path / "merged").mkdir()
+    with pytest.raises(FileExistsError, match="already exists; pass force=True"):
+        merge_lora(saved["attnres"][0], folder, tmp_path / "merged")
+    assert not any((tmp_path / "merged").iterdir())  # nothing written, nothing lost
+
+
+def test_merge_lora_refuses_a_base_quantised_otherwise(saved, tmp_path):
+    folder = _recorded_adapter(tmp_path / "adapter", "nf4-double")
+    base = AutoModelForCausalLM.from_pretrained(saved["attnres"][0], quantization_config=BitsAndBytesConfig(
+        load_in_8bit=True), device_map="cpu")
+    with pytest.raises(ValueError, match="trained on a base in bitsandbytes 4-bit nf4 .* this base is in bitsandbytes "
+                                         "8-bit"):
+        merge_lora(base, folder)  # PEFT would fail on the stand-in adapter_config.json: the check came first

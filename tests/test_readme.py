@@ -1,19 +1,288 @@
-"""The README's example is run as written."""
+"""The README's recipes run as written.
 
+The README itself is what runs: its fenced blocks are read from the file, and a section in `RUN_HERE` has each of
+its blocks run in order, in a folder laid out as the blocks expect (a tiny model at `out/attnres-model`, a corpus at
+`corpus.jsonl`): `attnres ...` lines through the CLI's `main`, `python -c` lines and ```python blocks with `exec`,
+`pip install -e ".[extra]"` lines checked against the package's extras (installing is `make test`'s job). A section
+whose blocks need what a test machine lacks (a real checkpoint, GPUs, hours) is in `NOT_RUN_HERE` with the reason
+and the test that runs the same thing at model-tester size; a new block in neither fails
+`test_every_readme_block_is_run_here_or_says_why`.
+"""
+
+import json
 import re
+import shlex
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+@dataclass(frozen=True)
+class Block:
+    section: str  # the heading above the block, as written ("## Quantization / QLoRA")
+    language: str
+    code: str
+    line: int  # of the opening fence, 1-based
+
+
+def fenced_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of a Markdown text, with the heading each stands under."""
+    blocks, section, lines = [], None, text.splitlines()
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.startswith("#") and not line.startswith("#!"):
+            section = line.strip()
+        elif line.startswith("```") and len(line) > 3:
+            end = lines.index("```", index + 1)
+            blocks.append(Block(section, line[3:].strip(), "\n".join(lines[index + 1:end]) + "\n", index + 1))
+            index = end
+        index += 1
+    return blocks
+
+
+def readme_blocks() -> list[Block]:
+    return fenced_blocks(README.read_text())
+
+
+def section_blocks(section: str) -> list[Block]:
+    blocks = [block for block in readme_blocks() if block.section == section]
+    assert blocks, f"no code block under {section!r} in the README"
+    return blocks
+
+
+RUN_HERE = {
+    "## Example": "test_readme_example_runs",
+    "## Quantization / QLoRA": "test_readme_quantization_and_qlora_recipes_run_as_written",
+    "## Training": "test_readme_training_recipes_run_as_written",
+}
+"""section -> the test below that runs its blocks as written."""
+
+NOT_RUN_HERE = {
+    "## Retrofitting a pretrained model": "paths stand for a real HF folder and GGUF file; tests/test_convert.py "
+    "runs `attnres convert` with these options on tiny folders and files",
+    "### Mixture-of-experts backbones and Kimi Linear (the paper's own backbone)": "real MoE / Kimi Linear folders; "
+    "tests/test_backbones_moe.py runs the convert and train commands on tiny ones, tests/test_benchmarks.py the "
+    "ablation presets",
+    "## Serving": "a server on the fixed port 8000, shared by everyone on a test machine; tests/test_serving.py "
+    "starts the same command on a free port and sends the same requests",
+    "## Pipeline parallelism": "torchrun with 2 processes for 200 steps of 512 tokens; "
+    "tests/test_pipeline_parallel.py runs the same pipeline with 2 gloo processes on a tiny model",
+    "## Evaluation (lm-eval-harness, offline)": "needs the benchmark packages' data (prepare-data fetches them); "
+    "tests/test_eval.py and tests/test_eval_cli.py run these commands on the offline task pack with tiny models",
+    "## Reading the depth routing": "the text and book stand for the user's; tests/test_routing_cli.py and "
+    "tests/test_analysis.py run map, compare and dynamics on tiny models",
+    "## The depth-mixing family": "benchmarks of 15 s to 1.5 hours on the real SmolLM2 and books; "
+    "tests/test_benchmarks.py runs their smoke presets",
+    "## Citation": "not code",
+}
+"""section -> why its blocks are not run as written here, and which test runs the same thing."""
+
+
+def test_every_readme_block_is_run_here_or_says_why():
+    sections = {block.section for block in readme_blocks()}
+    assert sections == set(RUN_HERE) | set(NOT_RUN_HERE), (
+        f"README sections with code that no test runs: {sorted(sections - set(RUN_HERE) - set(NOT_RUN_HERE))}; "
+        f"listed but gone: {sorted(set(RUN_HERE) | set(NOT_RUN_HERE) - sections)}")
+    assert not set(RUN_HERE) & set(NOT_RUN_HERE)
+    assert all(name in globals() for name in RUN_HERE.values())
+
+
+def shell_commands(code: str) -> list[list[str]]:
+    """The command lines of a bash block: continuation lines joined, `# ...` comments dropped."""
+    return [argv for line in code.replace("\\\n", " ").splitlines() if (argv := shlex.split(line, comments=True))]
+
+
+def _check_pip_install(argv: list[str]) -> None:
+    # `pip install -e ".[quant]"` or `pip install "attnres-hf[serve]"`: this package, and the extras it names exist
+    # (installing them is `make test`'s job, not a test's).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = argv[-1]
+    match = re.fullmatch(r"(\.|[\w-]+)\[([\w,-]+)\]", target)
+    assert match and match[1] in (".", project["name"]), f"unexpected pip target {shlex.join(argv)!r}"
+    assert match[1] != "." or argv[-2] == "-e", f"{shlex.join(argv)}: the checkout installs editable (-e)"
+    assert set(match[2].split(",")) <= set(project["optional-dependencies"]), f"{target}: no such extra"
+
+
+def run_blocks(blocks: list[Block], where: str, serve=None) -> list[dict]:
+    """Run `blocks` in order in the current folder; returns each Python block's namespace. An `attnres serve` line
+    goes to `serve(argv)` (a server is started by the test, on a free port), or fails without one."""
+    from attnres_hf.cli import main
+
+    namespaces = []
+    for block in blocks:
+        at = f"{where}:{block.line}"
+        if block.language == "python":
+            namespace = {"__name__": "__readme__"}
+            exec(compile(block.code, at, "exec"), namespace)
+            namespaces.append(namespace)
+            continue
+        assert block.language == "bash", f"{at}: no runner for ```{block.language}"
+        for argv in shell_commands(block.code):
+            if argv[:2] == ["pip", "install"]:
+                _check_pip_install(argv)
+            elif argv[:2] == ["attnres", "serve"] and serve is not None:
+                serve(argv)
+            elif argv[0] == "attnres":
+                assert main(argv[1:]) == 0, f"{at}: {shlex.join(argv)}"
+            elif argv[:2] == ["python", "-c"]:
+                exec(compile(argv[2], at, "exec"), {"__name__": "__readme__"})
+            else:
+                raise AssertionError(f"{at}: no runner for {shlex.join(argv)}")
+    return namespaces
+
+
+def run_section(section: str) -> list[dict]:
+    """Run every block of the README's `section` in order in the current folder (`run_blocks`)."""
+    return run_blocks(section_blocks(section), README.name)
+
+
+def serve_and_chat(argv: list[str], log: Path) -> None:
+    """`attnres serve FOLDER [options]` as a line shows it, but on 127.0.0.1 and a free port (a fixed port on a shared
+    test machine may be taken): a chat completion equals greedy `generate` on the folder's chat template."""
+    from test_serving import _ask, _expected, _running_server
+
+    folder, options, index = argv[2], [], 3
+    while index < len(argv):
+        if argv[index] in ("--host", "--port"):
+            index += 2
+            continue
+        options.append(argv[index])
+        index += 1
+    prompt = "w5 w6 w7"
+    with _running_server(folder, log, *options) as base:
+        assert _ask(base, "chat/completions", prompt, stream=False) == _expected(str(folder), prompt, chat=True)
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 1
-    code = blocks[0]
-    assert len(code.strip().splitlines()) <= 12
+    (block,) = section_blocks("## Example")
+    assert block.language == "python" and len(block.code.strip().splitlines()) <= 12
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(README), "exec"), {})
+    run_section("## Example")
     assert (tmp_path / "tiny-attnres" / "model.safetensors").exists()
+
+
+# Contents only: the word tokenizer's unknown token is its pad token, which `generate` masks and a server need not.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+def readme_folder(root: Path) -> None:
+    """What the README's recipes start from: `out/attnres-model` (a tiny AttnRes model, its tokenizer with a chat
+    template) and `corpus.jsonl`. Hidden 64 / intermediate 128: bitsandbytes' 4-bit CPU kernels need in_features a
+    multiple of 64 and out_features of 32 on some CPUs. The corpus is 3 blocks of the default 512 tokens (2 to train
+    on, 1 held out), so each step of the recipes' default batch is 2 blocks."""
+    from utils import counting_text, tiny_model, word_tokenizer
+
+    model = tiny_model(routers=False, attnres_block_size=2, hidden_size=64, intermediate_size=128)
+    model.save_pretrained(root / "out" / "attnres-model")
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(root / "out" / "attnres-model")
+    lines = counting_text(lines=64).splitlines()
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    (root / "book1.txt").write_text(counting_text(lines=64, seed=1))
+
+
+@pytest.mark.slow
+def test_readme_training_recipes_run_as_written(tmp_path, monkeypatch):
+    blocks = section_blocks("## Training")
+    # `accelerate launch --multi_gpu --num_processes 8` needs 8 GPUs; tests/test_train.py launches the same DDP and
+    # FSDP runs with 2 CPU processes.
+    launches = [block for block in blocks if block.code.startswith("accelerate launch")]
+    assert len(launches) == 1
+    readme_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_blocks([block for block in blocks if block not in launches], README.name)
+    routers = json.loads(Path("runs/routers/train_summary.json").read_text())
+    assert routers["method"] == "routers" and routers["steps"] == 200
+    assert routers["eval_loss_after"] < routers["eval_loss_before"]
+    assert json.loads(Path("runs/lora/train_summary.json").read_text())["method"] == "lora"
+    assert Path("runs/lora/adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_readme_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from attnres_hf.quantization import qlora_quantization_config, quantized_modules
+    from attnres_hf.training import base_quantization_config
+
+    readme_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    loads, adapted = run_section("## Quantization / QLoRA")
+
+    # The quantized loads are what they say: NF4, and int8.
+    assert loads["model_4bit"].config.quantization_config.bnb_4bit_quant_type == "nf4"
+    assert quantized_modules(loads["model_4bit"]) and quantized_modules(loads["model_8bit"])
+
+    # The adapter and each checkpoint record the NF4 double-quantized base; load_adapter put the adapter on that base,
+    # so it computes what PEFT computes on a base loaded with QLoRA's own config (same code path: float noise only).
+    for folder in [Path("runs/qlora"), *Path("runs/qlora").glob("checkpoint-*")]:
+        record = json.loads((folder / "base_quantization.json").read_text())
+        assert record["quantization_config"]["bnb_4bit_quant_type"] == "nf4", folder
+        assert record["quantization_config"]["bnb_4bit_use_double_quant"] is True, folder
+    assert base_quantization_config("runs/qlora").to_dict() == qlora_quantization_config().to_dict()
+    model = adapted["model"]
+    assert isinstance(model, PeftModel)
+    assert model.get_base_model().config.quantization_config.bnb_4bit_use_double_quant
+    ids = torch.randint(3, 99, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained("out/attnres-model", quantization_config=qlora_quantization_config())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, PeftModel.from_pretrained(base, "runs/qlora").eval()(ids).logits)
+
+    # The merged folder is complete: it chats through transformers' pipeline as `generate` does on the chat template.
+    merged = Path("out/merged")
+    for name in ("model.safetensors", "config.json", "modeling_attnres.py", "generation_config.json",
+                 "tokenizer.json", "chat_template.jinja"):
+        assert (merged / name).is_file(), name
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    chat = pipeline("text-generation", model=str(merged))
+    reply = chat(messages, max_new_tokens=4, do_sample=False)[0]["generated_text"][-1]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    reference = AutoModelForCausalLM.from_pretrained(merged).eval()
+    tokens = reference.generate(**prompt, max_new_tokens=4, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert reply == {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}
+    # ... and serves, as the section says (`attnres serve out/merged`) and the Serving section shows.
+    serve_and_chat(["attnres", "serve", "out/merged"], tmp_path / "server.log")
+
+
+@pytest.mark.slow
+def test_model_card_recipes_run_as_written(tmp_path, monkeypatch):
+    """The model card `attnres convert` writes shows recipes too: each runs as written beside the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnres_hf.conversion import convert
+    from utils import TINY, counting_text, word_tokenizer
+
+    torch.manual_seed(0)
+    # initializer_range 0.5, not 0.02: a random model's logits are then far from ties, so the server's greedy answer
+    # and `generate`'s cannot part on float noise (at 0.02 they did after 3 tokens).
+    source = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 64, "intermediate_size": 128,
+                                             "initializer_range": 0.5})).eval()
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    convert(source, tmp_path / "attnres-tiny", tokenizer=tokenizer, attnres_block_size=2)
+    (tmp_path / "train.txt").write_text(counting_text(lines=64))
+    card = (tmp_path / "attnres-tiny" / "README.md").read_text()
+    blocks = [block for block in fenced_blocks(card) if block.language != "bibtex"]
+    assert {block.language for block in blocks} == {"python", "bash"}
+    monkeypatch.chdir(tmp_path)
+    loaded, four_bit = run_blocks(blocks, "attnres-tiny/README.md",
+                                  serve=lambda argv: serve_and_chat(argv, tmp_path / "server.log"))
+    assert loaded["tokenizer"].chat_template == CHAT_TEMPLATE
+    assert four_bit["model"].config.quantization_config.bnb_4bit_quant_type == "nf4"
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "base_quantization.json").read_text())["quantization_config"] is None
 
 
 def test_readme_names_the_two_setup_commands():

@@ -61,6 +61,9 @@ def test_lora_with_gradient_checkpointing_trains_adapters_and_routers_and_merges
         reloaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir / "merged").eval()
         torch.testing.assert_close(reloaded(ids).logits, adapted_logits, atol=1e-5, rtol=1e-5)
     assert not any("lora" in k for k in load_file(tiny_model_dir / "merged" / "model.safetensors"))
+    for name in ("tokenizer.json", "generation_config.json", "modeling_attnres.py"):  # a complete folder
+        assert (tiny_model_dir / "merged" / name).is_file(), name
+    assert json.loads((out / "base_quantization.json").read_text())["quantization_config"] is None  # full precision
 
 
 class StopAt(TrainerCallback):

@@ -8,7 +8,8 @@ leave them unconverted and they load in fp32 whatever `dtype` the rest takes. `l
 (transformers' default).
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")  # load_in_4bit=True alone is FP4
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4)
 
 Needs the `quant` extra (`pip install "attnres-hf[quant]"`: bitsandbytes, whose CPU backend runs 4-bit and 8-bit
 layers without a GPU) and, for `TorchAoConfig`, the `torchao` extra.

@@ -119,12 +119,14 @@ pip install "attnres-hf[serve]"
 attnres serve {Path(report["output_dir"]).name} --port 8000   # options of `transformers serve`, e.g. --continuous-batching
 ```
 
-Load it in 4 bits (the depth-mixing parameters stay fp32) and fine-tune it:
+Load it in 4 bits (NF4; the depth-mixing parameters stay fp32) and fine-tune it:
 
 ```python
-from transformers import BitsAndBytesConfig
+import attnres_hf
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")  # load_in_4bit=True alone is FP4
+model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}", quantization_config=nf4)
 ```
 
 ```bash

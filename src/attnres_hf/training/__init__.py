@@ -1,5 +1,6 @@
 """Training recipes on `transformers.Trainer` and PEFT: router-only, LoRA (+ routers) and full fine-tuning."""
 
+from .adapters import base_quantization_config, check_base_quantization, load_adapter
 from .data import packed_lm_dataset
 from .recipes import (
     DEFAULT_LEARNING_RATES,
@@ -21,11 +22,14 @@ __all__ = [
     "DEFAULT_LEARNING_RATES",
     "METHODS",
     "ROUTER_MODULES",
+    "base_quantization_config",
+    "check_base_quantization",
     "check_lora_target_parameters",
     "check_lora_targets",
     "default_lora_targets",
     "depth_entropy",
     "expert_parameter_names",
+    "load_adapter",
     "lora_module_names",
     "merge_lora",
     "packed_lm_dataset",

@@ -220,33 +220,66 @@ def _has_router_parameters(model: torch.nn.Module) -> bool:
     return any(is_router_parameter(name) for name, _ in model.named_parameters())
 
 
-def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str | os.PathLike, output_dir=None):
+def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str | os.PathLike, output_dir=None,
+               tokenizer=None, force: bool = False, allow_other_quantization: bool = False):
     """Merge a LoRA adapter (with its trained routers) into its base model; return the plain AttnRes model, and
     save it to `output_dir` when given.
 
+    A folder `base_model` loads in full precision, the usual base to merge a QLoRA adapter into (`adapters`: a
+    quantised `PreTrainedModel` must be quantised as the adapter's base was). The output folder is complete, like
+    `attnres convert`'s: weights, `config.json` with `auto_map` and the modeling files, `generation_config.json`, and
+    the tokenizer with its chat template (`tokenizer`, else the one `attnres train` saved with the adapter, else the
+    base folder's), so it chats, serves and evaluates as the base does. It is written to a temporary folder and
+    renamed into place.
+
     Raises:
         TypeError: `base_model` is neither a folder path nor a `PreTrainedModel`, or a path of the wrong type.
-        FileNotFoundError: no `adapter_config.json` in `adapter_dir`, or no base model folder (checked before loading).
+        FileNotFoundError: no `adapter_config.json` in `adapter_dir`, no base model folder, or (with `output_dir`) no
+            tokenizer in `adapter_dir` nor the base folder and none given.
+        FileExistsError: `output_dir` exists and `force` is false.
+        ValueError: a quantised base the adapter was not trained on (`check_base_quantization`).
+        All checked before any weight loads.
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .adapters import check_adapter_dir, check_base_quantization, quantization_of
 
     if not isinstance(base_model, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(f"base_model must be a model folder or a PreTrainedModel, got {type(base_model).__name__}")
-    for name, path in (("adapter_dir", adapter_dir), ("output_dir", output_dir)):
-        if not isinstance(path, (str, os.PathLike)) and (path is not None or name == "adapter_dir"):
-            raise TypeError(f"{name} must be a folder path, got {type(path).__name__}")
-    if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
-        raise FileNotFoundError(f"{adapter_dir} holds no LoRA adapter (adapter_config.json); `attnres train --method "
-                                "lora` writes one to its --output-dir")
+    check_adapter_dir(adapter_dir)
+    if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
+        raise TypeError(f"output_dir must be a folder path, got {type(output_dir).__name__}")
     if not isinstance(base_model, PreTrainedModel) and not os.path.isfile(os.path.join(base_model, "config.json")):
         raise FileNotFoundError(f"{base_model} is not a model folder (no config.json there)")
+    if isinstance(base_model, PreTrainedModel):
+        check_base_quantization(quantization_of(base_model), adapter_dir, allow_other_quantization)
+    if output_dir is not None:
+        if os.path.exists(output_dir) and not force:
+            raise FileExistsError(f"{output_dir} already exists; pass force=True to replace it")
+        if tokenizer is None:
+            base_folder = base_model if not isinstance(base_model, PreTrainedModel) else base_model.name_or_path
+            source = next((folder for folder in (adapter_dir, base_folder) if _has_tokenizer(folder)), None)
+            if source is None:
+                raise FileNotFoundError(
+                    f"no tokenizer in {adapter_dir} nor in the base folder: the merged folder could not be chatted "
+                    "with or served; pass tokenizer=")
+            tokenizer = AutoTokenizer.from_pretrained(source)
     if not isinstance(base_model, PreTrainedModel):
         base_model = AutoModelForCausalLM.from_pretrained(base_model)
     merged = PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()
     if output_dir is not None:
-        merged.save_pretrained(output_dir)
+        from .._io import staged_folder
+
+        with staged_folder(output_dir, replace=force) as staging:
+            merged.save_pretrained(staging)  # with generation_config.json
+            tokenizer.save_pretrained(staging)
     return merged
+
+
+def _has_tokenizer(folder) -> bool:
+    return bool(folder) and any(os.path.isfile(os.path.join(folder, name))
+                                for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def __getattr__(name: str):

@@ -22,6 +22,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 from .._checks import check_fraction, check_int, check_model_source, check_paths
+from .adapters import save_base_quantization
 from .data import packed_lm_dataset
 from .recipes import (
     METHODS,
@@ -149,6 +150,16 @@ class AttnResTrainer(Trainer):
         from ..modeling.depth_mixing import is_no_weight_decay_parameter
 
         return [name for name in super().get_decay_parameter_names(model) if not is_no_weight_decay_parameter(name)]
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict)
+        # An adapter folder (the final one and each checkpoint) records its base's quantisation, which
+        # `load_adapter` / `merge_lora` check the base against (`adapters`).
+        from peft import PeftModel
+
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if isinstance(model, PeftModel) and self.args.should_save:
+            save_base_quantization(model, output_dir if output_dir is not None else self.args.output_dir)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
