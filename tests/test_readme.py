@@ -177,9 +177,9 @@ def readme_folder(root: Path) -> None:
     template) and `corpus.jsonl`. Hidden 64 / intermediate 128: bitsandbytes' 4-bit CPU kernels need in_features a
     multiple of 64 and out_features of 32 on some CPUs. The corpus is 3 blocks of the default 512 tokens (2 to train
     on, 1 held out), so each step of the recipes' default batch is 2 blocks."""
-    from utils import counting_text, tiny_model, word_tokenizer
+    from utils import FOUR_BIT_SHAPE, counting_text, tiny_model, word_tokenizer
 
-    model = tiny_model(routers=False, attnres_block_size=2, hidden_size=64, intermediate_size=128)
+    model = tiny_model(routers=False, attnres_block_size=2, **FOUR_BIT_SHAPE)
     model.save_pretrained(root / "out" / "attnres-model")
     tokenizer = word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -262,13 +262,12 @@ def test_model_card_recipes_run_as_written(tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from attnres_hf.conversion import convert
-    from utils import TINY, counting_text, word_tokenizer
+    from utils import FOUR_BIT_SHAPE, TINY, counting_text, word_tokenizer
 
     torch.manual_seed(0)
     # initializer_range 0.5, not 0.02: a random model's logits are then far from ties, so the server's greedy answer
     # and `generate`'s cannot part on float noise (at 0.02 they did after 3 tokens).
-    source = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 64, "intermediate_size": 128,
-                                             "initializer_range": 0.5})).eval()
+    source = LlamaForCausalLM(LlamaConfig(**{**TINY, **FOUR_BIT_SHAPE, "initializer_range": 0.5})).eval()
     tokenizer = word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     convert(source, tmp_path / "attnres-tiny", tokenizer=tokenizer, attnres_block_size=2)
