@@ -483,29 +483,35 @@ class Phase1(NamedTuple):
 
 def _query_bank(routers) -> torch.Tensor:
     """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
-    `AttnResRouter._logits`), stacked once per forward for every block's phase 1."""
-    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward;
-    # the caller has checked that every router is a plain `AttnResRouter`)
-    bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
-    if routers[0].key_norm is not None:
-        weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
-        bank = bank * _as(torch.stack(weights), torch.float32)
-    return bank
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1.
+
+    Each row comes from its router's own forward (`router(None)`), not from its parameters: a block's phase 1 reads
+    the routers of layers that have not run yet, and hooks that bring a module's weights in for its forward only
+    (accelerate's offload to CPU or disk, `device_map` with `max_memory`) must see those reads."""
+    return torch.stack([router(None) for router in routers])
 
 
 class _Constants(NamedTuple):
     """What every router of one forward shares, made once when the state starts (only when every router is a plain
-    `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`); `eps`, the key norm's epsilon
-    as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see `_merge_inference`)."""
+    `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`; `None` for Full AttnRes, which
+    has no phase 1: each router folds its own query when it reads); `eps`, the key norm's epsilon as a 0-dim fp32
+    tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see `_merge_inference`); `key_norm` and `sigmoid`:
+    whether the routers have a key norm and sigmoid scores (the config's, so that phase 1 needs no router). Tensors
+    and flags only: the state that holds them crosses accelerate's device hooks, which move what has a `.to`."""
 
-    bank: torch.Tensor
+    bank: torch.Tensor | None
     eps: torch.Tensor
     norm_eps: torch.Tensor
+    key_norm: bool
+    sigmoid: bool
 
     @classmethod
-    def build(cls, routers, eps: float, like: torch.Tensor) -> "_Constants":
-        return cls(_query_bank(routers), torch.full((), eps, device=like.device),
-                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device))
+    def build(cls, config, routers, like: torch.Tensor) -> "_Constants":
+        eps = config.rms_norm_eps
+        bank = _query_bank(routers) if config.attnres_block_size > 1 else None
+        return cls(bank, torch.full((), eps, device=like.device),
+                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
+                   config.attnres_score_fn == "sigmoid")
 
 
 class AttnResState(NamedTuple):
@@ -526,6 +532,10 @@ class AttnResState(NamedTuple):
 
     Gradient checkpointing: a replayed layer rewrites its block's slot with the same values, after every reader of
     that slot ran its backward; the state itself is immutable.
+
+    The state holds tensors and plain values only, no module: it is a decoder layer's input, which accelerate's hooks
+    move to the layer's device (`device_map`), calling `.to` on whatever has one. A router's weights are read in its
+    own forward (`AttnResRouter.forward`), where hooks that offload them bring them in.
     """
 
     sources: tuple[torch.Tensor, ...]  # completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums), (B, T, D)
@@ -536,7 +546,6 @@ class AttnResState(NamedTuple):
     sublayer: int  # the index of the next sub-layer
     buffer: torch.Tensor | None = None  # (n_slots, B, T, D): slots < len(sources) hold the sources (fast path)
     stacked: torch.Tensor | None = None  # (B, T, n, D): the sources stacked (the knobs the buffer does not serve)
-    routers: tuple = ()  # the routers of sub-layers 0 .. 2L - 1 in depth order (two-phase); () when not given
     phase1: Phase1 | None = None  # the current block's phase 1 (two-phase path only)
     keep_weights: bool = True  # whether merged routers also return their depth weights
     handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
@@ -546,25 +555,25 @@ class AttnResState(NamedTuple):
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
         """`model`: the `AttnResModel` whose layers this forward runs; its routers give the two-phase path its
-        per-block query bank (without it, every router takes the direct path: same numbers)."""
+        per-block query bank, through their forwards (`_query_bank`; without it, every router takes the direct path:
+        same numbers). The state keeps no reference to them."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
-        routers = ()
-        if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
-            routers = tuple(router for layer in islice(model.layers, config.num_hidden_layers)
-                            for router in registered_modules(layer, AttnResLayerModules))
         if not _two_phase_applies(config):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
-            return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), routers,
-                       None, keep_weights)
+            return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), None,
+                       keep_weights)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
         grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
         handle = _store(buffer, grads, 0, embeddings)
         statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
         constants = None
-        if routers and all(type(r) is AttnResRouter for r in routers):
-            constants = _Constants.build(routers, eps, embeddings)
-        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights,
+        if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
+            routers = [router for layer in islice(model.layers, config.num_hidden_layers)
+                       for router in registered_modules(layer, AttnResLayerModules)]
+            if all(type(r) is AttnResRouter for r in routers):
+                constants = _Constants.build(config, routers, embeddings)
+        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
                     (handle,), grads, constants)
         return state._start_block()
 
@@ -572,18 +581,19 @@ class AttnResState(NamedTuple):
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
         sources, one product for the scores and one for the weighted sums (`Phase1`), with the query bank and
         epsilon tensors the state made when it started (`_Constants`)."""
-        start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
-        if self.block_size == 1 or start >= stop:
+        # (no constants: no model given, or routers wrapped by another library, PEFT's modules_to_save: the direct
+        # path, the same numbers)
+        constants = self.constants
+        bank = constants.bank if constants is not None else None
+        start = self.sublayer
+        if bank is None or start >= len(bank):
             return self if self.phase1 is None else self._replace(phase1=None)
-        if self.constants is None:  # routers wrapped by another library (PEFT's modules_to_save): the direct
-            return self._replace(phase1=None)  # path, the same numbers
-        bank, eps = self.constants.bank, self.constants.eps
+        stop, eps = min(start + self.block_size, len(bank)), constants.eps
         queries = bank[start:stop]  # (S, D): the block's query bank
-        key_norm, score_fn = self.routers[start].key_norm is not None, self.routers[start].score_fn
         logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
-        if key_norm:
+        if constants.key_norm:
             logits = logits * self.inv_rms.unsqueeze(-2)
-        if score_fn == "sigmoid":
+        if constants.sigmoid:
             probs, lse = torch.sigmoid(logits), None
         else:
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
@@ -717,7 +727,7 @@ class AttnResRouter(nn.Module):
         if self.key_norm is not None:
             # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
             # statistics (`inv_rms`) are shared by every router of a block.
-            query = query * self.key_norm.weight.float()
+            query = self.key_norm(query, normalize=False)
         # Scores of the completed sources, then of the partial block sum (no concatenation of the sources).
         logits = self._scores(sources.float(), query)  # (B, T, n) or (B, T, H, n)
         if self.key_norm is not None:
@@ -738,8 +748,10 @@ class AttnResRouter(nn.Module):
         query = query.unflatten(-1, (self.num_heads, -1)).expand(*heads.shape[:2], self.num_heads, -1)
         return torch.einsum("btnhe,bthe->bthn", heads, query)
 
-    def forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route `state` into one sub-layer input.
+    def forward(self, state: AttnResState | None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Route `state` into one sub-layer input; `None`: this router's pseudo-query with its key-norm weight
+        folded in, `(hidden_size,)` fp32 (a row of the query bank that a block's phase 1 reads; the router's weights
+        are read in its forward only, so hooks that offload them, accelerate's, bring them in).
 
         Returns `h` of shape `(batch, seq_len, hidden_size)` in the sources' dtype and the depth weights in fp32:
         `(batch, seq_len, n_sources)` (`(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`), completed
@@ -751,6 +763,8 @@ class AttnResRouter(nn.Module):
         model that gave the state no routers), and the stacked path for the knobs the buffer does not serve
         (`attnres_num_heads > 1`, `attnres_window`, `attnres_query="input_dependent"`, `attnres_scalar_weights`).
         """
+        if state is None:
+            return self._folded_query()
         if state.buffer is None:
             return self._stacked_forward(state)
         phase1 = state.phase1
@@ -759,9 +773,10 @@ class AttnResRouter(nn.Module):
         return self._direct(state)
 
     def _folded_query(self) -> torch.Tensor:
-        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`)."""
-        query = _as(self.query, torch.float32)
-        return query * _as(self.key_norm.weight, torch.float32) if self.key_norm is not None else query
+        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`), the weight
+        read in the key norm's forward (see `AttnResRMSNorm.forward`)."""
+        query, key_norm = _as(self.query, torch.float32), self.key_norm
+        return key_norm(query, normalize=False) if key_norm is not None else query
 
     def _rescale(self, count: int) -> float:
         """`attnres_rescale_output`'s factor over `count` sources: 2 for sigmoid scores (sigmoid(0) = 1/2: zero
@@ -799,12 +814,10 @@ class AttnResRouter(nn.Module):
 
     def _direct_inference(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """`_direct` without autograd, in fewer operations (a decoded token of Full AttnRes runs one per sub-layer):
-        the folded query is a row of the forward's query bank, the epsilon a tensor (`_Constants`), and the scores
-        and the weighted sum are one product each over views of the buffer."""
+        the epsilon is a tensor (`_Constants`), and the scores and the weighted sum are one product each over views
+        of the buffer."""
         partial, buffer, n, constants = state.partial, state.buffer, len(state.sources), state.constants
-        sublayer, routers = state.sublayer, state.routers
-        query = constants.bank[sublayer] if sublayer < len(routers) and routers[sublayer] is self else (
-            self._folded_query())  # (the final router has no row)
+        query = self._folded_query()  # (this router's own: the forward that loads its weights)
         values = buffer[:n]  # (n, B, T, D), a view
         logits = (_as(values, torch.float32) @ query).permute(1, 2, 0)  # (B, T, n)
         if self.key_norm is not None:

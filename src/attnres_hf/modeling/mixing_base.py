@@ -167,7 +167,18 @@ class AttnResRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """`weight * x / RMS(x)` over the last axis of `x (..., hidden_size)`, in fp32, returned in `x`'s dtype.
+
+        `normalize=False`: `weight * x` in fp32, the weight folded into a vector (AttnRes's key norm into its
+        pseudo-query, `RMSNorm(v) . w = (v / RMS(v)) . (g * w)`). The weight is read here, in this module's forward,
+        so that hooks that bring it in for the forward (accelerate's offload, which loads each module's own
+        weights for its forward only) see the read.
+        """
+        if not normalize:
+            weight = self.weight
+            return (hidden_states if hidden_states.dtype == torch.float32 else hidden_states.float()) * (
+                weight if weight.dtype == torch.float32 else weight.float())
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)

@@ -1,0 +1,188 @@
+"""Big-model loading: layers offloaded by accelerate's hooks (`device_map` with disk offload, `device_map="auto"` with a
+small `max_memory`) and empty-weight (meta-device) construction, for every `depth_mixing`.
+
+Offloaded modules hold meta tensors outside their own forward (accelerate loads each module's weights for its forward
+only), and a decoder layer's arguments, the depth state included, go through `send_to_device`, which calls `.to` on
+whatever has one: a forward must read a module's weights in that module's forward, and the state must hold no module.
+"""
+
+import pytest
+import torch
+from accelerate import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from attnres_hf import AttnResForCausalLM
+from utils import METHODS, variant_model
+
+CASES = METHODS | {
+    "attnres-full": {"depth_mixing": "attnres", "attnres_block_size": 1},
+    # blocks of 4 sub-layers span two decoder layers: a block's phase 1 reads the routers of a layer not yet run
+    "attnres-block4": {"depth_mixing": "attnres", "attnres_block_size": 4},
+    "attnres-sigmoid-block4": {"depth_mixing": "attnres", "attnres_block_size": 4, "attnres_score_fn": "sigmoid"},
+    "attnres-heads4": {"depth_mixing": "attnres", "attnres_block_size": 2, "attnres_num_heads": 4},  # stacked path
+}
+"""Every method of `DEPTH_MIXING` (`METHODS`), Full AttnRes, Block AttnRes whose blocks span layers, and a knob of the
+stacked path."""
+
+NEW_TOKENS = 4
+
+
+def disk_map(model: AttnResForCausalLM, on_disk: set[int]) -> dict[str, str]:
+    """Every top-level module of `model.model` and the head on the CPU, decoder layers `on_disk` offloaded to disk."""
+    device_map = {f"model.{name}": "cpu" for name, _ in model.model.named_children() if name != "layers"}
+    device_map |= {f"model.layers.{i}": "disk" if i in on_disk else "cpu" for i in range(len(model.model.layers))}
+    return device_map | {"lm_head": "cpu"}
+
+
+def small_memory_map(model: AttnResForCausalLM) -> dict[str, str]:
+    """accelerate's own map for a CPU budget of a third of the weights: the rest on disk."""
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 3
+    return infer_auto_device_map(model, max_memory={"cpu": budget},
+                                 no_split_module_classes=model._no_split_modules)
+
+
+MAPS = {
+    "disk-layers-1-2": lambda model: disk_map(model, {1, 2}),
+    "disk-layer-1": lambda model: disk_map(model, {1}),  # a resident layer after an offloaded one
+    "infer-auto-device-map": small_memory_map,
+}
+
+
+@pytest.fixture(params=list(CASES), scope="module")
+def reference(request, tmp_path_factory):
+    """A saved variant (mixing parameters trained-like), its logits and depth weights, and its greedy tokens."""
+    folder = tmp_path_factory.mktemp(request.param)
+    model = variant_model(CASES[request.param])
+    model.save_pretrained(folder)
+    prompt = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(prompt, output_depth_weights=True)
+    tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return folder, model, prompt, out, tokens
+
+
+def assert_same_model(model, reference):
+    """Logits and depth weights of the prompt, and greedy generation, as the resident model's.
+
+    The offloaded model runs the same operators on the same weights (read back bit for bit from safetensors): the
+    logits measured equal (max |delta| 0.0) for every case here; the tolerance only allows a BLAS whose kernel choice
+    depends on where a tensor lies in memory, which a hook's copy changes.
+    """
+    _, _, prompt, out, tokens = reference
+    with torch.no_grad():
+        offloaded = model(prompt, output_depth_weights=True)
+    torch.testing.assert_close(offloaded.logits, out.logits, atol=1e-6, rtol=1e-6)
+    if out.depth_weights is None:
+        assert offloaded.depth_weights is None
+    else:
+        assert len(offloaded.depth_weights) == len(out.depth_weights)
+        for got, want in zip(offloaded.depth_weights, out.depth_weights):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False), tokens)
+
+
+def offloaded_modules(model) -> set[str]:
+    return {name for name, module in model.named_modules()
+            if getattr(getattr(module, "_hf_hook", None), "offload", False)}
+
+
+@pytest.mark.parametrize("map_name", list(MAPS))
+def test_offloaded_layers_generate_as_the_resident_model(reference, map_name, tmp_path):
+    folder, model, *_ = reference
+    device_map = MAPS[map_name](model)
+    assert "disk" in device_map.values(), device_map
+    loaded = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=tmp_path).eval()
+    assert offloaded_modules(loaded)  # accelerate's offload hooks are in place
+    assert any(p.device.type == "meta" for p in loaded.parameters())  # offloaded weights live outside their forward
+    assert_same_model(loaded, reference)
+
+
+def test_device_map_auto_with_a_small_max_memory(reference, tmp_path):
+    folder, model, *_ = reference
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 3
+    loaded = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": budget},
+                                                  offload_folder=tmp_path).eval()
+    assert "disk" in set(loaded.hf_device_map.values()) and offloaded_modules(loaded)
+    assert_same_model(loaded, reference)
+
+
+def test_empty_weights_construction_then_dispatch_with_offload(reference, tmp_path):
+    """accelerate's big-model recipe: build on the meta device, then load the checkpoint with layers on disk."""
+    folder, model, *_ = reference
+    with init_empty_weights():
+        empty = AttnResForCausalLM(model.config)
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    empty.tie_weights()
+    loaded = load_checkpoint_and_dispatch(empty, str(folder), device_map=disk_map(empty, {1, 2}),
+                                          offload_folder=str(tmp_path), no_split_module_classes=empty._no_split_modules)
+    assert_same_model(loaded.eval(), reference)
+
+
+def test_meta_device_construction_runs_shapes_and_materialises(reference):
+    """Built under `torch.device("meta")`: the names, shapes and dtypes of a real model; a forward (with and
+    without autograd) gives the shapes on the meta device; materialised and loaded, the resident model's numbers."""
+    folder, model, prompt, out, _ = reference
+    with torch.device("meta"):
+        empty = AttnResForCausalLM(model.config).eval()
+    real = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+    assert {n: (p.shape, p.dtype) for n, p in empty.named_parameters()} == real
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            shapes = empty(prompt.to("meta"), output_depth_weights=True)
+        assert shapes.logits.shape == out.logits.shape and shapes.logits.device.type == "meta"
+        if out.depth_weights is not None:
+            assert [w.shape for w in shapes.depth_weights] == [w.shape for w in out.depth_weights]
+    empty.to_empty(device="cpu").load_state_dict(model.state_dict())
+    with torch.no_grad():  # torch restores no non-persistent buffer (the rotary inv_freq), for any model
+        for name, buffer in model.named_buffers():
+            empty.get_buffer(name).copy_(buffer)
+    assert_same_model(empty, reference)
+
+
+def modules_in(value, seen=None) -> list[str]:
+    """The `nn.Module`s reachable from `value` through tuples, lists, dicts and plain objects' attributes."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or isinstance(value, (torch.Tensor, str, int, float, bool, type(None))):
+        return []
+    seen.add(id(value))
+    if isinstance(value, nn.Module):
+        return [type(value).__name__]
+    if isinstance(value, dict):
+        children = value.values()
+    elif isinstance(value, (tuple, list)):
+        children = value
+    else:
+        children = getattr(value, "__dict__", {}).values()
+    return [name for child in children for name in modules_in(child, seen)]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_depth_state_between_layers_holds_no_module(case, grad):
+    model = variant_model(CASES[case])
+    states = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: states.append(args[0]))
+    prompt = torch.randint(3, 99, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.set_grad_enabled(grad):
+        model(prompt)
+    assert len(states) == len(model.model.layers)
+    for state in states:
+        assert not modules_in(state), f"{type(state).__name__} carries {modules_in(state)}"
+
+
+def test_a_block_start_reads_its_routers_through_their_forwards():
+    """Two-phase: the query bank's rows come from the routers' own forwards (hooks that load a router's weights for
+    its forward see the read), and every router of a block of 4 is called before the block's first sub-layer."""
+    model = variant_model(CASES["attnres-block4"])
+    calls = []
+    for name, module in model.named_modules():
+        if name.endswith(("attn_res", "mlp_res", "final_res")):
+            module.register_forward_pre_hook(lambda module, args, name=name: calls.append((name, args[0] is None)))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    bank = [name for name, is_bank in calls if is_bank]
+    assert bank == [f"model.layers.{i}.{kind}" for i in range(3) for kind in ("attn_res", "mlp_res")]
+    assert calls.index(("model.layers.1.mlp_res", True)) < calls.index(("model.layers.0.attn_res", False))
