@@ -10,6 +10,7 @@ import pytest
 import torch
 from accelerate import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
 from torch import nn
+from torch.nn.utils import prune
 from transformers import AutoModelForCausalLM
 
 from attnres_hf import AttnResForCausalLM
@@ -173,16 +174,62 @@ def test_the_depth_state_between_layers_holds_no_module(case, grad):
         assert not modules_in(state), f"{type(state).__name__} carries {modules_in(state)}"
 
 
-def test_a_block_start_reads_its_routers_through_their_forwards():
-    """Two-phase: the query bank's rows come from the routers' own forwards (hooks that load a router's weights for
-    its forward see the read), and every router of a block of 4 is called before the block's first sub-layer."""
+def router_names(model) -> list[str]:
+    return [name for name, _ in model.named_modules() if name.endswith(("attn_res", "mlp_res", "final_res"))]
+
+
+def test_a_block_start_reads_hooked_routers_through_their_forwards():
+    """Two-phase with hooked routers: the query bank's rows come from the routers' own forwards, every one called
+    before the first sub-layer (a block of 4 reads a layer not yet run), and the numbers are the unhooked model's
+    (the same products, in another order of stacking and folding: measured equal)."""
     model = variant_model(CASES["attnres-block4"])
-    calls = []
-    for name, module in model.named_modules():
-        if name.endswith(("attn_res", "mlp_res", "final_res")):
-            module.register_forward_pre_hook(lambda module, args, name=name: calls.append((name, args[0] is None)))
+    prompt = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
-        model(torch.tensor([[5, 6, 7]]))
+        plain = model(prompt, output_depth_weights=True)
+    calls = []
+    for name in router_names(model):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, name=name: calls.append((name, args[0] is None)))
+    with torch.no_grad():
+        hooked = model(prompt, output_depth_weights=True)
     bank = [name for name, is_bank in calls if is_bank]
     assert bank == [f"model.layers.{i}.{kind}" for i in range(3) for kind in ("attn_res", "mlp_res")]
-    assert calls.index(("model.layers.1.mlp_res", True)) < calls.index(("model.layers.0.attn_res", False))
+    assert calls.index(("model.layers.2.mlp_res", True)) < calls.index(("model.layers.0.attn_res", False))
+    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-6, rtol=1e-6)
+    for got, want in zip(hooked.depth_weights, plain.depth_weights, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def pruned_model(overrides: dict) -> AttnResForCausalLM:
+    """A variant whose routers' queries and key-norm weights are pruned at random (the same masks every call)."""
+    model = variant_model(overrides)
+    torch.manual_seed(0)
+    for name in router_names(model):
+        prune.random_unstructured(model.get_submodule(name), "query", amount=0.5)
+        prune.random_unstructured(model.get_submodule(name).key_norm, "weight", amount=0.3)
+    return model
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", ["attnres", "attnres-full", "attnres-block4", "attnres-sigmoid-block4",
+                                  "attnres-heads4"])
+def test_router_weights_that_a_forward_hook_computes_are_the_ones_read(case, grad):
+    """torch's pruning keeps `query_orig` and a mask, and a forward pre-hook computes `query` (the key norm's weight
+    likewise): every path reads what the modules' forwards see. Reference: the pruning made permanent (plain
+    parameters holding the same values; measured equal)."""
+    pruned, permanent = pruned_model(CASES[case]), pruned_model(CASES[case])
+    for name in router_names(permanent):
+        prune.remove(permanent.get_submodule(name), "query")
+        prune.remove(permanent.get_submodule(name).key_norm, "weight")
+    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(4))
+    with torch.set_grad_enabled(grad):
+        got, want = pruned(prompt).logits, permanent(prompt).logits
+    assert not torch.allclose(want, variant_model(CASES[case])(prompt).logits, atol=1e-3)  # pruning matters
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    if grad:
+        got.square().mean().backward()
+        want.square().mean().backward()
+        for name in router_names(pruned):  # d/d query_orig = mask * d/d query
+            router = pruned.get_submodule(name)
+            expected = router.query_mask * permanent.get_submodule(name).query.grad
+            torch.testing.assert_close(router.query_orig.grad, expected, atol=1e-6, rtol=1e-5)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from transformers import initialization as init
 
@@ -481,14 +482,41 @@ class Phase1(NamedTuple):
     eps: torch.Tensor
 
 
-def _query_bank(routers) -> torch.Tensor:
-    """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
+def _forward_is_plain(module: nn.Module) -> bool:
+    """Whether nothing stands between `module`'s forward and its parameters: no forward hook (torch's pruning computes
+    a weight in one) and no replaced `forward` (accelerate's hooks, which bring an offloaded module's weights in for
+    its forward only). Then its parameters, read directly, are what its forward would read."""
+    return not (module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__
+                or _global_forward_pre_hooks or _global_forward_hooks)
+
+
+def _reads_directly(router: "AttnResRouter") -> bool:
+    """Whether `router`'s and its key norm's parameters can be read without their forwards (`_forward_is_plain`)."""
+    key_norm = router._modules.get("key_norm")
+    return _forward_is_plain(router) and (key_norm is None or _forward_is_plain(key_norm))
+
+
+def _query_bank(routers, device: torch.device) -> torch.Tensor:
+    """`(len(routers), D)` fp32 on `device`: each router's pseudo-query with its key-norm weight folded in (see
     `AttnResRouter._logits`), stacked once per forward for every block's phase 1.
 
-    Each row comes from its router's own forward (`router(None)`), not from its parameters: a block's phase 1 reads
-    the routers of layers that have not run yet, and hooks that bring a module's weights in for its forward only
-    (accelerate's offload to CPU or disk, `device_map` with `max_memory`) must see those reads."""
-    return torch.stack([router(None) for router in routers])
+    A block's phase 1 reads the routers of layers that have not run yet. When a hook intercepts a router's forward
+    (accelerate's offload to CPU or disk, `device_map` with `max_memory`; a layer on another device), its row comes
+    from the router's own forward (`router(None)`), where the hook brings its weights in; otherwise from the
+    parameters, in three operations instead of a module call and a product per router (the same numbers)."""
+    if all(_reads_directly(router) for router in routers):
+        # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per
+        # forward)
+        bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
+        if routers[0]._modules.get("key_norm") is not None:
+            weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
+            bank = bank * _as(torch.stack(weights), torch.float32)
+        return bank
+    return torch.stack([_to(router(None), device) for router in routers])
+
+
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x if x.device == device else x.to(device)
 
 
 class _Constants(NamedTuple):
@@ -508,7 +536,7 @@ class _Constants(NamedTuple):
     @classmethod
     def build(cls, config, routers, like: torch.Tensor) -> "_Constants":
         eps = config.rms_norm_eps
-        bank = _query_bank(routers) if config.attnres_block_size > 1 else None
+        bank = _query_bank(routers, like.device) if config.attnres_block_size > 1 else None
         return cls(bank, torch.full((), eps, device=like.device),
                    torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
                    config.attnres_score_fn == "sigmoid")
@@ -726,7 +754,8 @@ class AttnResRouter(nn.Module):
             query = query + projected / self.query_proj.shape[-1]
         if self.key_norm is not None:
             # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
-            # statistics (`inv_rms`) are shared by every router of a block.
+            # statistics (`inv_rms`) are shared by every router of a block. (The weight read in the key norm's
+            # forward, which hooks that offload it see.)
             query = self.key_norm(query, normalize=False)
         # Scores of the completed sources, then of the partial block sum (no concatenation of the sources).
         logits = self._scores(sources.float(), query)  # (B, T, n) or (B, T, H, n)
@@ -773,10 +802,14 @@ class AttnResRouter(nn.Module):
         return self._direct(state)
 
     def _folded_query(self) -> torch.Tensor:
-        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`), the weight
-        read in the key norm's forward (see `AttnResRMSNorm.forward`)."""
-        query, key_norm = _as(self.query, torch.float32), self.key_norm
-        return key_norm(query, normalize=False) if key_norm is not None else query
+        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`); the weight
+        read in the key norm's forward when a hook intercepts it (`_forward_is_plain`, `AttnResRMSNorm.forward`)."""
+        query, key_norm = _as(self.query, torch.float32), self._modules.get("key_norm")
+        if key_norm is None:
+            return query
+        if _forward_is_plain(key_norm):
+            return query * _as(key_norm._parameters["weight"], torch.float32)
+        return key_norm(query, normalize=False)
 
     def _rescale(self, count: int) -> float:
         """`attnres_rescale_output`'s factor over `count` sources: 2 for sigmoid scores (sigmoid(0) = 1/2: zero
