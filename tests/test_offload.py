@@ -10,7 +10,7 @@ import pytest
 import torch
 from accelerate import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
 from torch import nn
-from torch.nn.utils import prune
+from torch.nn.utils import parametrize, prune
 from transformers import AutoModelForCausalLM
 
 from attnres_hf import AttnResForCausalLM
@@ -233,3 +233,22 @@ def test_router_weights_that_a_forward_hook_computes_are_the_ones_read(case, gra
             router = pruned.get_submodule(name)
             expected = router.query_mask * permanent.get_submodule(name).query.grad
             torch.testing.assert_close(router.query_orig.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+class Doubled(nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+@pytest.mark.parametrize("case", ["attnres", "attnres-full", "attnres-block4", "attnres-heads4"])
+def test_a_parametrized_key_norm_weight_is_read_as_its_parametrization_computes_it(case):
+    """`torch.nn.utils.parametrize` moves the weight into `parametrizations.weight.original` and computes it on
+    access: the routers read the computed weight on every path. Reference: the same values as plain parameters."""
+    model, plain = variant_model(CASES[case]), variant_model(CASES[case])
+    for name in router_names(model):
+        parametrize.register_parametrization(model.get_submodule(name).key_norm, "weight", Doubled())
+        with torch.no_grad():
+            plain.get_submodule(name).key_norm.weight.mul_(2)
+    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, plain(prompt).logits, atol=1e-6, rtol=1e-6)  # measured equal

@@ -485,15 +485,27 @@ class Phase1(NamedTuple):
 def _forward_is_plain(module: nn.Module) -> bool:
     """Whether nothing stands between `module`'s forward and its parameters: no forward hook (torch's pruning computes
     a weight in one) and no replaced `forward` (accelerate's hooks, which bring an offloaded module's weights in for
-    its forward only). Then its parameters, read directly, are what its forward would read."""
-    return not (module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__
-                or _global_forward_pre_hooks or _global_forward_hooks)
+    its forward only). Then its parameters, read directly, are what its forward would read. (Hooks registered for
+    every module: `_global_hooks`.)"""
+    return not (module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__)
+
+
+def _global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`)."""
+    return bool(_global_forward_pre_hooks or _global_forward_hooks)
+
+
+def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
+    """Whether a router's key norm holds its weight as a plain parameter that its forward reads as is (no
+    parametrization, which changes the class; `_forward_is_plain`)."""
+    return type(key_norm) is AttnResRMSNorm and _forward_is_plain(key_norm) and not _global_hooks()
 
 
 def _reads_directly(router: "AttnResRouter") -> bool:
-    """Whether `router`'s and its key norm's parameters can be read without their forwards (`_forward_is_plain`)."""
+    """Whether `router`'s and its key norm's parameters can be read without their forwards (global hooks aside)."""
     key_norm = router._modules.get("key_norm")
-    return _forward_is_plain(router) and (key_norm is None or _forward_is_plain(key_norm))
+    return _forward_is_plain(router) and (key_norm is None or (type(key_norm) is AttnResRMSNorm
+                                                                and _forward_is_plain(key_norm)))
 
 
 def _query_bank(routers, device: torch.device) -> torch.Tensor:
@@ -504,7 +516,7 @@ def _query_bank(routers, device: torch.device) -> torch.Tensor:
     (accelerate's offload to CPU or disk, `device_map` with `max_memory`; a layer on another device), its row comes
     from the router's own forward (`router(None)`), where the hook brings its weights in; otherwise from the
     parameters, in three operations instead of a module call and a product per router (the same numbers)."""
-    if all(_reads_directly(router) for router in routers):
+    if not _global_hooks() and all(_reads_directly(router) for router in routers):
         # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per
         # forward)
         bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
@@ -516,6 +528,7 @@ def _query_bank(routers, device: torch.device) -> torch.Tensor:
 
 
 def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` on `device` (a router of a layer placed on another device computes its row there)."""
     return x if x.device == device else x.to(device)
 
 
@@ -754,9 +767,8 @@ class AttnResRouter(nn.Module):
             query = query + projected / self.query_proj.shape[-1]
         if self.key_norm is not None:
             # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
-            # statistics (`inv_rms`) are shared by every router of a block. (The weight read in the key norm's
-            # forward, which hooks that offload it see.)
-            query = self.key_norm(query, normalize=False)
+            # statistics (`inv_rms`) are shared by every router of a block.
+            query = self._fold_key_norm(query)
         # Scores of the completed sources, then of the partial block sum (no concatenation of the sources).
         logits = self._scores(sources.float(), query)  # (B, T, n) or (B, T, H, n)
         if self.key_norm is not None:
@@ -804,10 +816,15 @@ class AttnResRouter(nn.Module):
     def _folded_query(self) -> torch.Tensor:
         """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`); the weight
         read in the key norm's forward when a hook intercepts it (`_forward_is_plain`, `AttnResRMSNorm.forward`)."""
-        query, key_norm = _as(self.query, torch.float32), self._modules.get("key_norm")
-        if key_norm is None:
-            return query
-        if _forward_is_plain(key_norm):
+        query = _as(self.query, torch.float32)
+        return query if self._modules.get("key_norm") is None else self._fold_key_norm(query)
+
+    def _fold_key_norm(self, query: torch.Tensor) -> torch.Tensor:
+        """`query * g`, fp32 `(..., D)`, `g` the key norm's weight: read in the key norm's forward
+        (`AttnResRMSNorm.forward(normalize=False)`) when a hook intercepts it (accelerate's offload loads a module's
+        weights for its own forward only), else directly (the same product, without a module call)."""
+        key_norm = self._modules["key_norm"]
+        if _key_norm_reads_directly(key_norm):
             return query * _as(key_norm._parameters["weight"], torch.float32)
         return key_norm(query, normalize=False)
 
