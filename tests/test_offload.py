@@ -14,6 +14,7 @@ from torch.nn.utils import parametrize, prune
 from transformers import AutoModelForCausalLM
 
 from attnres_hf import AttnResForCausalLM
+from attnres_hf.modeling.mixing_attnres import AttnResRouter
 from utils import METHODS, variant_model
 
 CASES = METHODS | {
@@ -66,20 +67,21 @@ def reference(request, tmp_path_factory):
 def assert_same_model(model, reference):
     """Logits and depth weights of the prompt, and greedy generation, as the resident model's.
 
-    The offloaded model runs the same operators on the same weights (read back bit for bit from safetensors): the
-    logits measured equal (max |delta| 0.0) for every case here; the tolerance only allows a BLAS whose kernel choice
-    depends on where a tensor lies in memory, which a hook's copy changes.
+    Weights are read back bit for bit from safetensors, and every method but Block AttnRes runs the same operators
+    offloaded: measured max |delta| 0.0. Offloaded Block AttnRes takes the direct router path instead of two-phase
+    blocks (hooks manage the routers' weights): measured <= 1.6e-7 on logits (|logit| <= 0.42) and <= 5.4e-7 on depth
+    weights; the tolerances are tests/test_two_phase.py's between those two paths.
     """
     _, _, prompt, out, tokens = reference
     with torch.no_grad():
         offloaded = model(prompt, output_depth_weights=True)
-    torch.testing.assert_close(offloaded.logits, out.logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(offloaded.logits, out.logits, atol=1e-5, rtol=1e-5)
     if out.depth_weights is None:
         assert offloaded.depth_weights is None
     else:
         assert len(offloaded.depth_weights) == len(out.depth_weights)
         for got, want in zip(offloaded.depth_weights, out.depth_weights):
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False), tokens)
 
 
@@ -178,26 +180,31 @@ def router_names(model) -> list[str]:
     return [name for name, _ in model.named_modules() if name.endswith(("attn_res", "mlp_res", "final_res"))]
 
 
-def test_a_block_start_reads_hooked_routers_through_their_forwards():
-    """Two-phase with hooked routers: the query bank's rows come from the routers' own forwards, every one called
-    before the first sub-layer (a block of 4 reads a layer not yet run), and the numbers are the unhooked model's
-    (the same products, in another order of stacking and folding: measured equal)."""
-    model = variant_model(CASES["attnres-block4"])
-    prompt = torch.tensor([[5, 6, 7]])
+@pytest.mark.parametrize("case", ["attnres", "attnres-block4", "attnres-sigmoid-block4"])
+def test_hooked_routers_are_each_read_in_their_own_forward_only(case, monkeypatch):
+    """When a hook intercepts the routers' forwards (a pre-hook here; accelerate's offload replaces `forward`), no
+    block's phase 1 reads the routers of later layers ahead of time: every router is called once, in depth order,
+    with its state, and its own read computes its weights (the direct path). Same numbers as the two-phase path of the
+    unhooked model, to its tolerance (tests/test_two_phase.py: 1e-5 on logits, 1e-6 on depth weights)."""
+    model = variant_model(CASES[case])
+    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(6))
+    merges = []
+    merge = AttnResRouter._merge
+    monkeypatch.setattr(AttnResRouter, "_merge", lambda self, *args: merges.append(1) or merge(self, *args))
     with torch.no_grad():
         plain = model(prompt, output_depth_weights=True)
+    assert merges  # the unhooked model runs two-phase blocks
+    merges.clear()
     calls = []
     for name in router_names(model):
         model.get_submodule(name).register_forward_pre_hook(
-            lambda module, args, name=name: calls.append((name, args[0] is None)))
+            lambda module, args, name=name: calls.append((name, type(args[0]).__name__)))
     with torch.no_grad():
         hooked = model(prompt, output_depth_weights=True)
-    bank = [name for name, is_bank in calls if is_bank]
-    assert bank == [f"model.layers.{i}.{kind}" for i in range(3) for kind in ("attn_res", "mlp_res")]
-    assert calls.index(("model.layers.2.mlp_res", True)) < calls.index(("model.layers.0.attn_res", False))
-    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-6, rtol=1e-6)
+    assert calls == [(name, "AttnResState") for name in router_names(model)] and not merges
+    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-5, rtol=1e-5)
     for got, want in zip(hooked.depth_weights, plain.depth_weights, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def pruned_model(overrides: dict) -> AttnResForCausalLM:
@@ -216,7 +223,8 @@ def pruned_model(overrides: dict) -> AttnResForCausalLM:
 def test_router_weights_that_a_forward_hook_computes_are_the_ones_read(case, grad):
     """torch's pruning keeps `query_orig` and a mask, and a forward pre-hook computes `query` (the key norm's weight
     likewise): every path reads what the modules' forwards see. Reference: the pruning made permanent (plain
-    parameters holding the same values; measured equal)."""
+    parameters holding the same values, on the two-phase path where the pruned model takes the direct one: the
+    tolerances are tests/test_two_phase.py's between those paths)."""
     pruned, permanent = pruned_model(CASES[case]), pruned_model(CASES[case])
     for name in router_names(permanent):
         prune.remove(permanent.get_submodule(name), "query")
@@ -225,14 +233,14 @@ def test_router_weights_that_a_forward_hook_computes_are_the_ones_read(case, gra
     with torch.set_grad_enabled(grad):
         got, want = pruned(prompt).logits, permanent(prompt).logits
     assert not torch.allclose(want, variant_model(CASES[case])(prompt).logits, atol=1e-3)  # pruning matters
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if grad:
         got.square().mean().backward()
         want.square().mean().backward()
         for name in router_names(pruned):  # d/d query_orig = mask * d/d query
             router = pruned.get_submodule(name)
             expected = router.query_mask * permanent.get_submodule(name).query.grad
-            torch.testing.assert_close(router.query_orig.grad, expected, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(router.query_orig.grad, expected, atol=1e-5, rtol=1e-4)
 
 
 class Doubled(nn.Module):
@@ -251,4 +259,5 @@ def test_a_parametrized_key_norm_weight_is_read_as_its_parametrization_computes_
             plain.get_submodule(name).key_norm.weight.mul_(2)
     prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        torch.testing.assert_close(model(prompt).logits, plain(prompt).logits, atol=1e-6, rtol=1e-6)  # measured equal
+        # (the direct path against the plain model's two-phase blocks: tests/test_two_phase.py's tolerance)
+        torch.testing.assert_close(model(prompt).logits, plain(prompt).logits, atol=1e-5, rtol=1e-5)

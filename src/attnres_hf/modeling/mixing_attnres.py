@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules.module import _global_forward_pre_hooks
 
 from transformers import initialization as init
 
@@ -483,62 +483,58 @@ class Phase1(NamedTuple):
 
 
 def _forward_is_plain(module: nn.Module) -> bool:
-    """Whether nothing stands between `module`'s forward and its parameters: no forward hook (torch's pruning computes
-    a weight in one) and no replaced `forward` (accelerate's hooks, which bring an offloaded module's weights in for
-    its forward only). Then its parameters, read directly, are what its forward would read. (Hooks registered for
-    every module: `_global_hooks`.)"""
-    return not (module._forward_pre_hooks or module._forward_hooks or "forward" in module.__dict__)
+    """Whether nothing stands between `module`'s forward and its parameters: no forward pre-hook (torch's pruning
+    computes a weight in one) and no replaced `forward` (accelerate's hooks, which bring an offloaded module's weights
+    in for its forward only, or move them to its device). Then its parameters, read outside its forward, are what
+    its forward would read. (Forward hooks run after the forward, so they do not count; hooks registered for every
+    module: `_global_pre_hooks`.)"""
+    return not (module._forward_pre_hooks or "forward" in module.__dict__)
 
 
-def _global_hooks() -> bool:
-    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`)."""
-    return bool(_global_forward_pre_hooks or _global_forward_hooks)
+def _global_pre_hooks() -> bool:
+    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`)."""
+    return bool(_global_forward_pre_hooks)
 
 
 def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
     """Whether a router's key norm holds its weight as a plain parameter that its forward reads as is (no
     parametrization, which changes the class; `_forward_is_plain`)."""
-    return type(key_norm) is AttnResRMSNorm and _forward_is_plain(key_norm) and not _global_hooks()
+    return type(key_norm) is AttnResRMSNorm and _forward_is_plain(key_norm)
 
 
 def _reads_directly(router: "AttnResRouter") -> bool:
-    """Whether `router`'s and its key norm's parameters can be read without their forwards (global hooks aside)."""
+    """Whether `router`'s and its key norm's parameters can be read outside their forwards (global hooks aside)."""
     key_norm = router._modules.get("key_norm")
-    return _forward_is_plain(router) and (key_norm is None or (type(key_norm) is AttnResRMSNorm
-                                                                and _forward_is_plain(key_norm)))
+    return _forward_is_plain(router) and (key_norm is None or _key_norm_reads_directly(key_norm))
 
 
-def _query_bank(routers, device: torch.device) -> torch.Tensor:
-    """`(len(routers), D)` fp32 on `device`: each router's pseudo-query with its key-norm weight folded in (see
-    `AttnResRouter._logits`), stacked once per forward for every block's phase 1.
+def _query_bank(routers) -> torch.Tensor | None:
+    """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts a
+    router's or its key norm's forward (`_forward_is_plain`).
 
-    A block's phase 1 reads the routers of layers that have not run yet. When a hook intercepts a router's forward
-    (accelerate's offload to CPU or disk, `device_map` with `max_memory`; a layer on another device), its row comes
-    from the router's own forward (`router(None)`), where the hook brings its weights in; otherwise from the
-    parameters, in three operations instead of a module call and a product per router (the same numbers)."""
-    if not _global_hooks() and all(_reads_directly(router) for router in routers):
-        # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per
-        # forward)
-        bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
-        if routers[0]._modules.get("key_norm") is not None:
-            weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
-            bank = bank * _as(torch.stack(weights), torch.float32)
-        return bank
-    return torch.stack([_to(router(None), device) for router in routers])
-
-
-def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`x` on `device` (a router of a layer placed on another device computes its row there)."""
-    return x if x.device == device else x.to(device)
+    Phase 1 reads the routers of a block's later layers before they run, which is only sound while nothing manages
+    their weights: under accelerate's offload (`device_map` with disk or CPU offload, `max_memory`) a module's weights
+    are there during its own forward only, and a layer on another device holds its routers there. Then there is no
+    bank and every router takes the direct path, reading its own weights in its own forward (the same numbers)."""
+    if _global_pre_hooks() or not all(_reads_directly(router) for router in routers):
+        return None
+    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward)
+    bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
+    if routers[0]._modules.get("key_norm") is not None:
+        weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
+        bank = bank * _as(torch.stack(weights), torch.float32)
+    return bank
 
 
 class _Constants(NamedTuple):
     """What every router of one forward shares, made once when the state starts (only when every router is a plain
     `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`; `None` for Full AttnRes, which
-    has no phase 1: each router folds its own query when it reads); `eps`, the key norm's epsilon as a 0-dim fp32
-    tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see `_merge_inference`); `key_norm` and `sigmoid`:
-    whether the routers have a key norm and sigmoid scores (the config's, so that phase 1 needs no router). Tensors
-    and flags only: the state that holds them crosses accelerate's device hooks, which move what has a `.to`."""
+    has no phase 1, and when hooks manage the routers' weights: each router folds its own query when it reads);
+    `eps`, the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see
+    `_merge_inference`); `key_norm` and `sigmoid`: whether the routers have a key norm and sigmoid scores (the
+    config's, so that phase 1 needs no router). Tensors and flags only: the state that holds them crosses
+    accelerate's device hooks, which move what has a `.to`."""
 
     bank: torch.Tensor | None
     eps: torch.Tensor
@@ -549,7 +545,7 @@ class _Constants(NamedTuple):
     @classmethod
     def build(cls, config, routers, like: torch.Tensor) -> "_Constants":
         eps = config.rms_norm_eps
-        bank = _query_bank(routers, like.device) if config.attnres_block_size > 1 else None
+        bank = _query_bank(routers) if config.attnres_block_size > 1 else None
         return cls(bank, torch.full((), eps, device=like.device),
                    torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
                    config.attnres_score_fn == "sigmoid")
@@ -575,8 +571,8 @@ class AttnResState(NamedTuple):
     that slot ran its backward; the state itself is immutable.
 
     The state holds tensors and plain values only, no module: it is a decoder layer's input, which accelerate's hooks
-    move to the layer's device (`device_map`), calling `.to` on whatever has one. A router's weights are read in its
-    own forward (`AttnResRouter.forward`), where hooks that offload them bring them in.
+    move to the layer's device (`device_map`), calling `.to` on whatever has one. When hooks manage the routers'
+    weights (offload), each router reads its own in its own forward, and phase 1 is not run (`_query_bank`).
     """
 
     sources: tuple[torch.Tensor, ...]  # completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums), (B, T, D)
@@ -596,8 +592,8 @@ class AttnResState(NamedTuple):
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
         """`model`: the `AttnResModel` whose layers this forward runs; its routers give the two-phase path its
-        per-block query bank, through their forwards (`_query_bank`; without it, every router takes the direct path:
-        same numbers). The state keeps no reference to them."""
+        per-block query bank (`_query_bank`; without it, or when hooks manage the routers' weights, every router takes
+        the direct path: same numbers). The state keeps no reference to them."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
         if not _two_phase_applies(config):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
@@ -789,10 +785,8 @@ class AttnResRouter(nn.Module):
         query = query.unflatten(-1, (self.num_heads, -1)).expand(*heads.shape[:2], self.num_heads, -1)
         return torch.einsum("btnhe,bthe->bthn", heads, query)
 
-    def forward(self, state: AttnResState | None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """Route `state` into one sub-layer input; `None`: this router's pseudo-query with its key-norm weight
-        folded in, `(hidden_size,)` fp32 (a row of the query bank that a block's phase 1 reads; the router's weights
-        are read in its forward only, so hooks that offload them, accelerate's, bring them in).
+    def forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route `state` into one sub-layer input.
 
         Returns `h` of shape `(batch, seq_len, hidden_size)` in the sources' dtype and the depth weights in fp32:
         `(batch, seq_len, n_sources)` (`(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`), completed
@@ -804,8 +798,6 @@ class AttnResRouter(nn.Module):
         model that gave the state no routers), and the stacked path for the knobs the buffer does not serve
         (`attnres_num_heads > 1`, `attnres_window`, `attnres_query="input_dependent"`, `attnres_scalar_weights`).
         """
-        if state is None:
-            return self._folded_query()
         if state.buffer is None:
             return self._stacked_forward(state)
         phase1 = state.phase1
@@ -824,7 +816,7 @@ class AttnResRouter(nn.Module):
         (`AttnResRMSNorm.forward(normalize=False)`) when a hook intercepts it (accelerate's offload loads a module's
         weights for its own forward only), else directly (the same product, without a module call)."""
         key_norm = self._modules["key_norm"]
-        if _key_norm_reads_directly(key_norm):
+        if _key_norm_reads_directly(key_norm) and not _global_pre_hooks():
             return query * _as(key_norm._parameters["weight"], torch.float32)
         return key_norm(query, normalize=False)
 

@@ -63,7 +63,7 @@ class DepthState(Protocol):
         `keep_weights`: whether depth weights that cost memory or time (DCA's per-feature weights, AttnRes's merged
         two-phase weights) are returned; `model`: the `AttnResModel` running this forward, for a state that reads
         modules of later layers ahead of time (AttnRes's two-phase block inference reads the routers' queries when
-        it starts, through their forwards where a hook intercepts them); a method that does not need it ignores it.
+        it starts, unless hooks manage their weights); a method that does not need it ignores it.
         The state keeps no module: it is a decoder layer's input, which accelerate's device hooks move (`.to` on
         whatever has one), and a module's weights may be there only during its own forward (offload)."""
 
