@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules.module import _global_forward_pre_hooks
 
 from transformers import initialization as init
 
@@ -481,13 +482,46 @@ class Phase1(NamedTuple):
     eps: torch.Tensor
 
 
-def _query_bank(routers) -> torch.Tensor:
+def _forward_is_plain(module: nn.Module) -> bool:
+    """Whether nothing stands between `module`'s forward and its parameters: no forward pre-hook (torch's pruning
+    computes a weight in one) and no replaced `forward` (accelerate's hooks, which bring an offloaded module's weights
+    in for its forward only, or move them to its device). Then its parameters, read outside its forward, are what
+    its forward would read. (Forward hooks run after the forward, so they do not count; hooks registered for every
+    module: `_global_pre_hooks`.)"""
+    return not (module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def _global_pre_hooks() -> bool:
+    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`)."""
+    return bool(_global_forward_pre_hooks)
+
+
+def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
+    """Whether a router's key norm holds its weight as a plain parameter that its forward reads as is (no
+    parametrization, which changes the class; `_forward_is_plain`)."""
+    return type(key_norm) is AttnResRMSNorm and _forward_is_plain(key_norm)
+
+
+def _reads_directly(router: "AttnResRouter") -> bool:
+    """Whether `router`'s and its key norm's parameters can be read outside their forwards (global hooks aside)."""
+    key_norm = router._modules.get("key_norm")
+    return _forward_is_plain(router) and (key_norm is None or _key_norm_reads_directly(key_norm))
+
+
+def _query_bank(routers) -> torch.Tensor | None:
     """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
-    `AttnResRouter._logits`), stacked once per forward for every block's phase 1."""
-    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward;
-    # the caller has checked that every router is a plain `AttnResRouter`)
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts a
+    router's or its key norm's forward (`_forward_is_plain`).
+
+    Phase 1 reads the routers of a block's later layers before they run, which is only sound while nothing manages
+    their weights: under accelerate's offload (`device_map` with disk or CPU offload, `max_memory`) a module's weights
+    are there during its own forward only, and a layer on another device holds its routers there. Then there is no
+    bank and every router takes the direct path, reading its own weights in its own forward (the same numbers)."""
+    if _global_pre_hooks() or not all(_reads_directly(router) for router in routers):
+        return None
+    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward)
     bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
-    if routers[0].key_norm is not None:
+    if routers[0]._modules.get("key_norm") is not None:
         weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
         bank = bank * _as(torch.stack(weights), torch.float32)
     return bank
@@ -495,17 +529,26 @@ def _query_bank(routers) -> torch.Tensor:
 
 class _Constants(NamedTuple):
     """What every router of one forward shares, made once when the state starts (only when every router is a plain
-    `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`); `eps`, the key norm's epsilon
-    as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see `_merge_inference`)."""
+    `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`; `None` for Full AttnRes, which
+    has no phase 1, and when hooks manage the routers' weights: each router folds its own query when it reads);
+    `eps`, the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see
+    `_merge_inference`); `key_norm` and `sigmoid`: whether the routers have a key norm and sigmoid scores (the
+    config's, so that phase 1 needs no router). Tensors and flags only: the state that holds them crosses
+    accelerate's device hooks, which move what has a `.to`."""
 
-    bank: torch.Tensor
+    bank: torch.Tensor | None
     eps: torch.Tensor
     norm_eps: torch.Tensor
+    key_norm: bool
+    sigmoid: bool
 
     @classmethod
-    def build(cls, routers, eps: float, like: torch.Tensor) -> "_Constants":
-        return cls(_query_bank(routers), torch.full((), eps, device=like.device),
-                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device))
+    def build(cls, config, routers, like: torch.Tensor) -> "_Constants":
+        eps = config.rms_norm_eps
+        bank = _query_bank(routers) if config.attnres_block_size > 1 else None
+        return cls(bank, torch.full((), eps, device=like.device),
+                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
+                   config.attnres_score_fn == "sigmoid")
 
 
 class AttnResState(NamedTuple):
@@ -526,6 +569,10 @@ class AttnResState(NamedTuple):
 
     Gradient checkpointing: a replayed layer rewrites its block's slot with the same values, after every reader of
     that slot ran its backward; the state itself is immutable.
+
+    The state holds tensors and plain values only, no module: it is a decoder layer's input, which accelerate's hooks
+    move to the layer's device (`device_map`), calling `.to` on whatever has one. When hooks manage the routers'
+    weights (offload), each router reads its own in its own forward, and phase 1 is not run (`_query_bank`).
     """
 
     sources: tuple[torch.Tensor, ...]  # completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums), (B, T, D)
@@ -536,7 +583,6 @@ class AttnResState(NamedTuple):
     sublayer: int  # the index of the next sub-layer
     buffer: torch.Tensor | None = None  # (n_slots, B, T, D): slots < len(sources) hold the sources (fast path)
     stacked: torch.Tensor | None = None  # (B, T, n, D): the sources stacked (the knobs the buffer does not serve)
-    routers: tuple = ()  # the routers of sub-layers 0 .. 2L - 1 in depth order (two-phase); () when not given
     phase1: Phase1 | None = None  # the current block's phase 1 (two-phase path only)
     keep_weights: bool = True  # whether merged routers also return their depth weights
     handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
@@ -546,25 +592,25 @@ class AttnResState(NamedTuple):
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
         """`model`: the `AttnResModel` whose layers this forward runs; its routers give the two-phase path its
-        per-block query bank (without it, every router takes the direct path: same numbers)."""
+        per-block query bank (`_query_bank`; without it, or when hooks manage the routers' weights, every router takes
+        the direct path: same numbers). The state keeps no reference to them."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
-        routers = ()
-        if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
-            routers = tuple(router for layer in islice(model.layers, config.num_hidden_layers)
-                            for router in registered_modules(layer, AttnResLayerModules))
         if not _two_phase_applies(config):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
-            return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), routers,
-                       None, keep_weights)
+            return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), None,
+                       keep_weights)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
         grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
         handle = _store(buffer, grads, 0, embeddings)
         statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
         constants = None
-        if routers and all(type(r) is AttnResRouter for r in routers):
-            constants = _Constants.build(routers, eps, embeddings)
-        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, routers, None, keep_weights,
+        if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
+            routers = [router for layer in islice(model.layers, config.num_hidden_layers)
+                       for router in registered_modules(layer, AttnResLayerModules)]
+            if all(type(r) is AttnResRouter for r in routers):
+                constants = _Constants.build(config, routers, embeddings)
+        state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
                     (handle,), grads, constants)
         return state._start_block()
 
@@ -572,18 +618,19 @@ class AttnResState(NamedTuple):
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
         sources, one product for the scores and one for the weighted sums (`Phase1`), with the query bank and
         epsilon tensors the state made when it started (`_Constants`)."""
-        start, stop = self.sublayer, min(self.sublayer + self.block_size, len(self.routers))
-        if self.block_size == 1 or start >= stop:
+        # (no constants: no model given, or routers wrapped by another library, PEFT's modules_to_save: the direct
+        # path, the same numbers)
+        constants = self.constants
+        bank = constants.bank if constants is not None else None
+        start = self.sublayer
+        if bank is None or start >= len(bank):
             return self if self.phase1 is None else self._replace(phase1=None)
-        if self.constants is None:  # routers wrapped by another library (PEFT's modules_to_save): the direct
-            return self._replace(phase1=None)  # path, the same numbers
-        bank, eps = self.constants.bank, self.constants.eps
+        stop, eps = min(start + self.block_size, len(bank)), constants.eps
         queries = bank[start:stop]  # (S, D): the block's query bank
-        key_norm, score_fn = self.routers[start].key_norm is not None, self.routers[start].score_fn
         logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
-        if key_norm:
+        if constants.key_norm:
             logits = logits * self.inv_rms.unsqueeze(-2)
-        if score_fn == "sigmoid":
+        if constants.sigmoid:
             probs, lse = torch.sigmoid(logits), None
         else:
             probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
@@ -717,7 +764,7 @@ class AttnResRouter(nn.Module):
         if self.key_norm is not None:
             # RMSNorm(v) . w = (v / rms(v)) . (w * g): fold the key-norm weight g into the query, so the per-source
             # statistics (`inv_rms`) are shared by every router of a block.
-            query = query * self.key_norm.weight.float()
+            query = self._fold_key_norm(query)
         # Scores of the completed sources, then of the partial block sum (no concatenation of the sources).
         logits = self._scores(sources.float(), query)  # (B, T, n) or (B, T, H, n)
         if self.key_norm is not None:
@@ -759,9 +806,19 @@ class AttnResRouter(nn.Module):
         return self._direct(state)
 
     def _folded_query(self) -> torch.Tensor:
-        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`)."""
+        """`w_l * g` (fp32, `(D,)`): the pseudo-query with the key-norm weight folded in (see `_logits`); the weight
+        read in the key norm's forward when a hook intercepts it (`_forward_is_plain`, `AttnResRMSNorm.forward`)."""
         query = _as(self.query, torch.float32)
-        return query * _as(self.key_norm.weight, torch.float32) if self.key_norm is not None else query
+        return query if self._modules.get("key_norm") is None else self._fold_key_norm(query)
+
+    def _fold_key_norm(self, query: torch.Tensor) -> torch.Tensor:
+        """`query * g`, fp32 `(..., D)`, `g` the key norm's weight: read in the key norm's forward
+        (`AttnResRMSNorm.forward(normalize=False)`) when a hook intercepts it (accelerate's offload loads a module's
+        weights for its own forward only), else directly (the same product, without a module call)."""
+        key_norm = self._modules["key_norm"]
+        if _key_norm_reads_directly(key_norm) and not _global_pre_hooks():
+            return query * _as(key_norm._parameters["weight"], torch.float32)
+        return key_norm(query, normalize=False)
 
     def _rescale(self, count: int) -> float:
         """`attnres_rescale_output`'s factor over `count` sources: 2 for sigmoid scores (sigmoid(0) = 1/2: zero
@@ -799,12 +856,10 @@ class AttnResRouter(nn.Module):
 
     def _direct_inference(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """`_direct` without autograd, in fewer operations (a decoded token of Full AttnRes runs one per sub-layer):
-        the folded query is a row of the forward's query bank, the epsilon a tensor (`_Constants`), and the scores
-        and the weighted sum are one product each over views of the buffer."""
+        the epsilon is a tensor (`_Constants`), and the scores and the weighted sum are one product each over views
+        of the buffer."""
         partial, buffer, n, constants = state.partial, state.buffer, len(state.sources), state.constants
-        sublayer, routers = state.sublayer, state.routers
-        query = constants.bank[sublayer] if sublayer < len(routers) and routers[sublayer] is self else (
-            self._folded_query())  # (the final router has no row)
+        query = self._folded_query()  # (this router's own: the forward that loads its weights)
         values = buffer[:n]  # (n, B, T, D), a view
         logits = (_as(values, torch.float32) @ query).permute(1, 2, 0)  # (B, T, n)
         if self.key_norm is not None:

@@ -65,8 +65,10 @@ class DepthState(Protocol):
         """The state before the first sub-layer, from the token embeddings `(batch, seq_len, hidden_size)`;
         `keep_weights`: whether depth weights that cost memory or time (DCA's per-feature weights, AttnRes's merged
         two-phase weights) are returned; `model`: the `AttnResModel` running this forward, for a state that reads
-        modules of later layers ahead of time (AttnRes's two-phase block inference reads a block's routers when
-        the block starts); a method that does not need it ignores it."""
+        modules of later layers ahead of time (AttnRes's two-phase block inference reads the routers' queries when
+        it starts, unless hooks manage their weights); a method that does not need it ignores it.
+        The state keeps no module: it is a decoder layer's input, which accelerate's device hooks move (`.to` on
+        whatever has one), and a module's weights may be there only during its own forward (offload)."""
 
     def read_attn(self, mixing) -> DepthRead:
         """The inputs of the attention sub-layer of the layer whose mixing modules are `mixing`."""
@@ -170,7 +172,19 @@ class AttnResRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """`weight * (x / RMS(x))` over the last axis of `x (..., hidden_size)`: normalised in fp32 and cast back to
+        `x`'s dtype before the weight multiplies it (Llama's order).
+
+        `normalize=False`: `weight * x` in fp32, the weight folded into a vector (AttnRes's key norm into its
+        pseudo-query, `RMSNorm(v) . w = (v / RMS(v)) . (g * w)`). The weight is read here, in this module's forward,
+        so that hooks that bring it in for the forward (accelerate's offload, which loads each module's own
+        weights for its forward only) see the read.
+        """
+        if not normalize:
+            weight = self.weight
+            return (hidden_states if hidden_states.dtype == torch.float32 else hidden_states.float()) * (
+                weight if weight.dtype == torch.float32 else weight.float())
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)

@@ -72,8 +72,8 @@ RUNNING_FIELDS = ("partial",)
 """Fields that change inside a block (the partial sum `(b, T, d)`): sent whole at every hand-off."""
 POSITION_FIELD = "sublayer"
 """The field holding the index of the next sub-layer: set from the stage's first decoder layer."""
-STATE_FIELDS = ("sources", "inv_rms", "partial", "eps", "block_size", "sublayer", "buffer", "stacked", "routers",
-                "phase1", "keep_weights", "handles", "grads", "constants")
+STATE_FIELDS = ("sources", "inv_rms", "partial", "eps", "block_size", "sublayer", "buffer", "stacked", "phase1",
+                "keep_weights", "handles", "grads", "constants")
 """The fields of `AttnResState` this module knows how to send and rebuild (see `StateCodec`)."""
 
 
@@ -112,7 +112,7 @@ class StateCodec:
         stacked = sources["sources"]
         return self.state_type(sources=tuple(stacked.unbind(-2)), inv_rms=sources["inv_rms"],
                                partial=running["partial"], sublayer=sublayer, buffer=None, stacked=stacked,
-                               routers=(), phase1=None, keep_weights=False, **self.constants)
+                               phase1=None, keep_weights=False, **self.constants)
 
     def num_sources(self, sources: dict[str, torch.Tensor]) -> int:
         name, axis = next(iter(SOURCE_FIELDS.items()))
