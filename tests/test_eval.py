@@ -660,6 +660,96 @@ def test_scoring_table(name, case, pack_tasks):
     assert data.BENCHMARKS[name].metric in scores  # the table's metric is one the task computes
 
 
+# Numbers read the way a reader of the response's language reads them: (task, language, response, gold, correct).
+# Responses in each task's answer format (GSM8K's `####`, MGSM's native chain-of-thought endings as lm-eval's
+# `mgsm_native_cot_*` prompts write them, MATH's Minerva "Final Answer" and \boxed{}, CMath's 答：), scored by the
+# task's own filters and the table's metric.
+NUMBERS = [
+    ("gsm8k", "en", "She sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips in all.\n#### 72", "72", 1),
+    ("gsm8k", "en", "The loss is $5 - $8 = -$3.\n#### -3", "-3", 1),  # the sign after the currency's
+    ("gsm8k", "en", "The temperature fell to -3 degrees.\n#### -3", "3", 0),
+    ("gsm8k", "en", "It costs $1,234.50 in total.\n#### 1,234.50", "1234.5", 1),
+    ("gsm8k", "en", "The answer is 12,3456", "123456", 0),  # not a valid group of three: not a separator
+    ("gsm8k", "en", "#### 5,00", "500", 0),
+    ("gsm8k", "en", "Each costs 2.5 dollars. The answer is 2.5.", "25", 0),  # a decimal point, then a full stop
+    ("gsm8k", "en", "He bought 5. Then he sold 3 of them, so 5 - 3 = 2.\n#### 2", "2", 1),  # `5.` ends a sentence
+    ("gsm8k", "en", "So she has 100 - 64 = 36 left. The answer is 36.", "36", 1),
+    ("gsm8k", "en", "Answer: 1,000,000 dollars", "1000000", 1),
+    ("gsm8k", "en", "Half of them: 0.50.\n#### 0.50", "0.5", 1),
+    ("mgsm", "en", "Roger started with 5 balls. 2 cans of 3 is 6. 5 + 6 = 11. The answer is 11.", "11", 1),
+    ("mgsm", "en", "The answer is 1,000.", "1000", 1),
+    ("mgsm", "de", "Roger hatte 5 Bälle. 2 Dosen mit je 3 sind 6. 5 + 6 = 11. Die Antwort lautet 11.", "11", 1),
+    ("mgsm", "de", "Die Antwort lautet 1.500.", "1500", 1),  # German groups with a point
+    ("mgsm", "de", "Die Antwort lautet 2,5.", "2.5", 1),  # and writes a decimal comma
+    ("mgsm", "de", "Die Antwort lautet 2,5.", "25", 0),
+    ("mgsm", "de", "Sie zahlt 1.234,50 €. Die Antwort lautet 1.234,50.", "1234.5", 1),
+    ("mgsm", "de", "Die Antwort lautet 1,000.", "1000", 0),  # a German reader reads one, to three decimals
+    ("mgsm", "de", "Die Antwort lautet 3.5.", "3.5", 1),  # not a group of three: an English-style decimal point
+    ("mgsm", "es", "La respuesta es 3.000.", "3000", 1),
+    ("mgsm", "es", "La respuesta es 7,5.", "7.5", 1),
+    ("mgsm", "fr", "La réponse est 1 200.", "1200", 1),  # French groups with a space
+    ("mgsm", "fr", "La réponse est 1\u202f200 €.", "1200", 1),  # or a narrow no-break space
+    ("mgsm", "fr", "La réponse est 2,5.", "2.5", 1),
+    ("mgsm", "fr", "La réponse est -4.", "-4", 1),
+    ("mgsm", "ru", "Ответ — 12\u00a0500.", "12500", 1),
+    ("mgsm", "ru", "Ответ — 0,75.", "0.75", 1),
+    ("mgsm", "ru", "Ответ — \u22127.", "7", 0),
+    ("mgsm", "sw", "Jibu ni 1,000.", "1000", 1),
+    ("mgsm", "sw", "Alikuwa na 20 na akatoa 2. Jibu ni 18.", "18", 1),
+    ("mgsm", "bn", "উত্তর হল ১,০০,০০০।", "100000", 1),  # Bengali digits, lakh grouping, danda full stop
+    ("mgsm", "bn", "The answer is 12,34,567.", "1234567", 1),
+    ("mgsm", "te", "సమాధానం 1,00,000.", "100000", 1),
+    ("mgsm", "te", "సమాధానం 25.", "25", 1),
+    ("mgsm", "th", "คำตอบคือ 1,250", "1250", 1),
+    ("mgsm", "th", "เธอมีเงิน18บาท คำตอบคือ 18", "18", 1),  # Thai writes numbers against its letters
+    ("mgsm", "ja", "答えは12です。", "12", 1),
+    ("mgsm", "ja", "答えは1,500です。", "1500", 1),
+    ("mgsm", "zh", "答案是 1,000。", "1000", 1),
+    ("mgsm", "zh", "所以她一共有18元。", "18", 1),  # no marker: the last number, against the letters
+    ("mgsm", "zh", "答案是 -5。", "5", 0),
+    ("math500", "en", "Final Answer: The final answer is $1,\\!000$. I hope it is correct.", "1000", 1),
+    ("math500", "en", "Final Answer: The final answer is $-\\frac{1}{2}$. I hope it is correct.", "-\\frac{1}{2}", 1),
+    ("math500", "en", "So the total is $\\boxed{10,000}$.", "10000", 1),
+    ("math500", "en", "So the total is $\\boxed{12{,}500}$.", "12500", 1),
+    ("math500", "en", "So the total is $\\boxed{1,23}$.", "123", 0),
+    ("math500", "en", "Final Answer: The final answer is $-7$. I hope it is correct.", "7", 0),
+    ("math500", "en", "Final Answer: The final answer is 5. I hope it is correct.", "5", 1),
+    ("math500", "en", "Hence $\\boxed{0.25}$.", "\\frac{1}{4}", 0),  # a value, not a string: not compared as one
+    ("cmath", "zh", "答：共需要1,200元。", "1200", 1),
+    ("cmath", "zh", "答案：-3", "-3", 1),
+    ("cmath", "zh", "答案：-3", "3", 0),
+    ("cmath", "zh", "答：每人分得2.5个。", "2.5", 1),
+    ("cmath", "zh", "答：每人分得2.5个。", "25", 0),
+    ("cmath", "zh", "答案是1 2/3", "5/3", 1),  # a mixed number
+    ("cmath", "zh", "答：12,3456", "123456", 0),
+    ("cmath", "zh", "答：一共占75%。", "0.75", 1),
+]
+_GOLD_FIELD = {"gsm8k": "answer", "mgsm": "answer_number", "math500": "answer", "cmath": "golden"}
+
+
+@pytest.mark.parametrize(("name", "language", "response", "gold", "correct"), NUMBERS,
+                         ids=[f"{row[0]}-{row[1]}-{i}" for i, row in enumerate(NUMBERS)])
+def test_numbers_are_read_as_a_reader_of_the_language_reads_them(name, language, response, gold, correct,
+                                                                 pack_tasks):
+    doc = {"question": "q", "problem": "q", _GOLD_FIELD[name]: f"#### {gold}" if name == "gsm8k" else gold}
+    if name == "mgsm":
+        doc["language"] = language
+    scores = _scores(pack_tasks[name], doc, response)
+    assert scores[data.BENCHMARKS[name].metric] == correct, scores
+
+
+def test_the_number_table_covers_every_mgsm_language_and_each_numeric_task():
+    from lm_eval.tasks.mgsm.utils import LANGUAGES
+
+    from attnres_hf.eval import scoring
+
+    assert set(LANGUAGES) <= set(scoring.NUMBER_FORMATS)  # every MGSM language has its number format
+    assert {language for name, language, *_ in NUMBERS if name == "mgsm"} == set(LANGUAGES)
+    assert {name for name, *_ in NUMBERS} == set(_GOLD_FIELD) and len(NUMBERS) >= 40
+    with pytest.raises(ValueError, match="no number format for language 'xx'"):
+        scoring.numeric_filter([["The answer is 3"]], [{"language": "xx"}])
+
+
 def test_number_parsing_keeps_sign_and_decimal_point():
     from decimal import Decimal
 
