@@ -11,7 +11,7 @@ import torch
 from utils import tiny_model
 
 from attnres_hf.cli import main
-from attnres_hf.eval import code_execution, data, harness, task_utils
+from attnres_hf.eval import checks, code_execution, data, harness, task_utils
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 IMPORTS = {"gpqa_diamond": "gpqa/gpqa_diamond.csv", "bbh": "bbh", "cmmlu": "cmmlu", "ceval": "ceval", "mgsm": "mgsm",
@@ -170,6 +170,144 @@ def test_batch_size_does_not_change_scores(data_dir):
             torch.testing.assert_close(torch.tensor(one[doc]), torch.tensor(four[doc]), atol=1e-4, rtol=0)
     generations = [[s["resps"] for s in runs[b]["samples"]["offline_gsm8k"]] for b in (1, 4)]
     assert generations[0] == generations[1]
+
+
+def test_lm_eval_batch_sizes_keep_lm_eval_meaning(data_dir):
+    """`"auto"` searches the batch size from `max_batch_size` down, `"auto:N"` searches again over the run, and a
+    number as a string is that number (lm-eval's command line passes one): the scores are batch size 1's."""
+    from utils import randomize_routers
+
+    # a 512-token context: lm-eval's search runs a full-context batch, which a 4096-token one makes slow on CPU
+    model = tiny_model(vocab_size=260, max_position_embeddings=512, pad_token_id=258, bos_token_id=256,
+                       eos_token_id=257, attnres_block_size=2).eval()
+    randomize_routers(model, seed=3)
+    tasks = [harness.BENCHMARKS[n] for n in ("mmlu", "arc_challenge")]
+    runs = {b: harness.run_lm_eval(model, tasks, tokenizer=byte_tokenizer(), batch_size=b, max_batch_size=3,
+                                   data_dir=data_dir) for b in (1, "auto", "auto:2", "3")}
+    for size, run in runs.items():
+        for task in ("offline_mmlu", "offline_arc_challenge"):
+            one, other = _loglikelihoods(runs[1], task), _loglikelihoods(run, task)
+            for doc in one:  # padding moves a log-likelihood by float noise only (as test_batch_size_... measures)
+                torch.testing.assert_close(torch.tensor(one[doc]), torch.tensor(other[doc]), atol=1e-4, rtol=0)
+        detected = run["config"]["batch_sizes"]
+        assert (detected and max(detected) <= 3) if str(size).startswith("auto") else not detected, (size, detected)
+    assert len(runs["auto:2"]["config"]["batch_sizes"]) >= len(runs["auto"]["config"]["batch_sizes"])
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (1, 1), (16, 16), ("8", 8), ("auto", "auto"), ("auto:1", "auto:1"), ("auto:4", "auto:4"), ("auto:0.5", "auto:0.5"),
+    (0, ValueError), (-2, ValueError), ("0", ValueError), ("auto:", ValueError), ("auto:0", ValueError),
+    ("auto:-1", ValueError), ("auto:x", ValueError), ("autox", ValueError), ("auto:inf", ValueError),
+    ("auto:nan", ValueError), ("", ValueError), (" 4", ValueError), ("AUTO", ValueError), ("٤", ValueError),
+    (2.0, TypeError), (True, TypeError), (None, TypeError),
+])
+def test_batch_size_takes_what_lm_eval_takes(value, expected):
+    if isinstance(expected, type):
+        with pytest.raises(expected, match="batch.size"):
+            checks.check_batch_size(value)
+    else:
+        assert checks.check_batch_size(value) == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0", "cuda:1", "mps", "mps:0", "xpu:0", "npu:0", "hpu:0"])
+def test_a_device_lm_eval_honours_is_taken_where_this_machine_has_it(device):
+    import torch
+
+    kind, _, index = device.partition(":")
+    present = checks._available(kind) > int(index or 0)
+    if present:
+        checks.check_device(device)
+    else:
+        with pytest.raises(ValueError, match="not available here"):
+            checks.check_device(device)
+    if kind == "cuda":
+        assert present == (torch.cuda.device_count() > int(index or 0))
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "xpu", "npu", "gpu", "CPU", " cpu", "cuda:-1", "cuda:x", "meta", "",
+                                    "cuda:01", "cuda:\u0661"])
+def test_a_device_lm_eval_would_silently_replace_is_refused(device):
+    with pytest.raises(ValueError, match="lm-eval ignores any other"):
+        checks.check_device(device)
+
+
+def test_a_loaded_model_is_evaluated_where_and_as_it_is(monkeypatch):
+    import torch
+
+    model = eval_model()
+    checks.check_device("cpu", model)
+    checks.check_device(None, model)
+    monkeypatch.setattr(checks, "_available", lambda kind: 1)  # as on a machine with one GPU
+    with pytest.raises(ValueError, match="the loaded model is on cpu"):
+        checks.check_device("cuda", model)
+    for dtype in (None, "auto", "float32", torch.float32, "float"):
+        checks.check_eval_dtype(dtype, model)
+    for dtype in ("bfloat16", torch.float16, "half"):
+        with pytest.raises(ValueError, match="the loaded model is in torch.float32"):
+            checks.check_eval_dtype(dtype, model)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("auto", "auto"), (None, "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+    ("half", "float16"), ("float", "float32"), ("double", "float64"), ("float64", "float64"),
+    ("fp8", ValueError), ("int8", ValueError), ("Auto", ValueError), ("bf16", ValueError), ("_C", ValueError),
+    ("", ValueError), (3, ValueError),
+])
+def test_dtype_takes_what_lm_eval_and_transformers_take(value, expected):
+    import torch
+
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="dtype must be 'auto' or a floating point torch dtype"):
+            checks.check_eval_dtype(value)
+    else:
+        result = checks.check_eval_dtype(value)
+        assert result == (expected if expected == "auto" else getattr(torch, expected))
+        if value is not None and value != "auto":
+            assert checks.check_eval_dtype(getattr(torch, expected)) == result  # the torch.dtype itself too
+
+
+def test_dtype_auto_loads_the_checkpoint_dtype(data_dir, tmp_path, monkeypatch):
+    """dtype="auto" for a folder is transformers' (the checkpoint's dtype): a bfloat16 checkpoint is evaluated in
+    bfloat16; the default (float32) and a named dtype cast it."""
+    import torch
+    from lm_eval.models import huggingface
+
+    folder = tmp_path / "bf16"
+    eval_model().to(torch.bfloat16).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    seen, original = [], huggingface.HFLM.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.model.dtype)
+
+    monkeypatch.setattr(huggingface.HFLM, "__init__", record)
+    monkeypatch.setattr("lm_eval.simple_evaluate", lambda **kwargs: {})  # the loaded model is what this test reads
+    for dtype in ("auto", None, "half", torch.float64):
+        harness.run_lm_eval(folder, "arc_challenge", limit=1, data_dir=data_dir, dtype=dtype, device="cpu",
+                            batch_size="2")
+    assert seen == [torch.bfloat16, torch.float32, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize(("option", "value", "accepted"), [
+    ("--batch-size", "auto", True), ("--batch-size", "auto:3", True), ("--batch-size", "7", True),
+    ("--batch-size", "auto:0", False), ("--batch-size", "0", False), ("--batch-size", "many", False),
+    ("--max-batch-size", "16", True), ("--max-batch-size", "0", False),
+    ("--dtype", "auto", True), ("--dtype", "half", True), ("--dtype", "bfloat16", True), ("--dtype", "fp8", False),
+    ("--device", "cpu", True), ("--device", "gpu", False), ("--device", "cpu:0", False),
+])
+def test_attnres_eval_options_take_what_lm_eval_takes(option, value, accepted, capsys, tmp_path):
+    from attnres_hf.cli import build_parser
+
+    parser = build_parser()
+    argv = ["eval", "run", str(tmp_path), option, value]
+    if accepted:
+        parsed = getattr(parser.parse_args(argv), option.removeprefix("--").replace("-", "_"))
+        assert parsed == (int(value) if value.isdigit() else value)  # lm-eval gets a number as a number
+    else:
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        assert exit_.value.code == 2 and option in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("add_bos", [False, True])
@@ -805,7 +943,7 @@ def test_lm_eval_opt_in_checks_let_safe_and_opted_in_runs_through(monkeypatch):
     ({"batch_size": 2.0}, TypeError, "batch_size must be int"),
     ({"num_fewshot": "1"}, TypeError, "num_fewshot must be"),
     ({"seed": None}, TypeError, "seed must be int"),
-    ({"dtype": "fp8"}, ValueError, "dtype must be one of"),
+    ({"dtype": "fp8"}, ValueError, "dtype must be 'auto' or a floating point torch dtype"),
     ({"allow_code_execution": "yes"}, TypeError, "allow_code_execution must be bool"),
     ({"force": 1}, TypeError, "force must be bool"),
     ({"output_dir": None}, TypeError, "output_dir must be"),
@@ -832,8 +970,8 @@ def test_run_lm_eval_checks_before_loading(data_dir, monkeypatch):
         harness.run_lm_eval(eval_model(), "humaneval", tokenizer=byte_tokenizer(), data_dir=data_dir)
     with pytest.raises(ValueError, match="unknown task"):
         harness.run_lm_eval(eval_model(), ["nope"], tokenizer=byte_tokenizer(), data_dir=data_dir)
-    with pytest.raises(TypeError, match="batch_size must be int"):
-        harness.run_lm_eval(eval_model(), "mmlu", tokenizer=byte_tokenizer(), data_dir=data_dir, batch_size="4")
+    with pytest.raises(ValueError, match="'auto' or 'auto:N'"):
+        harness.run_lm_eval(eval_model(), "mmlu", tokenizer=byte_tokenizer(), data_dir=data_dir, batch_size="4x")
     assert not loaded
 
 
