@@ -202,20 +202,28 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 def run_lm_eval(args: argparse.Namespace) -> int:
     """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
-    from ..eval.checks import check_lm_eval_arguments
+    from ..eval.checks import check_lm_eval_arguments, lm_eval_run_settings
 
     check_lm_eval_arguments(args.rest)  # opt-ins and the model folder, before lm-eval loads a model
     import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
 
     from ..eval.harness import offline_environment, task_dir
 
     argv = list(args.rest)
+    settings = lm_eval_run_settings(argv)
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(task_dir())]
-    if "--model_args" in argv:  # lm-eval does not know the registered model type; tell it the backend
-        index = argv.index("--model_args") + 1
-        if index < len(argv) and "backend=" not in argv[index]:
-            argv = [*argv[:index], argv[index] + ",backend=causal", *argv[index + 1 :]]
+    try:
+        hf_model = settings is not None and get_model(settings["model"]) is HFLM
+    except Exception:  # an unknown model or one whose package is missing: lm-eval says which
+        hf_model = False
+    if hf_model and settings["model_args"] and "backend" not in settings["model_args"]:
+        # lm-eval's HFLM does not know the registered model type: tell it the backend. The model arguments as lm-eval
+        # read them (any form, from the command line or --config), again with the backend: the command line's
+        # repeated --model_args merge, and it overrides the YAML file's whole
+        argv += ["--model_args", json.dumps({**settings["model_args"], "backend": "causal"})]
     offline_environment()
     from lm_eval.__main__ import cli_evaluate
 

@@ -88,15 +88,38 @@ def preflight(benchmarks: list[Benchmark], allow_code_execution: bool, data_dir:
                 raise ValueError(f"--output-dir {output_dir} is or holds the model folder {folder}; choose another")
 
 
-def _argument(argv: Sequence[str], flag: str) -> str | None:
-    """The value of `flag` in an argv (`--flag value` or `--flag=value`), the last one given; None if absent."""
-    value = None
-    for index, item in enumerate(argv):
-        if item == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif item.startswith(flag + "="):
-            value = item.split("=", 1)[1]
-    return value
+def lm_eval_run_settings(argv: Sequence[str]) -> dict | None:
+    """What an lm-eval command line runs, read by lm-eval's own parser (`lm_eval._cli.HarnessCLI`: `run` implied
+    when no subcommand is given, `--tasks`/`-t` space- or comma-separated, `--model_args`/`-a` as `k=v,k=v`, separate
+    `k=v` words or JSON, repeated ones merged) over its `--config` YAML file, which the command line overrides as
+    `EvaluatorConfig.from_cli` merges them.
+
+    Returns:
+        `{"model": str, "tasks": [str], "model_args": dict, "confirm_run_unsafe_code": bool}`, or None for another
+        subcommand (`ls`, `validate`) or a help request. A command line lm-eval's parser refuses exits with its usage
+        error (status 2), as lm-eval would.
+    """
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.utils import simple_parse_args_string
+
+    cli, argv = HarnessCLI(), list(argv)
+    if {"-h", "--help"} & set(argv):
+        return None
+    if len(argv) > 1 and argv[0] not in cli._subparsers.choices:  # lm-eval's legacy form (HarnessCLI.parse_args)
+        argv = ["run", *argv]
+    namespace = cli._parser.parse_args(argv)
+    if namespace.command != "run":
+        return None
+    settings = EvaluatorConfig.load_yaml_config(namespace.config) if getattr(namespace, "config", None) else {}
+    settings |= {k: v for k, v in vars(namespace).items() if (v or v == 0) and k not in ("command", "func")}
+    tasks = settings.get("tasks") or []
+    tasks = tasks.split(",") if isinstance(tasks, str) else [str(t) for t in tasks]
+    model_args = settings.get("model_args") or {}
+    if isinstance(model_args, str):
+        model_args = simple_parse_args_string(model_args)
+    return {"model": settings.get("model") or "hf", "tasks": [t.strip() for t in tasks if t.strip()],
+            "model_args": dict(model_args), "confirm_run_unsafe_code": bool(settings.get("confirm_run_unsafe_code"))}
 
 
 def code_executing_tasks(tasks: str | Sequence[str]) -> list[Benchmark]:
@@ -127,18 +150,20 @@ def check_lm_eval_arguments(argv: Sequence[str] | str) -> None:
     from .._checks import check_model_source
 
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
-    tasks = _argument(argv, "--tasks")
-    executing = code_executing_tasks(tasks) if tasks else []
+    settings = lm_eval_run_settings(argv)
+    if settings is None:
+        return
+    executing = code_executing_tasks(settings["tasks"])
     titles = ", ".join(b.title for b in executing)
-    if executing and "--confirm_run_unsafe_code" not in argv:
+    if executing and not settings["confirm_run_unsafe_code"]:
         raise CodeExecutionNotAllowed(f"refusing to run {titles}: pass --confirm_run_unsafe_code (and set "
                                       f"{OPT_IN_VARIABLE}=1) to execute model-written code. " + REFUSAL)
     if executing and os.environ.get(OPT_IN_VARIABLE) != "1":
         raise CodeExecutionNotAllowed(f"refusing to run {titles}: set {OPT_IN_VARIABLE}=1 in the environment as well "
                                       "as passing --confirm_run_unsafe_code (the sandbox executes a program only "
                                       "with both)")
-    model_args = dict(item.split("=", 1) for item in (_argument(argv, "--model_args") or "").split(",") if "=" in item)
-    if model_args.get("pretrained"):
+    model_args = settings["model_args"]
+    if isinstance(model_args.get("pretrained"), str) and model_args["pretrained"]:
         check_model_source(model_args["pretrained"], "model folder (--model_args pretrained=)")
 
 
