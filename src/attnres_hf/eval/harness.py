@@ -18,7 +18,8 @@ is refused before any model loads (`checks.check_run_settings`):
 | `limit`, `num_fewshot`, `gen_kwargs`, `seed` | `simple_evaluate` | as `preflight` / `check_run_settings` say |
 
 A loaded model is evaluated where it is and as it is (HFLM ignores `device` and `dtype` for one): another device or
-dtype is refused rather than ignored.
+dtype is refused rather than ignored. `attnres lm-eval` hands its whole command line to lm-eval; what it checks first
+(the code-execution opt-ins, the model folder) it reads with lm-eval's own parser (`checks.lm_eval_run_settings`).
 """
 
 from __future__ import annotations
