@@ -52,7 +52,8 @@ def test_letter_answers_in_common_phrasings_are_extracted(response, letter):
 @pytest.mark.parametrize("text, language, values", [
     ("30 - 2 = 28", "en", [30, 2, 28]),  # a subtraction: no -2
     ("30-2", "en", [30, 2]),
-    ("a loss of -$3 and $-4, then - $5", "en", [-3, -4, -5]),
+    ("a loss of -$3 and $-4, then $ -5", "en", [-3, -4, -5]),
+    ("$30 - $2 = $28", "en", [30, 2, 28]),  # a subtraction of amounts
     ("x2 plus H2O", "en", []),  # digits inside a word are not numbers
     ("共有18元，还剩3元", "zh", [18, 3]),  # Chinese writes numbers against its letters
     ("12,3456 and 1,234,56", "en", [12, 3456, 1, 234, 56]),  # invalid groups: the comma separates numbers

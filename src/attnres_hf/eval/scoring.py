@@ -82,8 +82,8 @@ def number_format(language: str) -> NumberFormat:
 
 @functools.cache
 def _number_pattern(language: str) -> re.Pattern:
-    """A number as `language` writes it: optional sign, optional currency (either side of the sign; a space may
-    follow a sign only before a currency symbol, so `30 - 2` is a subtraction, not -2), the whole part of a mixed
+    """A number as `language` writes it: optional sign, optional currency (either side of the sign; no space after
+    the sign, so `30 - 2` and `$30 - $2` are subtractions, not -2), the whole part of a mixed
     number (`1 2/3`), digits in valid thousands groups or plain digits, optional decimals, an optional denominator
     (`1/2` is one number, a half, never its numerator 1; `1/2.5` is 0.4), an optional percent sign."""
     fmt = number_format(language)
@@ -95,7 +95,7 @@ def _number_pattern(language: str) -> re.Pattern:
     # separators are not thousands ones
     integer = rf"(?:(?<!\d[{group}]){grouped}(?![{group}]?\d)|\d+)"
     return re.compile(
-        rf"{_NOT_AFTER}(?P<sign>[-+]?)(?:\s?[{_CURRENCY}]\s?(?P<sign2>[-+]?))?"
+        rf"{_NOT_AFTER}(?P<sign>[-+]?)(?:[{_CURRENCY}]\s?(?P<sign2>[-+]?))?"
         rf"(?:(?:(?P<whole>\d+)\s(?=\d+\s?/\s?\d))?(?P<integer>{integer})(?P<decimals>[{decimal}]\d+)?"
         rf"|(?P<point>\.\d+))"
         rf"(?:\s?/\s?(?P<denominator>\d+(?:[{decimal}]\d+)?)(?!\d|[{decimal}]\d))?(?P<percent>%?)"
