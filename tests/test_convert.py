@@ -207,6 +207,30 @@ def test_bfloat16_output_and_residual_baseline(tmp_path):
     torch.testing.assert_close(logits(residual), logits(source), atol=1e-5, rtol=0)
 
 
+def test_dtype_auto_is_the_source_checkpoints_dtype_as_transformers_reads_it(tmp_path):
+    """dtype="auto" keeps transformers' meaning: the dtype in the checkpoint's config, else of its first floating
+    weight (a GGUF file: what transformers' GGUF loader gives); the default stays float32."""
+    from attnres_hf.conversion import convert
+
+    source = tiny_source("llama")
+    source.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    source.to(torch.float16).save_pretrained(tmp_path / "fp16")
+    config = json.loads((tmp_path / "fp16" / "config.json").read_text())
+    (tmp_path / "fp16" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "dtype"}))
+    for folder, dtype in ((tmp_path / "bf16", torch.bfloat16), (tmp_path / "fp16", torch.float16)):
+        assert AutoModelForCausalLM.from_pretrained(folder, dtype="auto").dtype == dtype  # transformers' reading
+        assert retrofit(folder, dtype="auto").dtype == dtype
+        assert retrofit(folder).dtype == torch.float32
+    assert run_cli(tmp_path / "bf16", tmp_path / "out", "--dtype", "auto") == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto").dtype == torch.bfloat16
+    assert _report(tmp_path / "out")["dtype"] == "bfloat16"
+    convert(tiny_source("llama").half(), tmp_path / "memory", dtype="auto")  # an in-memory source: its own dtype
+    assert _report(tmp_path / "memory")["dtype"] == "float16"
+    write_gguf(tiny_source("llama", fp16_exact=True), tmp_path / "f16.gguf", "F16")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="f16.gguf", dtype="auto").dtype
+    assert retrofit(tmp_path / "f16.gguf", dtype="auto").dtype == expected
+
+
 def _bad_input_error(capsys, *args):
     assert run_cli(*args) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("attnres convert: error:")]
@@ -357,7 +381,9 @@ CONVERT_BAD_ARGUMENTS = {  # convert(source folder, out, **kwargs) -> (error typ
     "force-str": (dict(force="yes"), TypeError, "force must be True or False"),
     "empty-probe": (dict(probe_text="  "), ValueError, "probe_text must be a non-empty string"),
     "shard-size": (dict(max_shard_size="lots"), ValueError, "max_shard_size must be a size such as '5GB'"),
-    "dtype": (dict(dtype="float99"), ValueError, "dtype must be a floating point torch dtype"),
+    "dtype": (dict(dtype="float99"), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
+    "dtype-int": (dict(dtype="int8"), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
+    "dtype-case": (dict(dtype="Auto"), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
     "misspelled-override": (dict(attnres_rescale_outptu=False), ValueError, "did you mean 'attnres_rescale_output'"),
     "gguf-file-type": (dict(gguf_file=3), TypeError, "gguf_file must be a file name"),
     "tokenizer-type": (dict(tokenizer="gpt2"), TypeError, "tokenizer must be a transformers tokenizer"),

@@ -11,7 +11,7 @@ import torch
 from utils import tiny_model
 
 from attnres_hf.cli import main
-from attnres_hf.eval import code_execution, data, harness, task_utils
+from attnres_hf.eval import checks, code_execution, data, harness, task_utils
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 IMPORTS = {"gpqa_diamond": "gpqa/gpqa_diamond.csv", "bbh": "bbh", "cmmlu": "cmmlu", "ceval": "ceval", "mgsm": "mgsm",
@@ -170,6 +170,144 @@ def test_batch_size_does_not_change_scores(data_dir):
             torch.testing.assert_close(torch.tensor(one[doc]), torch.tensor(four[doc]), atol=1e-4, rtol=0)
     generations = [[s["resps"] for s in runs[b]["samples"]["offline_gsm8k"]] for b in (1, 4)]
     assert generations[0] == generations[1]
+
+
+def test_lm_eval_batch_sizes_keep_lm_eval_meaning(data_dir):
+    """`"auto"` searches the batch size from `max_batch_size` down, `"auto:N"` searches again over the run, and a
+    number as a string is that number (lm-eval's command line passes one): the scores are batch size 1's."""
+    from utils import randomize_routers
+
+    # a 512-token context: lm-eval's search runs a full-context batch, which a 4096-token one makes slow on CPU
+    model = tiny_model(vocab_size=260, max_position_embeddings=512, pad_token_id=258, bos_token_id=256,
+                       eos_token_id=257, attnres_block_size=2).eval()
+    randomize_routers(model, seed=3)
+    tasks = [harness.BENCHMARKS[n] for n in ("mmlu", "arc_challenge")]
+    runs = {b: harness.run_lm_eval(model, tasks, tokenizer=byte_tokenizer(), batch_size=b, max_batch_size=3,
+                                   data_dir=data_dir) for b in (1, "auto", "auto:2", "3")}
+    for size, run in runs.items():
+        for task in ("offline_mmlu", "offline_arc_challenge"):
+            one, other = _loglikelihoods(runs[1], task), _loglikelihoods(run, task)
+            for doc in one:  # padding moves a log-likelihood by float noise only (as test_batch_size_... measures)
+                torch.testing.assert_close(torch.tensor(one[doc]), torch.tensor(other[doc]), atol=1e-4, rtol=0)
+        detected = run["config"]["batch_sizes"]
+        assert (detected and max(detected) <= 3) if str(size).startswith("auto") else not detected, (size, detected)
+    assert len(runs["auto:2"]["config"]["batch_sizes"]) >= len(runs["auto"]["config"]["batch_sizes"])
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (1, 1), (16, 16), ("8", 8), ("auto", "auto"), ("auto:1", "auto:1"), ("auto:4", "auto:4"), ("auto:0.5", "auto:0.5"),
+    (0, ValueError), (-2, ValueError), ("0", ValueError), ("auto:", ValueError), ("auto:0", ValueError),
+    ("auto:-1", ValueError), ("auto:x", ValueError), ("autox", ValueError), ("auto:inf", ValueError),
+    ("auto:nan", ValueError), ("", ValueError), (" 4", ValueError), ("AUTO", ValueError), ("٤", ValueError),
+    (2.0, TypeError), (True, TypeError), (None, TypeError),
+])
+def test_batch_size_takes_what_lm_eval_takes(value, expected):
+    if isinstance(expected, type):
+        with pytest.raises(expected, match="batch.size"):
+            checks.check_batch_size(value)
+    else:
+        assert checks.check_batch_size(value) == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0", "cuda:1", "mps", "mps:0", "xpu:0", "npu:0", "hpu:0"])
+def test_a_device_lm_eval_honours_is_taken_where_this_machine_has_it(device):
+    import torch
+
+    kind, _, index = device.partition(":")
+    present = checks._available(kind) > int(index or 0)
+    if present:
+        checks.check_device(device)
+    else:
+        with pytest.raises(ValueError, match="not available here"):
+            checks.check_device(device)
+    if kind == "cuda":
+        assert present == (torch.cuda.device_count() > int(index or 0))
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "xpu", "npu", "gpu", "CPU", " cpu", "cuda:-1", "cuda:x", "meta", "",
+                                    "cuda:01", "cuda:\u0661"])
+def test_a_device_lm_eval_would_silently_replace_is_refused(device):
+    with pytest.raises(ValueError, match="lm-eval ignores any other"):
+        checks.check_device(device)
+
+
+def test_a_loaded_model_is_evaluated_where_and_as_it_is(monkeypatch):
+    import torch
+
+    model = eval_model()
+    checks.check_device("cpu", model)
+    checks.check_device(None, model)
+    monkeypatch.setattr(checks, "_available", lambda kind: 1)  # as on a machine with one GPU
+    with pytest.raises(ValueError, match="the loaded model is on cpu"):
+        checks.check_device("cuda", model)
+    for dtype in (None, "auto", "float32", torch.float32, "float"):
+        checks.check_eval_dtype(dtype, model)
+    for dtype in ("bfloat16", torch.float16, "half"):
+        with pytest.raises(ValueError, match="the loaded model is in torch.float32"):
+            checks.check_eval_dtype(dtype, model)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("auto", "auto"), (None, "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+    ("half", "float16"), ("float", "float32"), ("double", "float64"), ("float64", "float64"),
+    ("fp8", ValueError), ("int8", ValueError), ("Auto", ValueError), ("bf16", ValueError), ("_C", ValueError),
+    ("", ValueError), (3, ValueError),
+])
+def test_dtype_takes_what_lm_eval_and_transformers_take(value, expected):
+    import torch
+
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="dtype must be 'auto' or a floating point torch dtype"):
+            checks.check_eval_dtype(value)
+    else:
+        result = checks.check_eval_dtype(value)
+        assert result == (expected if expected == "auto" else getattr(torch, expected))
+        if value is not None and value != "auto":
+            assert checks.check_eval_dtype(getattr(torch, expected)) == result  # the torch.dtype itself too
+
+
+def test_dtype_auto_loads_the_checkpoint_dtype(data_dir, tmp_path, monkeypatch):
+    """dtype="auto" for a folder is transformers' (the checkpoint's dtype): a bfloat16 checkpoint is evaluated in
+    bfloat16; the default (float32) and a named dtype cast it."""
+    import torch
+    from lm_eval.models import huggingface
+
+    folder = tmp_path / "bf16"
+    eval_model().to(torch.bfloat16).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    seen, original = [], huggingface.HFLM.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.model.dtype)
+
+    monkeypatch.setattr(huggingface.HFLM, "__init__", record)
+    monkeypatch.setattr("lm_eval.simple_evaluate", lambda **kwargs: {})  # the loaded model is what this test reads
+    for dtype in ("auto", None, "half", torch.float64):
+        harness.run_lm_eval(folder, "arc_challenge", limit=1, data_dir=data_dir, dtype=dtype, device="cpu",
+                            batch_size="2")
+    assert seen == [torch.bfloat16, torch.float32, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize(("option", "value", "accepted"), [
+    ("--batch-size", "auto", True), ("--batch-size", "auto:3", True), ("--batch-size", "7", True),
+    ("--batch-size", "auto:0", False), ("--batch-size", "0", False), ("--batch-size", "many", False),
+    ("--max-batch-size", "16", True), ("--max-batch-size", "0", False),
+    ("--dtype", "auto", True), ("--dtype", "half", True), ("--dtype", "bfloat16", True), ("--dtype", "fp8", False),
+    ("--device", "cpu", True), ("--device", "gpu", False), ("--device", "cpu:0", False),
+])
+def test_attnres_eval_options_take_what_lm_eval_takes(option, value, accepted, capsys, tmp_path):
+    from attnres_hf.cli import build_parser
+
+    parser = build_parser()
+    argv = ["eval", "run", str(tmp_path), option, value]
+    if accepted:
+        parsed = getattr(parser.parse_args(argv), option.removeprefix("--").replace("-", "_"))
+        assert parsed == (int(value) if value.isdigit() else value)  # lm-eval gets a number as a number
+    else:
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        assert exit_.value.code == 2 and option in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("add_bos", [False, True])
@@ -660,6 +798,96 @@ def test_scoring_table(name, case, pack_tasks):
     assert data.BENCHMARKS[name].metric in scores  # the table's metric is one the task computes
 
 
+# Numbers read the way a reader of the response's language reads them: (task, language, response, gold, correct).
+# Responses in each task's answer format (GSM8K's `####`, MGSM's native chain-of-thought endings as lm-eval's
+# `mgsm_native_cot_*` prompts write them, MATH's Minerva "Final Answer" and \boxed{}, CMath's 答：), scored by the
+# task's own filters and the table's metric.
+NUMBERS = [
+    ("gsm8k", "en", "She sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips in all.\n#### 72", "72", 1),
+    ("gsm8k", "en", "The loss is $5 - $8 = -$3.\n#### -3", "-3", 1),  # the sign after the currency's
+    ("gsm8k", "en", "The temperature fell to -3 degrees.\n#### -3", "3", 0),
+    ("gsm8k", "en", "It costs $1,234.50 in total.\n#### 1,234.50", "1234.5", 1),
+    ("gsm8k", "en", "The answer is 12,3456", "123456", 0),  # not a valid group of three: not a separator
+    ("gsm8k", "en", "#### 5,00", "500", 0),
+    ("gsm8k", "en", "Each costs 2.5 dollars. The answer is 2.5.", "25", 0),  # a decimal point, then a full stop
+    ("gsm8k", "en", "He bought 5. Then he sold 3 of them, so 5 - 3 = 2.\n#### 2", "2", 1),  # `5.` ends a sentence
+    ("gsm8k", "en", "So she has 100 - 64 = 36 left. The answer is 36.", "36", 1),
+    ("gsm8k", "en", "Answer: 1,000,000 dollars", "1000000", 1),
+    ("gsm8k", "en", "Half of them: 0.50.\n#### 0.50", "0.5", 1),
+    ("mgsm", "en", "Roger started with 5 balls. 2 cans of 3 is 6. 5 + 6 = 11. The answer is 11.", "11", 1),
+    ("mgsm", "en", "The answer is 1,000.", "1000", 1),
+    ("mgsm", "de", "Roger hatte 5 Bälle. 2 Dosen mit je 3 sind 6. 5 + 6 = 11. Die Antwort lautet 11.", "11", 1),
+    ("mgsm", "de", "Die Antwort lautet 1.500.", "1500", 1),  # German groups with a point
+    ("mgsm", "de", "Die Antwort lautet 2,5.", "2.5", 1),  # and writes a decimal comma
+    ("mgsm", "de", "Die Antwort lautet 2,5.", "25", 0),
+    ("mgsm", "de", "Sie zahlt 1.234,50 €. Die Antwort lautet 1.234,50.", "1234.5", 1),
+    ("mgsm", "de", "Die Antwort lautet 1,000.", "1000", 0),  # a German reader reads one, to three decimals
+    ("mgsm", "de", "Die Antwort lautet 3.5.", "3.5", 1),  # not a group of three: an English-style decimal point
+    ("mgsm", "es", "La respuesta es 3.000.", "3000", 1),
+    ("mgsm", "es", "La respuesta es 7,5.", "7.5", 1),
+    ("mgsm", "fr", "La réponse est 1 200.", "1200", 1),  # French groups with a space
+    ("mgsm", "fr", "La réponse est 1\u202f200 €.", "1200", 1),  # or a narrow no-break space
+    ("mgsm", "fr", "La réponse est 2,5.", "2.5", 1),
+    ("mgsm", "fr", "La réponse est -4.", "-4", 1),
+    ("mgsm", "ru", "Ответ — 12\u00a0500.", "12500", 1),
+    ("mgsm", "ru", "Ответ — 0,75.", "0.75", 1),
+    ("mgsm", "ru", "Ответ — \u22127.", "7", 0),
+    ("mgsm", "sw", "Jibu ni 1,000.", "1000", 1),
+    ("mgsm", "sw", "Alikuwa na 20 na akatoa 2. Jibu ni 18.", "18", 1),
+    ("mgsm", "bn", "উত্তর হল ১,০০,০০০।", "100000", 1),  # Bengali digits, lakh grouping, danda full stop
+    ("mgsm", "bn", "The answer is 12,34,567.", "1234567", 1),
+    ("mgsm", "te", "సమాధానం 1,00,000.", "100000", 1),
+    ("mgsm", "te", "సమాధానం 25.", "25", 1),
+    ("mgsm", "th", "คำตอบคือ 1,250", "1250", 1),
+    ("mgsm", "th", "เธอมีเงิน18บาท คำตอบคือ 18", "18", 1),  # Thai writes numbers against its letters
+    ("mgsm", "ja", "答えは12です。", "12", 1),
+    ("mgsm", "ja", "答えは1,500です。", "1500", 1),
+    ("mgsm", "zh", "答案是 1,000。", "1000", 1),
+    ("mgsm", "zh", "所以她一共有18元。", "18", 1),  # no marker: the last number, against the letters
+    ("mgsm", "zh", "答案是 -5。", "5", 0),
+    ("math500", "en", "Final Answer: The final answer is $1,\\!000$. I hope it is correct.", "1000", 1),
+    ("math500", "en", "Final Answer: The final answer is $-\\frac{1}{2}$. I hope it is correct.", "-\\frac{1}{2}", 1),
+    ("math500", "en", "So the total is $\\boxed{10,000}$.", "10000", 1),
+    ("math500", "en", "So the total is $\\boxed{12{,}500}$.", "12500", 1),
+    ("math500", "en", "So the total is $\\boxed{1,23}$.", "123", 0),
+    ("math500", "en", "Final Answer: The final answer is $-7$. I hope it is correct.", "7", 0),
+    ("math500", "en", "Final Answer: The final answer is 5. I hope it is correct.", "5", 1),
+    ("math500", "en", "Hence $\\boxed{0.25}$.", "\\frac{1}{4}", 0),  # a value, not a string: not compared as one
+    ("cmath", "zh", "答：共需要1,200元。", "1200", 1),
+    ("cmath", "zh", "答案：-3", "-3", 1),
+    ("cmath", "zh", "答案：-3", "3", 0),
+    ("cmath", "zh", "答：每人分得2.5个。", "2.5", 1),
+    ("cmath", "zh", "答：每人分得2.5个。", "25", 0),
+    ("cmath", "zh", "答案是1 2/3", "5/3", 1),  # a mixed number
+    ("cmath", "zh", "答：12,3456", "123456", 0),
+    ("cmath", "zh", "答：一共占75%。", "0.75", 1),
+]
+_GOLD_FIELD = {"gsm8k": "answer", "mgsm": "answer_number", "math500": "answer", "cmath": "golden"}
+
+
+@pytest.mark.parametrize(("name", "language", "response", "gold", "correct"), NUMBERS,
+                         ids=[f"{row[0]}-{row[1]}-{i}" for i, row in enumerate(NUMBERS)])
+def test_numbers_are_read_as_a_reader_of_the_language_reads_them(name, language, response, gold, correct,
+                                                                 pack_tasks):
+    doc = {"question": "q", "problem": "q", _GOLD_FIELD[name]: f"#### {gold}" if name == "gsm8k" else gold}
+    if name == "mgsm":
+        doc["language"] = language
+    scores = _scores(pack_tasks[name], doc, response)
+    assert scores[data.BENCHMARKS[name].metric] == correct, scores
+
+
+def test_the_number_table_covers_every_mgsm_language_and_each_numeric_task():
+    from lm_eval.tasks.mgsm.utils import LANGUAGES
+
+    from attnres_hf.eval import scoring
+
+    assert set(LANGUAGES) <= set(scoring.NUMBER_FORMATS)  # every MGSM language has its number format
+    assert {language for name, language, *_ in NUMBERS if name == "mgsm"} == set(LANGUAGES)
+    assert {name for name, *_ in NUMBERS} == set(_GOLD_FIELD) and len(NUMBERS) >= 40
+    with pytest.raises(ValueError, match="no number format for language 'xx'"):
+        scoring.numeric_filter([["The answer is 3"]], [{"language": "xx"}])
+
+
 def test_number_parsing_keeps_sign_and_decimal_point():
     from decimal import Decimal
 
@@ -715,7 +943,7 @@ def test_lm_eval_opt_in_checks_let_safe_and_opted_in_runs_through(monkeypatch):
     ({"batch_size": 2.0}, TypeError, "batch_size must be int"),
     ({"num_fewshot": "1"}, TypeError, "num_fewshot must be"),
     ({"seed": None}, TypeError, "seed must be int"),
-    ({"dtype": "fp8"}, ValueError, "dtype must be one of"),
+    ({"dtype": "fp8"}, ValueError, "dtype must be 'auto' or a floating point torch dtype"),
     ({"allow_code_execution": "yes"}, TypeError, "allow_code_execution must be bool"),
     ({"force": 1}, TypeError, "force must be bool"),
     ({"output_dir": None}, TypeError, "output_dir must be"),
@@ -742,8 +970,8 @@ def test_run_lm_eval_checks_before_loading(data_dir, monkeypatch):
         harness.run_lm_eval(eval_model(), "humaneval", tokenizer=byte_tokenizer(), data_dir=data_dir)
     with pytest.raises(ValueError, match="unknown task"):
         harness.run_lm_eval(eval_model(), ["nope"], tokenizer=byte_tokenizer(), data_dir=data_dir)
-    with pytest.raises(TypeError, match="batch_size must be int"):
-        harness.run_lm_eval(eval_model(), "mmlu", tokenizer=byte_tokenizer(), data_dir=data_dir, batch_size="4")
+    with pytest.raises(ValueError, match="'auto' or 'auto:N'"):
+        harness.run_lm_eval(eval_model(), "mmlu", tokenizer=byte_tokenizer(), data_dir=data_dir, batch_size="4x")
     assert not loaded
 
 

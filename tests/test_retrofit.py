@@ -120,8 +120,8 @@ BAD_ARGUMENTS = {  # retrofit(source, **kwargs) -> (error type, what the one-lin
     "block-size-bool": (dict(attnres_block_size=True), ValueError, "attnres_block_size must be one of the types (int, None), got True"),
     "misspelled-field": (dict(attnres_blok_size=2), ValueError, "did you mean 'attnres_block_size'"),
     "unknown-method": (dict(depth_mixing="hyper"), ValueError, "depth_mixing must be one of"),
-    "dtype-name": (dict(dtype="float99"), ValueError, "dtype must be a floating point torch dtype"),
-    "dtype-int": (dict(dtype=torch.int8), ValueError, "dtype must be a floating point torch dtype"),
+    "dtype-name": (dict(dtype="float99"), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
+    "dtype-int": (dict(dtype=torch.int8), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
     "progress-str": (dict(progress="yes"), TypeError, "progress must be True or False"),
     "gguf-file-for-a-model": (dict(gguf_file="x.gguf"), ValueError, "gguf_file applies to a source path"),
 }

@@ -47,3 +47,28 @@ def test_fraction_answer_scores_by_value():
 def test_letter_answers_in_common_phrasings_are_extracted(response, letter):
     """MMLU-Pro/GPQA: "the correct option is X" and `\\boxed{X}` were `[invalid]`, scored wrong."""
     assert scoring.extract_letter(response) == letter
+
+
+@pytest.mark.parametrize("text, language, values", [
+    ("30 - 2 = 28", "en", [30, 2, 28]),  # a subtraction: no -2
+    ("30-2", "en", [30, 2]),
+    ("a loss of -$3 and $-4, then $ -5", "en", [-3, -4, -5]),
+    ("$30 - $2 = $28", "en", [30, 2, 28]),  # a subtraction of amounts
+    ("x2 plus H2O", "en", []),  # digits inside a word are not numbers
+    ("共有18元，还剩3元", "zh", [18, 3]),  # Chinese writes numbers against its letters
+    ("12,3456 and 1,234,56", "en", [12, 3456, 1, 234, 56]),  # invalid groups: the comma separates numbers
+    ("1.234,5 und 2.5", "de", [Decimal("1234.5"), Decimal("2.5")]),
+    ("1,234.5 and 2,5", "en", [Decimal("1234.5"), 2, 5]),  # English has no decimal comma
+    ("12,34,567", "bn", [1234567]),
+    ("12,34,567", "en", [12, 34, 567]),  # lakh groups only where the language writes them
+    ("1 234 et 5", "fr", [1234, 5]),
+    ("1 234 and 5", "en", [1, 234, 5]),
+    ("in 2 1/2 hours", "en", [Decimal("2.5")]),
+])
+def test_numbers_in_text_as_the_language_writes_them(text, language, values):
+    assert scoring.numbers_in(text, language) == [Decimal(v) for v in values]
+
+
+def test_an_unknown_language_is_refused():
+    with pytest.raises(ValueError, match="known: en, de"):
+        scoring.parse_number("1", "xx")

@@ -253,6 +253,29 @@ def test_lora_targets_default_to_the_models_linear_layers_and_match_as_peft_does
     assert list(DEFAULT_LORA_TARGETS) == projections
 
 
+@pytest.mark.parametrize(("given", "taken"), [
+    (["all-linear"], "all-linear"), ([r".*\.1\.mlp\.up_proj"], r".*\.1\.mlp\.up_proj"), (["q_proj"], ["q_proj"]),
+    (["self_attn.q_proj"], ["self_attn.q_proj"]), (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+])
+def test_lora_targets_on_the_command_line_take_pefts_string_forms(given, taken, tmp_path):
+    """The command line gives a list; one value that is no module name is PEFT's `target_modules` string
+    ("all-linear", or a regular expression over whole paths), which it could not be given before."""
+    from attnres_hf.cli.train import train_parser
+    from attnres_hf.training import check_lora_targets
+
+    (tmp_path / "t.txt").write_text("some text")
+    ours, *_ = train_parser().parse_args_into_dataclasses(
+        ["--model", str(tmp_path), "--data", str(tmp_path / "t.txt"), "--method", "lora", "--output_dir",
+         str(tmp_path / "out"), "--lora_target_modules", *given], return_remaining_strings=True)
+    assert ours.lora_target_modules == taken
+    assert check_lora_targets(tiny_model(), ours.lora_target_modules) == taken
+    if taken == "all-linear":  # PEFT's meaning: every linear layer but the output head
+        wrapped = prepare_model(tiny_model(), "lora", lora_r=2, lora_target_modules=taken)
+        adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in wrapped.named_parameters()
+                   if "lora_A" in name}
+        assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A tiny router run of 4 steps with checkpoints at steps 2 (midway) and 4 (the end of its schedule)."""

@@ -19,7 +19,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
     parser.add_argument("--depth-mixing", default="attnres", choices=list(DEPTH_MIXING_METHODS),
                         help="the method; every one starts exactly as the source (default: attnres)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                        help="dtype of the written weights; auto: the source checkpoint's own (default float32)")
     parser.add_argument("--paper-mean", action="store_true",
                         help="routers output the plain mean of their sources (the paper) instead of the rescaled "
                              "mean that reproduces the source's logits to float noise")

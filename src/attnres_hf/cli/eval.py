@@ -29,14 +29,20 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help=f"comma-separated: {','.join(BENCHMARKS)}; or 'paper' for the paper's whole table")
     parser.add_argument("--limit", type=float, help="questions per task (lm-eval --limit; below 1: a fraction)")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=_batch_size, default=1,
+                        help="lm-eval's: a number, 'auto' (the largest that fits) or 'auto:N' (searched N times)")
+    parser.add_argument("--max-batch-size", type=positive_int, default=64,
+                        help="where lm-eval's 'auto' batch size search starts (default 64, lm-eval's)")
     parser.add_argument("--gen-kwargs", help='generation settings for generative tasks, e.g. "max_gen_toks=256"')
     parser.add_argument("--output-dir", default="outputs/eval")
     parser.add_argument("--data-dir", help="local benchmark data (default $ATTNRES_EVAL_DATA or the cache)")
     parser.add_argument("--allow-code-execution", action="store_true",
                         help="HumanEval/MBPP: execute model-written code (in a sandboxed subprocess per sample)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="float32", type=_dtype,
+                        help="float32 (default), bfloat16, float16, any floating torch dtype, or 'auto' (the "
+                        "checkpoint's own, as lm-eval and transformers read it)")
+    parser.add_argument("--device", type=_device, help="lm-eval's: cpu, cuda, cuda:N, mps, npu:N, xpu:N or hpu:N "
+                        "(default: cuda if available, else cpu)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load with the modeling code saved in the folder")
@@ -79,13 +85,42 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(pass_through=True)  # every option is lm-eval's
 
 
+def _checked(check, text: str):
+    """`check(text)` as an argparse `type`: its result (the text where it returns None), its error as a usage error."""
+    try:
+        result = check(text)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text if result is None else result
+
+
+def _batch_size(text: str) -> int | str:
+    from ..eval.checks import check_batch_size
+
+    return _checked(check_batch_size, text)
+
+
+def _dtype(text: str) -> str:
+    from ..eval.checks import check_eval_dtype
+
+    _checked(check_eval_dtype, text)
+    return text
+
+
+def _device(text: str) -> str:
+    from ..eval.checks import check_device
+
+    return _checked(check_device, text)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from ..eval.harness import evaluate_pair
 
     report = evaluate_pair(
         args.model, args.baseline, args.tasks, output_dir=args.output_dir, limit=args.limit,
         num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size, data_dir=args.data_dir, allow_code_execution=args.allow_code_execution,
+        batch_size=args.batch_size, max_batch_size=args.max_batch_size, data_dir=args.data_dir,
+        allow_code_execution=args.allow_code_execution,
         force=args.force, seed=args.seed, dtype=args.dtype, device=args.device,
         trust_remote_code=args.trust_remote_code, gen_kwargs=args.gen_kwargs, model_label=args.label,
         baseline_label=args.baseline_label,
@@ -167,20 +202,28 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 def run_lm_eval(args: argparse.Namespace) -> int:
     """lm-eval's own command line, with the AttnRes Auto classes registered and the pack on the include path."""
-    from ..eval.checks import check_lm_eval_arguments
+    from ..eval.checks import check_lm_eval_arguments, lm_eval_run_settings
 
     check_lm_eval_arguments(args.rest)  # opt-ins and the model folder, before lm-eval loads a model
     import attnres_hf  # noqa: F401  (registers the Auto classes in this process)
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
 
     from ..eval.harness import offline_environment, task_dir
 
     argv = list(args.rest)
+    settings = lm_eval_run_settings(argv)
     if "--include_path" not in argv:
         argv = [*argv, "--include_path", str(task_dir())]
-    if "--model_args" in argv:  # lm-eval does not know the registered model type; tell it the backend
-        index = argv.index("--model_args") + 1
-        if index < len(argv) and "backend=" not in argv[index]:
-            argv = [*argv[:index], argv[index] + ",backend=causal", *argv[index + 1 :]]
+    try:
+        hf_model = settings is not None and get_model(settings["model"]) is HFLM
+    except Exception:  # an unknown model or one whose package is missing: lm-eval says which
+        hf_model = False
+    if hf_model and settings["model_args"] and "backend" not in settings["model_args"]:
+        # lm-eval's HFLM does not know the registered model type: tell it the backend. The model arguments as lm-eval
+        # read them (any form, from the command line or --config), again with the backend: the command line's
+        # repeated --model_args merge, and it overrides the YAML file's whole
+        argv += ["--model_args", json.dumps({**settings["model_args"], "backend": "causal"})]
     offline_environment()
     from lm_eval.__main__ import cli_evaluate
 

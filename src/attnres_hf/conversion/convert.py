@@ -202,7 +202,9 @@ def convert(
         attnres_block_size: sub-layers per block (1 = Full AttnRes; default about 8 blocks).
         depth_mixing: one of `DEPTH_MIXING_METHODS` (`"attnres"`, `"residual"`, `"denseformer"`, `"muddformer"`,
             `"dca"`, `"mhc"`); every one starts exactly as the source.
-        dtype: dtype of the written weights (`float32`, `bfloat16`, `float16`); verification always runs in fp32.
+        dtype: dtype of the written weights (`float32`, `bfloat16`, `float16`, any floating torch dtype or its name,
+            or `"auto"`: the source's, as transformers' `from_pretrained(dtype="auto")` reads it); verification always
+            runs in fp32.
         force: replace an existing `output_dir`.
         tokenizer: for an in-memory source; loaded from the source otherwise.
         source_name: how the report and model card name the source (e.g. its Hub id); default: its path.
@@ -231,10 +233,11 @@ def convert(
     protected = [Path.cwd().resolve()] + ([Path(source).resolve()] if not isinstance(source, PreTrainedModel) else [])
     if any(target == p or target in p.parents for p in protected):
         raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
-    target_dtype = check_dtype(dtype)
+    target_dtype = check_dtype(dtype, auto=True)
 
     unused = []  # config.json keys the source family's config class does not use (HF folders)
     if isinstance(source, PreTrainedModel):
+        target_dtype = source.dtype if target_dtype == "auto" else target_dtype
         # verification runs in fp32; never change the caller's model in place
         source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
         source_model, name = source_model.eval(), str(source.config._name_or_path or "in-memory model")
@@ -243,7 +246,11 @@ def convert(
         size = {"attnres_block_size": attnres_block_size} if attnres_block_size is not None else {}
         retrofit_config(source_config, **config_overrides, **size, depth_mixing=depth_mixing)  # invalid options fail here
         tokenizer = tokenizer or load_tokenizer(source, gguf_file)
-        source_model, name = load_source(source, gguf_file, dtype=torch.float32), str(source)
+        load_dtype = "auto" if target_dtype == "auto" else torch.float32
+        source_model, name = load_source(source, gguf_file, dtype=load_dtype), str(source)
+        if target_dtype == "auto":  # the checkpoint's own dtype is written; verification still runs in fp32
+            target_dtype = source_model.dtype
+            source_model = source_model.float()
         folder, file_name = split_gguf_path(source, gguf_file)
         if file_name is None:  # also a UserWarning of load_source_config
             unused = unused_config_keys(folder / "config.json", source_config)

@@ -251,35 +251,42 @@ def load_source(
     source: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
     """Load a causal LM of a supported family (`SUPPORTED_MODEL_TYPES`) from an HF folder or a GGUF file (families with
-    a `GGUF_ARCHITECTURES` entry) in `dtype`.
+    a `GGUF_ARCHITECTURES` entry) in `dtype`, or with `"auto"` in the dtype transformers' `from_pretrained` reads
+    from the checkpoint.
 
     The family and files are checked first (see `load_source_config`). A GGUF file is dequantised by transformers'
     GGUF loader with the config completed from the file, then every weight is compared with the file's own tensor
     (`check_against_gguf`, in fp32): every tensor of the file is in the model, or a `ValueError` names it. The GGUF
     model's generation config stops on every end token of the file (`gguf_stop_token_ids`), as llama.cpp does.
     """
-    dtype = check_dtype(dtype)
+    dtype = check_dtype(dtype, auto=True)
     config = load_source_config(source, gguf_file)
     path, gguf_file = split_gguf_path(source, gguf_file)
     try:
         if gguf_file is None:
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config,
+                                                     dtype="auto" if dtype == "auto" else torch.float32)
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files
         raise ValueError(f"{path}: the weights cannot be read, the file is truncated or corrupt ({error})") from None
     check_against_gguf(model, path / gguf_file, complete=True)
     stop = gguf_stop_token_ids(path / gguf_file)
     if stop:  # transformers' GGUF loader reads the eos id only; llama.cpp stops on every one
         model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
-    return model.to(dtype).eval()
+    return (model if dtype == "auto" else model.to(dtype)).eval()
 
 
-def check_dtype(dtype) -> torch.dtype:
-    """`dtype` (a `torch.dtype` or its name) as a floating point `torch.dtype`, else a one-line `ValueError`."""
+def check_dtype(dtype, auto: bool = False) -> torch.dtype | str:
+    """`dtype` (a `torch.dtype` or its name) as a floating point `torch.dtype`, else a one-line `ValueError`; with
+    `auto`, also transformers' `"auto"` (returned as is: the checkpoint's dtype, from its config, else its weights)."""
+    if auto and isinstance(dtype, str) and dtype == "auto":
+        return dtype
+    given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None) if not dtype.startswith("_") else None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating point torch dtype such as float32 or bfloat16, got {dtype!r}")
+        also = "'auto' or " if auto else ""
+        raise ValueError(f"dtype must be {also}a floating point torch dtype such as float32 or bfloat16, got {given!r}")
     return dtype
 
 
@@ -340,7 +347,8 @@ def retrofit(
     Args:
         source: a `PreTrainedModel` of a supported family (a GGUF-loaded one too), an HF folder, or a
             `.gguf` file (or a folder with `gguf_file`).
-        dtype: dtype of the result (`torch.float32` when loading from disk; the source's dtype otherwise).
+        dtype: dtype of the result (`torch.float32` when loading from disk; the source's dtype otherwise); `"auto"`:
+            the source's, read from disk as transformers' `from_pretrained(dtype="auto")` reads it.
         progress: print a line before the weights are copied.
         **config_overrides: `AttnResConfig` fields, e.g. `depth_mixing="residual"` / `"denseformer"` /
             `"muddformer"` / `"dca"` / `"mhc"`, `attnres_block_size=1` (Full AttnRes; default about 8 blocks),
@@ -364,7 +372,7 @@ def retrofit(
     if not isinstance(source, PreTrainedModel):
         check_path_argument(source, "source (a PreTrainedModel, an HF folder or a .gguf file)")
     if dtype is not None:
-        dtype = check_dtype(dtype)
+        dtype = check_dtype(dtype, auto=True)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}")
     if not isinstance(source, PreTrainedModel):
@@ -378,7 +386,7 @@ def retrofit(
     # source names -> AttnRes names (identity for every supported family; an unmapped key raises KeyError)
     mapped = map_keys(source.config, list(source.state_dict()))
     state = {mapped[key]: tensor for key, tensor in source.state_dict().items()}
-    dtype = dtype or next(source.parameters()).dtype
+    dtype = next(source.parameters()).dtype if dtype is None or dtype == "auto" else dtype
     with torch.device("meta"):  # no random init: every weight is copied or set below
         model = AttnResForCausalLM(config)
     model.to_empty(device="cpu").to(dtype)

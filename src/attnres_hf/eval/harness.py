@@ -5,6 +5,21 @@ the local data, the output folder), runs lm-eval's `simple_evaluate` on the base
 tasks, few-shot count, limit and seeds, and writes `results.json`, `table.md` (Benchmark | Baseline | +AttnRes |
 Gain, as in the paper's benchmark table) and `table.png`. Per-sample scores of the two models are compared too:
 a conversion is exact when every sample scores the same.
+
+Arguments passed through to lm-eval keep lm-eval's meaning, and a value lm-eval would refuse (or silently replace)
+is refused before any model loads (`checks.check_run_settings`):
+
+| argument (`run_lm_eval`, `evaluate_pair`, `attnres eval`) | goes to | takes |
+|---|---|---|
+| `batch_size` / `--batch-size` | `HFLM(batch_size=)` | an int >= 1, `"auto"`, `"auto:N"` (N > 0) |
+| `max_batch_size` / `--max-batch-size` | `HFLM(max_batch_size=)` | an int >= 1 (where `"auto"` starts; lm-eval's 64) |
+| `device` / `--device` | `HFLM(device=)` | `cpu`, `cuda`, `cuda:N`, `mps`, `npu:N`, `xpu:N`, `hpu:N` present here |
+| `dtype` / `--dtype` | `HFLM(dtype=)`, then `from_pretrained(dtype=)` | `"auto"`, a floating torch dtype or its name |
+| `limit`, `num_fewshot`, `gen_kwargs`, `seed` | `simple_evaluate` | as `preflight` / `check_run_settings` say |
+
+A loaded model is evaluated where it is and as it is (HFLM ignores `device` and `dtype` for one): another device or
+dtype is refused rather than ignored. `attnres lm-eval` hands its whole command line to lm-eval; what it checks first
+(the code-execution opt-ins, the model folder) it reads with lm-eval's own parser (`checks.lm_eval_run_settings`).
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from pathlib import Path
 
 from .._io import staged_folder
 from .benchmarks import BENCHMARKS, PAPER_TABLE, Benchmark, resolve_benchmarks
-from .checks import _model_folder, check_run_settings, check_type, preflight
+from .checks import _model_folder, check_eval_dtype, check_run_settings, check_type, preflight
 from .code_execution import OPT_IN_VARIABLE
 from .local import default_data_dir
 
@@ -81,12 +96,16 @@ def restore_environment(saved: dict) -> None:
 
 
 def run_lm_eval(model, benchmarks: list[Benchmark] | str, *, tokenizer=None, num_fewshot: int | None = None,
-                limit: float | None = None, batch_size: int = 1, data_dir=None, allow_code_execution=False,
-                seed: int = 1234, dtype: str = "float32", device: str | None = None, trust_remote_code=False,
-                gen_kwargs: str | dict | None = None) -> dict:
+                limit: float | None = None, batch_size: int | str = 1, max_batch_size: int = 64, data_dir=None,
+                allow_code_execution=False, seed: int = 1234, dtype=None, device: str | None = None,
+                trust_remote_code=False, gen_kwargs: str | dict | None = None) -> dict:
     """lm-eval's `simple_evaluate` of one model (a folder, or a `PreTrainedModel` with `tokenizer`) on `benchmarks`
     (records, or names as `resolve_benchmarks` takes them), with per-sample logs. Seeds: python/numpy/torch and
     few-shot sampling all `seed`. Settings, opt-ins and local data are checked before the model loads (`preflight`).
+
+    `batch_size`, `max_batch_size`, `device` and `dtype` go to lm-eval's `HFLM` with its meaning (see the module
+    docstring): `batch_size` an int, `"auto"` or `"auto:N"`; `dtype` `"auto"` or a floating torch dtype (default
+    float32 for a folder; a loaded model is evaluated as it is, on its device and in its dtype).
 
     Raises:
         TypeError, ValueError, FileNotFoundError, CodeExecutionNotAllowed, MissingBenchmarkData: see `preflight`
@@ -94,8 +113,9 @@ def run_lm_eval(model, benchmarks: list[Benchmark] | str, *, tokenizer=None, num
     """
     if isinstance(benchmarks, (str, list, tuple)) and not all(isinstance(b, Benchmark) for b in benchmarks):
         benchmarks = resolve_benchmarks(benchmarks)
-    check_run_settings(model, tokenizer, seed=seed, dtype=dtype, device=device, gen_kwargs=gen_kwargs,
-                       trust_remote_code=trust_remote_code)
+    settings = check_run_settings(model, tokenizer, seed=seed, dtype=dtype, device=device, gen_kwargs=gen_kwargs,
+                                  trust_remote_code=trust_remote_code, batch_size=batch_size,
+                                  max_batch_size=max_batch_size)
     preflight(benchmarks, allow_code_execution, data_dir, [model], None, limit, num_fewshot, batch_size)
     if limit is not None and limit >= 1:
         limit = int(limit)
@@ -104,11 +124,12 @@ def run_lm_eval(model, benchmarks: list[Benchmark] | str, *, tokenizer=None, num
     from lm_eval.models.huggingface import HFLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batching = {"batch_size": settings["batch_size"], "max_batch_size": max_batch_size}
     if isinstance(model, (str, os.PathLike)):
-        lm = HFLM(pretrained=str(model), backend="causal", batch_size=batch_size, dtype=dtype, device=device,
-                  trust_remote_code=trust_remote_code)
-    else:
-        lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, batch_size=batch_size, device=device)
+        lm = HFLM(pretrained=str(model), backend="causal", dtype=settings["dtype"], device=device,
+                  trust_remote_code=trust_remote_code, **batching)
+    else:  # HFLM evaluates a loaded model where it is, as it is (check_run_settings refused anything else)
+        lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, **batching)
     previous = os.environ.get(OPT_IN_VARIABLE)
     if allow_code_execution:
         os.environ[OPT_IN_VARIABLE] = "1"  # the sandbox's opt-in, for this run only
@@ -222,9 +243,10 @@ def _default_label(model) -> str:
 
 
 def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, output_dir: str | os.PathLike,
-                  limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 1,
-                  data_dir: str | os.PathLike | None = None, allow_code_execution: bool = False, force: bool = False,
-                  seed: int = 1234, dtype: str = "float32", device: str | None = None,
+                  limit: float | None = None, num_fewshot: int | None = None, batch_size: int | str = 1,
+                  max_batch_size: int = 64, data_dir: str | os.PathLike | None = None,
+                  allow_code_execution: bool = False, force: bool = False, seed: int = 1234, dtype=None,
+                  device: str | None = None,
                   trust_remote_code: bool = False, model_label: str | None = None,
                   baseline_label: str = "Baseline", tokenizer=None, baseline_tokenizer=None,
                   gen_kwargs: str | dict | None = None) -> dict:
@@ -236,6 +258,8 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
         limit: lm-eval's `--limit` (questions per task; a fraction below 1 is a share of each task).
         num_fewshot: few-shot examples; None keeps each task's own default.
         gen_kwargs: generation settings for the generative tasks (lm-eval's `--gen_kwargs`, e.g. "max_gen_toks=256").
+        batch_size, max_batch_size, device, dtype: lm-eval's, with its meaning (see the module docstring and
+            `run_lm_eval`).
         output_dir: written through a temporary folder; refused if it exists unless `force`, and if it is or holds
             a model folder.
         model_label, baseline_label: column names of the table (default "+AttnRes" for an AttnRes model, else the
@@ -256,7 +280,8 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     for target, tok in ((model, tokenizer), (baseline, baseline_tokenizer)):
         if target is not None:
             check_run_settings(target, tok, seed=seed, dtype=dtype, device=device, gen_kwargs=gen_kwargs,
-                               trust_remote_code=trust_remote_code)
+                               trust_remote_code=trust_remote_code, batch_size=batch_size,
+                               max_batch_size=max_batch_size)
     check_type("output_dir", output_dir, (str, os.PathLike))
     check_type("force", force, bool)
     for name, value in (("model_label", model_label), ("baseline_label", baseline_label)):
@@ -271,7 +296,8 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     if model_label is None:
         model_label = _default_label(model)
     saved_environment = offline_environment()
-    common = {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "data_dir": data_dir,
+    common = {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "max_batch_size": max_batch_size,
+              "data_dir": data_dir,
               "allow_code_execution": allow_code_execution, "seed": seed, "dtype": dtype, "device": device,
               "trust_remote_code": trust_remote_code, "gen_kwargs": gen_kwargs}
     runs, timings = {}, {}
@@ -297,7 +323,9 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
         "rows": rows, "comparison": comparison,
         "settings": {"model": describe(model), "baseline": None if baseline is None else describe(baseline),
                      "tasks": [b.task for b in benchmarks], "limit": limit, "num_fewshot": num_fewshot,
-                     "batch_size": batch_size, "seed": seed, "dtype": dtype, "gen_kwargs": gen_kwargs,
+                     "batch_size": batch_size, "max_batch_size": max_batch_size, "seed": seed,
+                     "dtype": str(check_eval_dtype(dtype, model)).removeprefix("torch."),
+                     "gen_kwargs": gen_kwargs,
                      "data_dir": str(data_dir or default_data_dir()), "lm_eval_version": lm_eval.__version__,
                      "wall_time_s": timings},
         "versions": {label: run.get("versions") for label, run in runs.items()},

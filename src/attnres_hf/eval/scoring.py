@@ -15,25 +15,91 @@ lm-eval's metric under its own name, for comparability, and reports the correcte
 | `offline_bbh` | `exact_match,strict-match` | `exact_match,answer-extract` |
 
 MATH-500 and CMath score with their own functions (`task_utils.process_math`, `process_cmath`), which use the number
-parsing here.
+parsing here. Numbers are read as the response's language writes them (`NUMBER_FORMATS`: MGSM's document language,
+Chinese for CMath, else English): a sign is kept (`30 - 2` is a subtraction, not -2), a decimal mark is told from a
+full stop, and a thousands separator counts as one only where the language writes it and between valid groups.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 INVALID = "[invalid]"  # lm-eval's fallback for a response with no answer
 
 _MINUS = "\u2212\u2012\u2013\uff0d"  # Unicode minus, figure dash, en dash, full-width hyphen-minus
-_CURRENCY = "$€£¥₹₩元"
-# a number: optional sign, optional currency (either side of the sign), digits with 3-digit thousands groups
-# (comma, thin space or apostrophe) or plain digits, optional decimals, an optional denominator (`1/2` is one number,
-# a half, never its numerator 1; `1/2.5` is 0.4), optional percent
-_NUMBER = re.compile(
-    rf"(?<![\w./])([-+]?)\s?[{_CURRENCY}]?\s?([-+]?)((?:\d{{1,3}}(?:[,\u2009\u202f']\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:\s?/\s?(\d+(?:\.\d+)?)(?!\d|\.\d))?(%?)"
-)
+_CURRENCY = "$€£¥₹₩元৳฿"
+
+
+@dataclass(frozen=True)
+class NumberFormat:
+    """How a language writes numbers, after CLDR's decimal and group symbols for it.
+
+    Attributes:
+        decimal: the characters read as a decimal mark. A language that writes a decimal comma also reads a point
+            as one where it cannot be a thousands separator (`2.5`, but `1.234` is 1234 in German), as its reader
+            reads an English-style number.
+        group: the thousands separators the language writes, read as such only between valid groups of three digits
+            (also two-digit lakh groups where `indian`), never elsewhere (`12,3456` is not one number).
+        indian: lakh/crore grouping as well as groups of three (`12,34,567`), as Bengali and Telugu write it.
+    """
+
+    decimal: str
+    group: str
+    indian: bool = False
+
+
+_SI_SPACES = "\u2009\u202f"  # thin and narrow no-break space: SI / ISO 80000 digit grouping, read in every language
+_SPACES = " \u00a0" + _SI_SPACES
+# The languages scored numerically: MGSM's (lm-eval's `mgsm` tasks; a test checks the two lists agree) and CMath's
+# Chinese. A document without a language (GSM8K, MATH) is English.
+NUMBER_FORMATS = {
+    "en": NumberFormat(".", "," + _SI_SPACES),
+    "de": NumberFormat(",.", "." + _SI_SPACES),
+    "es": NumberFormat(",.", "." + _SI_SPACES),
+    "fr": NumberFormat(",.", _SPACES),
+    "ru": NumberFormat(",.", _SPACES),
+    "sw": NumberFormat(".", "," + _SI_SPACES),
+    "bn": NumberFormat(".", "," + _SI_SPACES, indian=True),
+    "te": NumberFormat(".", "," + _SI_SPACES, indian=True),
+    "th": NumberFormat(".", "," + _SI_SPACES),
+    "ja": NumberFormat(".", "," + _SI_SPACES),
+    "zh": NumberFormat(".", "," + _SI_SPACES),
+}
+# A number does not start inside a word of a script that spaces its words (x2, H2O, mp3), nor after a decimal point or
+# a fraction bar; Chinese, Japanese and Thai write numbers against their letters (共有18元), so those do not block.
+_NOT_AFTER = r"(?<![\d_./A-Za-z\u00c0-\u024f\u0370-\u03ff\u0400-\u04ff])"
+
+
+def number_format(language: str) -> NumberFormat:
+    """The `NumberFormat` of a language code (`NUMBER_FORMATS`); `ValueError` naming the known codes otherwise."""
+    if language not in NUMBER_FORMATS:
+        raise ValueError(f"no number format for language {language!r}; known: {', '.join(NUMBER_FORMATS)}")
+    return NUMBER_FORMATS[language]
+
+
+@functools.cache
+def _number_pattern(language: str) -> re.Pattern:
+    """A number as `language` writes it: optional sign, optional currency (either side of the sign; no space after
+    the sign, so `30 - 2` and `$30 - $2` are subtractions, not -2), the whole part of a mixed
+    number (`1 2/3`), digits in valid thousands groups or plain digits, optional decimals, an optional denominator
+    (`1/2` is one number, a half, never its numerator 1; `1/2.5` is 0.4), an optional percent sign."""
+    fmt = number_format(language)
+    group, decimal = re.escape(fmt.group), re.escape(fmt.decimal)
+    grouped = rf"\d{{1,3}}(?:[{group}]\d{{3}})+"
+    if fmt.indian:
+        grouped = rf"(?:\d{{1,2}}(?:[{group}]\d{{2}})+[{group}]\d{{3}}|{grouped})"
+    # a grouping that more digits follow or precede (`12,3456`, `1,234,56`, `12,34,567` in English) is invalid: its
+    # separators are not thousands ones
+    integer = rf"(?:(?<!\d[{group}]){grouped}(?![{group}]?\d)|\d+)"
+    return re.compile(
+        rf"{_NOT_AFTER}(?P<sign>[-+]?)(?:[{_CURRENCY}]\s?(?P<sign2>[-+]?))?"
+        rf"(?:(?:(?P<whole>\d+)\s(?=\d+\s?/\s?\d))?(?P<integer>{integer})(?P<decimals>[{decimal}]\d+)?"
+        rf"|(?P<point>\.\d+))"
+        rf"(?:\s?/\s?(?P<denominator>\d+(?:[{decimal}]\d+)?)(?!\d|[{decimal}]\d))?(?P<percent>%?)"
+    )
 
 
 def _clean(text: str) -> str:
@@ -42,32 +108,52 @@ def _clean(text: str) -> str:
     return text.replace("**", "")
 
 
-def parse_number(text: str) -> Decimal | None:
-    """The value of one written number, or None: currency symbols, thousands separators, trailing zeros, a trailing
-    period and a percent sign (kept as written: `50%` is 50) do not change it; a sign and a decimal point are kept.
+def parse_number(text: str, language: str = "en") -> Decimal | None:
+    """The value of one written number in `language`'s way of writing it (`NUMBER_FORMATS`), or None: currency
+    symbols, valid thousands separators, trailing zeros, a final full stop (`.`, `。`, `।`) and a percent sign (kept
+    as written: `50%` is 50) do not change it; a sign and a decimal mark are kept.
 
-    >>> parse_number("$29.00."), parse_number("-1,234.50"), parse_number("\u22123")
-    (Decimal('29'), Decimal('-1234.5'), Decimal('-3'))
+    >>> parse_number("$29.00."), parse_number("-1,234.50"), parse_number("\u22123"), parse_number("1.234,5", "de")
+    (Decimal('29'), Decimal('-1234.5'), Decimal('-3'), Decimal('1234.5'))
+
+    Raises:
+        ValueError: an unknown language code.
     """
-    match = _NUMBER.fullmatch(_clean(text).strip().rstrip(".").strip())
+    match = _number_pattern(language).fullmatch(_clean(text).strip().rstrip(".。।").strip())
     return _value(match) if match else None
 
 
 def _value(match: re.Match) -> Decimal | None:
-    sign = "-" if "-" in match.group(1) + match.group(2) else ""
-    digits = re.sub(r"[,\u2009\u202f']", "", match.group(3))
+    sign = "-" if "-" in match["sign"] + (match["sign2"] or "") else ""
+    if match["point"] is not None:
+        number = match["point"]
+    else:
+        number = re.sub(r"\D", "", match["integer"])  # drops the group separators; any script's digits are kept
+        if match["decimals"]:
+            number += "." + match["decimals"][1:]
     try:
-        value = Decimal(sign + digits)
-        if match.group(4) is not None:  # a fraction
-            value = value / Decimal(match.group(4))
+        value = Decimal(number)
+        if match["denominator"] is not None:  # a fraction
+            value = value / Decimal(re.sub(r"\D", ".", match["denominator"]))
+            if match["whole"] is not None:  # a mixed number
+                value += Decimal(match["whole"])
+        elif match["whole"] is not None:
+            return None
     except (InvalidOperation, ZeroDivisionError):
         return None
+    value = -value if sign else value
     return value.normalize() if value != 0 else Decimal(0)
 
 
-def numbers_in(text: str) -> list[Decimal]:
-    """Every number written in `text`, in order (see `parse_number`)."""
-    return [value for match in _NUMBER.finditer(_clean(text)) if (value := _value(match)) is not None]
+def _numbers(text: str, language: str) -> list[tuple[Decimal, bool]]:
+    """`(value, written as a percentage)` of every number in `text`, in order."""
+    return [(value, bool(match["percent"])) for match in _number_pattern(language).finditer(_clean(text))
+            if (value := _value(match)) is not None]
+
+
+def numbers_in(text: str, language: str = "en") -> list[Decimal]:
+    """Every number written in `text`, in order, read as `language` writes numbers (see `parse_number`)."""
+    return [value for value, _ in _numbers(text, language)]
 
 
 def canonical_number(value: Decimal) -> str:
@@ -76,16 +162,36 @@ def canonical_number(value: Decimal) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-_ANSWER_MARKERS = re.compile(r"(?:####|answer is|answer:|答案是|答案：|答案:|答：|答:)", re.IGNORECASE)
+@functools.cache
+def _answer_markers() -> re.Pattern:
+    """GSM8K's `####`, "the answer is", "Answer:", CMath's "答案" / "答：", and each MGSM language's answer phrase
+    and direct-answer prompt as lm-eval's `mgsm` tasks write them ("Die Antwort lautet", "Ответ —", "答えは", ...)."""
+    from lm_eval.tasks.mgsm.utils import LANGUAGES
+
+    phrases = {"####", "answer is", "answer:", "答案", "答：", "答:"}
+    for language in LANGUAGES.values():
+        phrases |= {language["REGEX"].split("(")[0].strip(), language["DIRECT"].strip()}
+    alternatives = sorted(phrases, key=len, reverse=True)  # the longest phrase where two start alike
+    return re.compile("|".join(re.escape(p).replace(r"\ ", r"\s*") for p in alternatives), re.IGNORECASE)
 
 
-def extract_number(response: str) -> str:
-    """The final numeric answer of a solution, canonical (`canonical_number`), or `[invalid]`: the first number
-    after the last answer marker (GSM8K's `####`, "the answer is", "Answer:", "答案"), else the last number."""
+def answer_value(response: str, language: str = "en") -> tuple[Decimal, bool] | None:
+    """The final numeric answer of a solution and whether it was written as a percentage, or None: the first number
+    after the last answer marker (`_answer_markers`), else the last number; numbers read as `language` writes them.
+
+    Raises:
+        ValueError: an unknown language code.
+    """
     response = _clean(response)
-    markers = list(_ANSWER_MARKERS.finditer(response))
-    found = numbers_in(response[markers[-1].end():])[:1] if markers else []
-    found = found or numbers_in(response)[-1:]
+    markers = list(_answer_markers().finditer(response))
+    found = _numbers(response[markers[-1].end():], language)[:1] if markers else []
+    found = found or _numbers(response, language)[-1:]
+    return found[0] if found else None
+
+
+def extract_number(response: str, language: str = "en") -> str:
+    """The final numeric answer of a solution (`answer_value`), canonical (`canonical_number`), or `[invalid]`."""
+    found = answer_value(response, language)
     return canonical_number(found[0]) if found else INVALID
 
 
@@ -98,8 +204,13 @@ def gold_number(gold: str) -> Decimal | None:
 
 
 def numeric_filter(resps, docs):
-    """lm-eval custom filter: each response replaced by `extract_number` of it."""
-    return [[extract_number(r) for r in resp] for resp, _ in zip(resps, docs)]
+    """lm-eval custom filter: each response replaced by `extract_number` of it, its numbers read as the document's
+    `language` writes them (MGSM's; English when the document has none, as GSM8K's).
+
+    Raises:
+        ValueError: a document's language has no `NUMBER_FORMATS` entry.
+    """
+    return [[extract_number(r, doc.get("language") or "en") for r in resp] for resp, doc in zip(resps, docs)]
 
 
 def numeric_match(references, predictions, **kwargs) -> float:

@@ -14,7 +14,7 @@ from lm_eval.api.samplers import ContextSampler
 from .code_execution import pass_at_1 as _pass_at_1
 from .local import load_local as load  # noqa: F401  (custom_dataset of every task)
 from .scoring import _clean as _clean_dashes
-from .scoring import parse_number
+from .scoring import answer_value, parse_number
 from .sources import LETTERS, last_boxed
 
 # --- few-shot samplers ----------------------------------------------------------------------------------------------
@@ -177,42 +177,21 @@ def process_math(doc, results) -> dict:
     return {"exact_match": int(predicted == gold or same_number)}
 
 
-def _numbers(text: str) -> list[str]:
-    """Numbers in `text`, with thousands separators, decimals, fractions, percentages and mixed numbers."""
-    return [m.group(0).strip() for m in re.finditer(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s+\d+/\d+|/\d+)?%?", text)]
-
-
-def _as_float(text: str) -> float | None:
-    text = text.replace(",", "").strip()
-    scale = 0.01 if text.endswith("%") else 1.0
-    text = text.rstrip("%")
-    try:
-        if " " in text:  # mixed number `1 2/3`
-            whole, fraction = text.split()
-            numerator, denominator = fraction.split("/")
-            value = abs(float(whole)) + float(numerator) / float(denominator)
-            return scale * (-value if whole.startswith("-") else value)
-        if "/" in text:
-            numerator, denominator = text.split("/")
-            return scale * float(numerator) / float(denominator)
-        return scale * float(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 def process_cmath(doc, results) -> dict:
-    """CMath (Wei et al. 2023): the answer equals the gold answer `golden` within 1e-4 relative tolerance (fractions,
-    mixed numbers and percentages allowed), as the CMath paper's checker compares numbers, not strings. The answer
-    is the first number after an answer marker ("答案", "答：", "answer is"), else the last number."""
-    text = _clean_dashes(results[0])
-    marker = max((text.lower().rfind(m) for m in ("答案", "答：", "答:", "answer is", "answer:")), default=-1)
-    found = _numbers(text[marker:]) if marker >= 0 and _numbers(text[marker:]) else _numbers(text)[-1:]
-    predicted = _as_float(found[0]) if found else None
+    """CMath (Wei et al. 2023): the answer equals the gold answer `golden` within 1e-4 relative tolerance, as the
+    CMath paper's checker compares numbers, not strings. The answer is `scoring.answer_value` of the response
+    (the first number after an answer marker such as "答案" or "答：", else the last number), read as Chinese
+    writes numbers: fractions, mixed numbers and signs kept, thousands separators only in valid groups. A
+    percentage on either side also matches its value over 100 (`75%` and `0.75`)."""
+    found = answer_value(results[0], "zh")
     gold_text = str(doc["golden"]).strip()
-    gold = _as_float(gold_text)
-    candidates = {gold} | ({gold * 100} if gold_text.endswith("%") and gold is not None else set())
-    correct = predicted is not None and gold is not None and any(
-        abs(predicted - value) <= 1e-4 * max(1.0, abs(value)) for value in candidates)
+    gold = parse_number(gold_text)
+    if found is None or gold is None:
+        return {"accuracy": 0}
+    predicted, percent = found
+    candidates = {float(gold)} | ({float(gold) / 100} if gold_text.endswith("%") else set())
+    answers = {float(predicted)} | ({float(predicted) / 100} if percent else set())
+    correct = any(abs(a - value) <= 1e-4 * max(1.0, abs(value)) for a in answers for value in candidates)
     return {"accuracy": int(correct)}
 
 

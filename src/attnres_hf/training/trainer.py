@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,9 @@ class AttnResArguments:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "module names (default: every linear layer but the head); each must exist"})
+        default=None, metadata={"help": "module names (default: every linear layer but the head); each must exist. "
+                                "One value that is not a name is PEFT's string form: 'all-linear', or a regular "
+                                "expression over whole module paths"})
     lora_target_parameters: list[str] | None = field(
         default=None, metadata={"help": "mixture-of-experts models: stacked expert weights to adapt as well, e.g. "
                                 "mlp.experts.gate_up_proj mlp.experts.down_proj (default: none)"})
@@ -90,6 +93,11 @@ class AttnResArguments:
                     isinstance(t, str) for t in self.lora_target_modules):
                 raise TypeError("lora_target_modules must be a list of module names or one regular expression, got "
                                 f"{self.lora_target_modules!r}")
+            if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1 and \
+                    not re.fullmatch(r"[\w.]+", self.lora_target_modules[0]):
+                # the command line gives a list: one value that is no module name is PEFT's string form
+                # (`target_modules="all-linear"`, or a regular expression), as prepare_model takes it
+                self.lora_target_modules = self.lora_target_modules[0]
             names = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
             if not names or not all(name.strip() for name in names):
                 raise ValueError("lora_target_modules must name at least one module, and no name may be empty "
