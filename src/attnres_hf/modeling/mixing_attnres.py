@@ -508,16 +508,19 @@ def _reads_directly(router: "AttnResRouter") -> bool:
     return _forward_is_plain(router) and (key_norm is None or _key_norm_reads_directly(key_norm))
 
 
-def _query_bank(routers) -> torch.Tensor | None:
+def _query_bank(layers, routers) -> torch.Tensor | None:
     """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
-    `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts a
-    router's or its key norm's forward (`_forward_is_plain`).
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts the
+    forward of a decoder layer, a router or its key norm (`_forward_is_plain`).
 
-    Phase 1 reads the routers of a block's later layers before they run, which is only sound while nothing manages
-    their weights: under accelerate's offload (`device_map` with disk or CPU offload, `max_memory`) a module's weights
-    are there during its own forward only, and a layer on another device holds its routers there. Then there is no
-    bank and every router takes the direct path, reading its own weights in its own forward (the same numbers)."""
-    if _global_pre_hooks() or not all(_reads_directly(router) for router in routers):
+    Phase 1 reads the routers of a block's later layers before they run, and the bank every router before any layer
+    runs, which is only sound while nothing manages their weights: under accelerate's offload (`device_map` with disk
+    or CPU offload, `max_memory`) a module's weights are there during its own forward only, a layer on another device
+    holds its routers there, and FSDP2's `fully_shard` of the decoder layers gathers a layer's sharded parameters in
+    its pre-forward hook. Then there is no bank and every router takes the direct path, reading its own weights in its
+    own forward (the same numbers)."""
+    if (_global_pre_hooks() or not all(_forward_is_plain(layer) for layer in layers)
+            or not all(_reads_directly(router) for router in routers)):
         return None
     # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward)
     bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
@@ -543,9 +546,9 @@ class _Constants(NamedTuple):
     sigmoid: bool
 
     @classmethod
-    def build(cls, config, routers, like: torch.Tensor) -> "_Constants":
+    def build(cls, config, layers, routers, like: torch.Tensor) -> "_Constants":
         eps = config.rms_norm_eps
-        bank = _query_bank(routers) if config.attnres_block_size > 1 else None
+        bank = _query_bank(layers, routers) if config.attnres_block_size > 1 else None
         return cls(bank, torch.full((), eps, device=like.device),
                    torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
                    config.attnres_score_fn == "sigmoid")
@@ -606,10 +609,10 @@ class AttnResState(NamedTuple):
         statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
         constants = None
         if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
-            routers = [router for layer in islice(model.layers, config.num_hidden_layers)
-                       for router in registered_modules(layer, AttnResLayerModules)]
+            layers = tuple(islice(model.layers, config.num_hidden_layers))
+            routers = [router for layer in layers for router in registered_modules(layer, AttnResLayerModules)]
             if all(type(r) is AttnResRouter for r in routers):
-                constants = _Constants.build(config, routers, embeddings)
+                constants = _Constants.build(config, layers, routers, embeddings)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
                     (handle,), grads, constants)
         return state._start_block()
