@@ -207,6 +207,30 @@ def test_hooked_routers_are_each_read_in_their_own_forward_only(case, monkeypatc
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["attnres-block4", "attnres-sigmoid-block4"])
+def test_hooked_decoder_layers_turn_off_the_query_bank(case, monkeypatch):
+    """A pre-forward hook on the decoder layers (FSDP2's `fully_shard` gathers a layer's sharded parameters in one)
+    means the routers' weights are only there in their layer's forward: no bank is read before the layers run, and no
+    block merges; the same numbers as the unhooked model, to the two-phase path's tolerance."""
+    model = variant_model(CASES[case])
+    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(7))
+    merges = []
+    merge = AttnResRouter._merge
+    monkeypatch.setattr(AttnResRouter, "_merge", lambda self, *args: merges.append(1) or merge(self, *args))
+    with torch.no_grad():
+        plain = model(prompt, output_depth_weights=True)
+    assert merges
+    merges.clear()
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: None)
+    with torch.no_grad():
+        hooked = model(prompt, output_depth_weights=True)
+    assert not merges
+    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    for got, want in zip(hooked.depth_weights, plain.depth_weights, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def pruned_model(overrides: dict) -> AttnResForCausalLM:
     """A variant whose routers' queries and key-norm weights are pruned at random (the same masks every call)."""
     model = variant_model(overrides)
