@@ -180,14 +180,8 @@ def router_names(model) -> list[str]:
     return [name for name, _ in model.named_modules() if name.endswith(("attn_res", "mlp_res", "final_res"))]
 
 
-@pytest.mark.parametrize("case", ["attnres", "attnres-block4", "attnres-sigmoid-block4"])
-def test_hooked_routers_are_each_read_in_their_own_forward_only(case, monkeypatch):
-    """When a hook intercepts the routers' forwards (a pre-hook here; accelerate's offload replaces `forward`), no
-    block's phase 1 reads the routers of later layers ahead of time: every router is called once, in depth order,
-    with its state, and its own read computes its weights (the direct path). Same numbers as the two-phase path of the
-    unhooked model, to its tolerance (tests/test_two_phase.py: 1e-5 on logits, 1e-6 on depth weights)."""
-    model = variant_model(CASES[case])
-    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(6))
+def unhooked_run(model, prompt, monkeypatch):
+    """The unhooked model's outputs (two-phase blocks: it merges), and the list its later merges append to."""
     merges = []
     merge = AttnResRouter._merge
     monkeypatch.setattr(AttnResRouter, "_merge", lambda self, *args: merges.append(1) or merge(self, *args))
@@ -195,6 +189,25 @@ def test_hooked_routers_are_each_read_in_their_own_forward_only(case, monkeypatc
         plain = model(prompt, output_depth_weights=True)
     assert merges  # the unhooked model runs two-phase blocks
     merges.clear()
+    return merges, plain
+
+
+def assert_direct_path_numbers(hooked, plain):
+    """The direct path's numbers are the two-phase path's, to its tolerance (tests/test_two_phase.py: 1e-5 on logits,
+    1e-6 on depth weights)."""
+    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    for got, want in zip(hooked.depth_weights, plain.depth_weights, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["attnres", "attnres-block4", "attnres-sigmoid-block4"])
+def test_hooked_routers_are_each_read_in_their_own_forward_only(case, monkeypatch):
+    """When a hook intercepts the routers' forwards (a pre-hook here; accelerate's offload replaces `forward`), no
+    block's phase 1 reads the routers of later layers ahead of time: every router is called once, in depth order,
+    with its state, and its own read computes its weights (the direct path). Same numbers as the two-phase path of the
+    unhooked model, to its tolerance (tests/test_two_phase.py: 1e-5 on logits, 1e-6 on depth weights)."""
+    model, prompt = variant_model(CASES[case]), torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(6))
+    merges, plain = unhooked_run(model, prompt, monkeypatch)
     calls = []
     for name in router_names(model):
         model.get_submodule(name).register_forward_pre_hook(
@@ -202,9 +215,7 @@ def test_hooked_routers_are_each_read_in_their_own_forward_only(case, monkeypatc
     with torch.no_grad():
         hooked = model(prompt, output_depth_weights=True)
     assert calls == [(name, "AttnResState") for name in router_names(model)] and not merges
-    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-5, rtol=1e-5)
-    for got, want in zip(hooked.depth_weights, plain.depth_weights, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert_direct_path_numbers(hooked, plain)
 
 
 @pytest.mark.parametrize("case", ["attnres-block4", "attnres-sigmoid-block4"])
@@ -212,23 +223,14 @@ def test_hooked_decoder_layers_turn_off_the_query_bank(case, monkeypatch):
     """A pre-forward hook on the decoder layers (FSDP2's `fully_shard` gathers a layer's sharded parameters in one)
     means the routers' weights are only there in their layer's forward: no bank is read before the layers run, and no
     block merges; the same numbers as the unhooked model, to the two-phase path's tolerance."""
-    model = variant_model(CASES[case])
-    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(7))
-    merges = []
-    merge = AttnResRouter._merge
-    monkeypatch.setattr(AttnResRouter, "_merge", lambda self, *args: merges.append(1) or merge(self, *args))
-    with torch.no_grad():
-        plain = model(prompt, output_depth_weights=True)
-    assert merges
-    merges.clear()
+    model, prompt = variant_model(CASES[case]), torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(7))
+    merges, plain = unhooked_run(model, prompt, monkeypatch)
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: None)
     with torch.no_grad():
         hooked = model(prompt, output_depth_weights=True)
     assert not merges
-    torch.testing.assert_close(hooked.logits, plain.logits, atol=1e-5, rtol=1e-5)
-    for got, want in zip(hooked.depth_weights, plain.depth_weights, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert_direct_path_numbers(hooked, plain)
 
 
 def pruned_model(overrides: dict) -> AttnResForCausalLM:
