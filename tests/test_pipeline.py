@@ -82,5 +82,6 @@ def test_converted_checkpoint_chats_as_its_source_and_its_card_says_how_to_serve
     assert reply[0]["generated_text"][-1]["content"] == want[0]["generated_text"][-1]["content"]
     assert len(reply[0]["generated_text"][-1]["content"].split()) == 6
     card = (tmp_path / "converted" / "README.md").read_text()
-    assert "attnres serve converted --port 8000" in card and "BitsAndBytesConfig(load_in_4bit=True)" in card
+    assert "attnres serve converted --port 8000" in card
+    assert 'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")' in card  # NF4, not load_in_4bit's FP4
     assert "attnres train converted --data train.txt --method lora" in card
