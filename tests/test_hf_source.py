@@ -71,19 +71,37 @@ DAMAGE = {
         ["shapes differ: model.layers.2.mlp.up_proj.weight (48, 32) in the files, (64, 32) in the model"]),
     "config-other-width": (lambda f: _edit_config(f, intermediate_size=48), [
         "shapes differ: model.layers.0.mlp.down_proj.weight (32, 64) in the files, (32, 48) in the model", "+3 more"]),
-    "index-lists-a-tensor-no-shard-holds": (lambda f: _sharded(f, lambda m: m.update(
-        {"model.layers.3.mlp.up_proj.weight": "model-00001-of-00003.safetensors"})),
-        ["disagree with model.safetensors.index.json",
-         "listed by the index but in no shard: model.layers.3.mlp.up_proj.weight (model-00001-of-00003.safetensors)"]),
-    "index-omits-a-tensor": (lambda f: _sharded(f, lambda m: m.pop("model.norm.weight")),
-                             ["in a shard but not in the index: model.norm.weight"]),
-    "index-names-the-wrong-shard": (lambda f: _sharded(f, lambda m: m.update(
-        {"model.embed_tokens.weight": "model-00003-of-00003.safetensors"})),
-        ["in another shard than the index says: model.embed_tokens.weight (index: model-00003-of-00003.safetensors, "
-         "held by model-0000"]),
     "bin-without-a-layer": (_bin_without_layer_2, ["no tensor for every weight of layer(s) 2 (config.json: "
                                                    "num_hidden_layers 3; the files hold 2 layers, 0-1)"]),
 }
+
+
+STALE_INDEX = {
+    # kind: (edit of the index's weight map, the phrase the warning must contain)
+    "lists-a-tensor-no-shard-holds": (lambda m: m.update(
+        {"model.layers.3.mlp.up_proj.weight": "model-00001-of-00003.safetensors"}),
+        "listed by the index but in no shard: model.layers.3.mlp.up_proj.weight (model-00001-of-00003.safetensors)"),
+    "omits-a-tensor": (lambda m: m.pop("model.norm.weight"), "in a shard but not in the index: model.norm.weight"),
+    "names-the-wrong-shard": (lambda m: m.update({"model.embed_tokens.weight": "model-00003-of-00003.safetensors"}),
+                              "in another shard than the index says: model.embed_tokens.weight (index: "
+                              "model-00003-of-00003.safetensors, held by model-0000"),
+}
+
+
+@pytest.mark.parametrize("kind", list(STALE_INDEX))
+def test_a_stale_index_is_warned_about_and_converts_as_transformers_loads_it(kind, tmp_path):
+    """transformers reads a sharded checkpoint's index for its list of shards only and loads every tensor of each,
+    so an index that misplaces, omits or invents a tensor loads exactly: warned about, not refused."""
+    edit, phrase = STALE_INDEX[kind]
+    folder = tmp_path / "source"
+    source = llama_folder(folder)
+    _sharded(folder, edit)
+    with pytest.warns(UserWarning, match="disagree with model.safetensors.index.json") as caught:
+        model = retrofit(folder, depth_mixing="residual")
+    assert any(phrase in str(warning.message) for warning in caught)
+    ids = torch.randint(3, 99, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # every weight loaded: the residual retrofit's logits are the source's (to float noise)
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture

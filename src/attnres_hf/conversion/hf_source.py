@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,12 +59,16 @@ def _file_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def folder_tensors(files: list[Path], index: Path | None = None) -> dict[str, torch.Tensor]:
     """`{name: meta tensor}` of every tensor of the weight `files` (already checked to be intact) that
-    `from_pretrained` loads together; with a sharded checkpoint's `index`, the index must name each tensor with the
-    shard that holds it.
+    `from_pretrained` loads together. With a sharded checkpoint's `index`, an index that does not name each tensor
+    with the shard that holds it (hand-edited or merged repositories) is warned about, not refused: transformers reads
+    the index for its list of shards only and loads every tensor of each, as this returns them.
 
     Raises:
-        ValueError: naming the tensors the index lists in a shard that does not hold them, the tensors a shard holds
-            that the index does not list there, and tensors stored twice.
+        ValueError: naming the tensors stored in two files (which one loads depends on the order of the files).
+
+    Warns:
+        UserWarning: naming the tensors the index lists in a shard that does not hold them, and those a shard holds
+            that the index does not list there.
     """
     tensors, where, twice = {}, {}, []
     for path in files:
@@ -71,19 +76,22 @@ def folder_tensors(files: list[Path], index: Path | None = None) -> dict[str, to
             if name in tensors:
                 twice.append(f"{name} ({where[name]}, {path.name})")
             tensors[name], where[name] = tensor, path.name
-    problems = [f"stored in two files: {_shown(twice)}"] if twice else []
+    if twice:
+        raise ValueError(f"{files[0].parent}: the weight files disagree with each other; tensors stored in two files: "
+                         f"{_shown(twice)}")
     if index is not None:
         weight_map = read_index(index)
         absent = [f"{name} ({shard})" for name, shard in weight_map.items() if name not in where]
         moved = [f"{name} (index: {shard}, held by {where[name]})" for name, shard in weight_map.items()
                  if name in where and where[name] != shard]
         unlisted = [f"{name} ({where[name]})" for name in where if name not in weight_map]
-        problems += [f"{what}: {_shown(names)}" for what, names in (
+        problems = [f"{what}: {_shown(names)}" for what, names in (
             ("listed by the index but in no shard", absent), ("in another shard than the index says", moved),
             ("in a shard but not in the index", unlisted)) if names]
-    if problems:
-        raise ValueError(f"{(index or files[0]).parent}: the weight files disagree with "
-                         f"{index.name if index else 'each other'}; tensors {'; '.join(problems)}")
+        if problems:
+            warnings.warn(f"{index.parent}: the weight files disagree with {index.name} (transformers loads every "
+                          f"tensor of the shards it lists, as the conversion does); tensors {'; '.join(problems)}",
+                          stacklevel=2)
     return tensors
 
 
