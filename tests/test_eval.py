@@ -250,7 +250,7 @@ def test_a_loaded_model_is_evaluated_where_and_as_it_is(monkeypatch):
 @pytest.mark.parametrize(("value", "expected"), [
     ("auto", "auto"), (None, "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
     ("half", "float16"), ("float", "float32"), ("double", "float64"), ("float64", "float64"),
-    ("fp8", ValueError), ("int8", ValueError), ("Auto", ValueError), ("bf16", ValueError), ("_C", ValueError),
+    ("fp8", ValueError), ("float8_e4m3fn", ValueError), ("float8_e5m2", ValueError), ("int8", ValueError), ("Auto", ValueError), ("bf16", ValueError), ("_C", ValueError),
     ("", ValueError), (3, ValueError),
 ])
 def test_dtype_takes_what_lm_eval_and_transformers_take(value, expected):

@@ -122,6 +122,8 @@ BAD_ARGUMENTS = {  # retrofit(source, **kwargs) -> (error type, what the one-lin
     "unknown-method": (dict(depth_mixing="hyper"), ValueError, "depth_mixing must be one of"),
     "dtype-name": (dict(dtype="float99"), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
     "dtype-int": (dict(dtype=torch.int8), ValueError, "dtype must be 'auto' or a floating point torch dtype"),
+    "dtype-float8": (dict(dtype=torch.float8_e4m3fn), ValueError, "is a float8 storage type"),
+    "dtype-float8-name": (dict(dtype="float8_e5m2"), ValueError, "is a float8 storage type"),
     "progress-str": (dict(progress="yes"), TypeError, "progress must be True or False"),
     "gguf-file-for-a-model": (dict(gguf_file="x.gguf"), ValueError, "gguf_file applies to a source path"),
 }

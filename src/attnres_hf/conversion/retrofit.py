@@ -287,6 +287,9 @@ def check_dtype(dtype, auto: bool = False) -> torch.dtype | str:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         also = "'auto' or " if auto else ""
         raise ValueError(f"dtype must be {also}a floating point torch dtype such as float32 or bfloat16, got {given!r}")
+    if dtype.itemsize < 2:  # torch's float8 kinds: storage types, whose matmuls CPU and most GPUs do not run
+        raise ValueError(f"dtype {given!r} is a float8 storage type, which a model cannot compute in: load float8 "
+                         f"weights with a quantization config (e.g. transformers' FineGrainedFP8Config)")
     return dtype
 
 
