@@ -15,6 +15,7 @@ code 2, as argparse's own usage errors do.
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -40,8 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_optional_bitsandbytes_kernel() -> None:
+    """Drop bitsandbytes' import-time warning that it could not fetch its optional CPU 4-bit kernel from the Hugging
+    Face Hub (`kernels` package): it then runs its built-in kernel, the one this package tests, and every command
+    (PEFT imports bitsandbytes) printed the warning on an AVX-512 BF16 CPU. Its other messages are kept."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `attnres ARGV...` (default `sys.argv[1:]`); returns the exit code."""
+    _quiet_optional_bitsandbytes_kernel()
     parser = build_parser()
     argv = with_default_subcommand(parser.commands, list(sys.argv[1:] if argv is None else argv))
     args, rest = parser.parse_known_args(argv)
