@@ -29,3 +29,30 @@ def tiny_model_dir(tmp_path):
     word_tokenizer().save_pretrained(tmp_path / "model")
     (tmp_path / "train.txt").write_text(counting_text())
     return tmp_path
+
+
+# `ATTNRES_TEST_MEMORY=1 make test`: which tests raise the run's peak resident memory (the suite's peak is what a
+# machine must hold; fixtures of module scope keep their models alive until their module ends).
+_PEAK_RAISES: list[tuple[float, float, str]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import os
+    import resource
+
+    if not os.environ.get("ATTNRES_TEST_MEMORY"):
+        yield
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if after > before:
+        _PEAK_RAISES.append(((after - before) / 2**20, after / 2**20, item.nodeid))  # ru_maxrss: KiB on Linux
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _PEAK_RAISES:
+        terminalreporter.section("tests that raised the peak resident memory (GiB raised, peak after)")
+        for raised, peak, nodeid in sorted(_PEAK_RAISES, reverse=True)[:15]:
+            terminalreporter.write_line(f"{raised:6.2f} {peak:6.2f}  {nodeid}")
