@@ -31,9 +31,10 @@ def tiny_model_dir(tmp_path):
     return tmp_path
 
 
-# `ATTNRES_TEST_MEMORY=1 make test`: which tests raise the run's peak resident memory (the suite's peak is what a
-# machine must hold; fixtures of module scope keep their models alive until their module ends).
-_PEAK_RAISES: list[tuple[float, float, str]] = []
+# `ATTNRES_TEST_MEMORY=1 make test`: which tests raise the run's peak resident memory, of the pytest process and of
+# the largest subprocess a test waited for (servers, accelerate and torchrun launches); the suite's peak is what a
+# machine must hold.
+_PEAK_RAISES: list[tuple[float, float, str, str]] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -44,15 +45,17 @@ def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("ATTNRES_TEST_MEMORY"):
         yield
         return
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    who = {"pytest": resource.RUSAGE_SELF, "subprocess": resource.RUSAGE_CHILDREN}
+    before = {name: resource.getrusage(kind).ru_maxrss for name, kind in who.items()}
     yield
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if after > before:
-        _PEAK_RAISES.append(((after - before) / 2**20, after / 2**20, item.nodeid))  # ru_maxrss: KiB on Linux
+    for name, kind in who.items():
+        after = resource.getrusage(kind).ru_maxrss  # KiB on Linux
+        if after > before[name]:
+            _PEAK_RAISES.append(((after - before[name]) / 2**20, after / 2**20, name, item.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter):
     if _PEAK_RAISES:
-        terminalreporter.section("tests that raised the peak resident memory (GiB raised, peak after)")
-        for raised, peak, nodeid in sorted(_PEAK_RAISES, reverse=True)[:15]:
-            terminalreporter.write_line(f"{raised:6.2f} {peak:6.2f}  {nodeid}")
+        terminalreporter.section("tests that raised the peak resident memory (GiB raised, peak after, of which)")
+        for raised, peak, name, nodeid in sorted(_PEAK_RAISES, reverse=True)[:15]:
+            terminalreporter.write_line(f"{raised:6.2f} {peak:6.2f}  {name:10}  {nodeid}")
