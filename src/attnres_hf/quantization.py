@@ -56,9 +56,12 @@ PACKED_OUTPUT_TILE = 32
 
 def cpu_4bit_repacking() -> bool:
     """Whether bitsandbytes' CPU backend repacks 4-bit weights for its AVX-512 BF16 inference kernel on this machine:
-    then only some layer shapes run on the CPU (`unsupported_4bit_shapes`)."""
-    import bitsandbytes.functional as bnb_functional
-
+    then only some layer shapes run on the CPU (`unsupported_4bit_shapes`). False without bitsandbytes (a 4-bit load
+    then fails in transformers, saying what to install)."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except ImportError:
+        return False
     return hasattr(bnb_functional, "_convert_weight_packed_for_cpu") and bool(bnb_functional.has_avx512bf16())
 
 
