@@ -63,14 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ImportError('attnres serve needs fastapi, uvicorn, openai and pydantic: pip install "attnres-hf[serve]"')
     from transformers.cli.transformers import app
 
+    register_with_transformers()  # before the 4-bit check too: it builds the class `config.architectures` names
     options = app.get_command(None, "serve").make_context("serve", list(argv), resilient_parsing=True).params
     folder = options.get("force_model")
     if folder and os.path.isdir(folder) and "--help" not in argv:
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{folder} has no config.json: give a model folder (e.g. from `attnres convert`)")
-        register_with_transformers()  # the check builds the class `config.architectures` names, as the server does
         _check_cpu_4bit(folder, options)
-    register_with_transformers()
 
     # typer/click parse the arguments, print `--help` and report bad options exactly as `transformers serve` does,
     # then exit: the code of that exit is returned.
