@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.attnres-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast docs install bench clean
 
 install: $(STAMP)
 
@@ -24,8 +24,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The inner loop: the tests not marked slow (CI runs `make test`).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# The documentation site, offline, into site/ (mkdocs.yml; tests/test_docs.py builds it with --strict).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

@@ -2,6 +2,7 @@
 depth-mixing method, cached generation, save/reload (native and remote code), flat (pre-backbone) configs."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -231,15 +232,21 @@ def test_fused_qkv_routing_equals_separate_projections():
     assert isinstance(phi3.key_value_inputs, KeyValueInputs) and phi3.key_value_inputs.fused == "qkv_proj"
 
 
-def test_readme_lists_every_family():
+def test_the_docs_list_every_family():
+    """docs/backbones.md has a row per family (GGUF column: exactly those with a GGUF layout), and the README's
+    support table names every family."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    rows = {line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")}
-    assert set(BACKBONES) <= rows
-    gguf = {line.split("|")[1].strip().strip("`") for line in readme.splitlines()
+    root = Path(__file__).parents[1]
+    page = (root / "docs" / "backbones.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
+    assert set(BACKBONES) == rows
+    gguf = {line.split("|")[1].strip().strip("`") for line in page.splitlines()
             if line.startswith("| `") and line.rstrip(" |").endswith(("yes", "yes (as `llama`)"))}
     assert gguf == {name for name, adapter in BACKBONES.items() if adapter.gguf_architecture}
+    (row,) = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("| backbones")]
+    named = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+    assert named == set(BACKBONES), named ^ set(BACKBONES)
 
 
 KEY_VALUE_KINDS = list({BACKBONES[family].key_value_inputs: family for family in reversed(FAMILIES)}.values())

@@ -136,7 +136,8 @@ def convert_step(state: DemoState) -> None:
 
 
 def plain_mean_step(state: DemoState) -> None:
-    """The paper's plain mean (no rescaling) for comparison: the RMSNorm eps effect (README, 'The eps effect') ..."""
+    """The paper's plain mean (no rescaling) for comparison: the RMSNorm eps effect (docs/retrofitting.md, "The
+    `eps` effect") ..."""
     probe = state.tokenizer(PROBE_TEXT, return_tensors="pt").input_ids
     source = state.models["source"]
     plain_mean = retrofit(source, attnres_block_size=state.results["attnres_block_size"],

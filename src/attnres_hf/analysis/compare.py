@@ -25,8 +25,9 @@ def load_pairs(path: str | Path) -> list[dict]:
     """Read a `.jsonl` file of `{"a": text, "b": text}` lines (an optional `"name"` is kept).
 
     Raises:
-        FileNotFoundError: no such file. TypeError: `path` is not a path. ValueError: a line that is not JSON or
-        lacks `a`/`b`, or an empty file.
+        FileNotFoundError: no such file.
+        TypeError: `path` is not a path.
+        ValueError: a line that is not JSON or lacks `a`/`b`, or an empty file.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a .jsonl file path, got {type(path).__name__}")

@@ -115,8 +115,10 @@ def run_dynamics(
     depth dynamics. Writes `dynamics.json` and `dynamics.png` to `output_dir`; returns the histories.
 
     Raises:
-        TypeError: a setting of the wrong type (`data` takes a path or a list of paths). ValueError: a count below 1,
-        a non-positive learning rate (and the data errors of `packed_lm_dataset`), before any model is built.
+        TypeError: a setting of the wrong type (`data` takes a path or a list of paths).
+        ValueError: a count below 1, a non-positive learning rate (and the data errors of `packed_lm_dataset`).
+
+    Both before any model is built.
     """
     from ..training import AttnResTrainer, packed_lm_dataset
 

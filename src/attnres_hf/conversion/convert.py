@@ -105,12 +105,16 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retro
 ## Use
 
 ```python
-import attnres_hf  # registers the model; or pass trust_remote_code=True without the package
+import attnres_hf  # registers the model with the Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}")  # this folder or its Hub id
 tokenizer = AutoTokenizer.from_pretrained("{Path(report["output_dir"]).name}")
 ```
+
+Without attnres-hf installed, the folder's own modeling files run: pass `trust_remote_code=True` to both
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` (the tokenizer reads this folder's
+`config.json`, whose `attnres` model type transformers does not know, and otherwise asks).
 
 Serve it behind transformers' OpenAI-compatible server (`/v1/chat/completions`, `/v1/completions`):
 

@@ -108,8 +108,11 @@ def run_lm_eval(model, benchmarks: list[Benchmark] | str, *, tokenizer=None, num
     float32 for a folder; a loaded model is evaluated as it is, on its device and in its dtype).
 
     Raises:
-        TypeError, ValueError, FileNotFoundError, CodeExecutionNotAllowed, MissingBenchmarkData: see `preflight`
-        and `check_run_settings`; all before loading.
+        TypeError: see `preflight` and `check_run_settings` (as the others; all before loading).
+        ValueError: see `preflight` and `check_run_settings`.
+        FileNotFoundError: see `preflight`.
+        CodeExecutionNotAllowed: see `preflight`.
+        MissingBenchmarkData: see `preflight`.
     """
     if isinstance(benchmarks, (str, list, tuple)) and not all(isinstance(b, Benchmark) for b in benchmarks):
         benchmarks = resolve_benchmarks(benchmarks)
@@ -269,10 +272,14 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
         `{"rows": [...], "comparison": {...}, "results": {...}}`, the content of `results.json`.
 
     Raises:
-        ValueError: unknown task; CodeExecutionNotAllowed: HumanEval/MBPP without `allow_code_execution`;
-        MissingBenchmarkData: data not prepared; FileExistsError: `output_dir` exists and `force` is false.
-        FileNotFoundError: a model folder does not exist; TypeError: an argument of the wrong type. All of these are
-        raised before a model is loaded.
+        ValueError: unknown task.
+        CodeExecutionNotAllowed: HumanEval/MBPP without `allow_code_execution`.
+        MissingBenchmarkData: data not prepared.
+        FileExistsError: `output_dir` exists and `force` is false.
+        FileNotFoundError: a model folder does not exist.
+        TypeError: an argument of the wrong type.
+
+    All of these are raised before a model is loaded.
     """
     import lm_eval
 

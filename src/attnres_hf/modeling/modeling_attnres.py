@@ -296,8 +296,9 @@ class AttnResModel(AttnResPreTrainedModel):
     ) -> AttnResModelOutputWithPast:
         r"""
         Args:
-            input_ids (`torch.LongTensor` of shape `(batch, seq_len)`), inputs_embeds (`(batch, seq_len,
-            hidden_size)`): exactly one of the two.
+            input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): the tokens; exactly one of `input_ids` and
+                `inputs_embeds`.
+            inputs_embeds (`torch.FloatTensor` of shape `(batch, seq_len, hidden_size)`): embeddings instead of tokens.
             cache (`Cache`): the KV cache (`past_key_values` is accepted as its former name). AttnRes needs no
                 cache of its own: depth routing is per token.
             output_hidden_states (`bool`): return the embeddings, each layer's routed input and the final normed

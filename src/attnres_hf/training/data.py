@@ -68,9 +68,10 @@ def packed_lm_dataset(
     train and eval never share text. Each example has `input_ids` and `labels` (equal; the model shifts them).
 
     Raises:
-        FileNotFoundError: a missing file. ValueError: an unsupported file type, an empty or malformed `.jsonl`, a
-        missing or non-string text column, `seq_len < 2`, or too little text for two blocks. TypeError: a setting of
-        the wrong type (`files` takes a path or a list of paths).
+        FileNotFoundError: a missing file.
+        ValueError: an unsupported file type, an empty or malformed `.jsonl`, a missing or non-string text column,
+            `seq_len < 2`, or too little text for two blocks.
+        TypeError: a setting of the wrong type (`files` takes a path or a list of paths).
     """
     check_int("seq_len", seq_len, 2, "tokens")
     check_fraction("eval_fraction", eval_fraction)

@@ -238,7 +238,8 @@ def merge_lora(base_model: str | os.PathLike | PreTrainedModel, adapter_dir: str
             tokenizer in `adapter_dir` nor the base folder and none given.
         FileExistsError: `output_dir` exists and `force` is false.
         ValueError: a quantised base the adapter was not trained on (`check_base_quantization`).
-        All checked before any weight loads.
+
+    All checked before any weight loads.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -258,13 +258,15 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     and weights.
 
     Raises:
-        TypeError: `args` / `training_args` of the wrong class. FileNotFoundError: a missing model folder or data
-        file, or `resume` without a checkpoint. FileExistsError: checkpoints of an earlier run in `output_dir`
-        without `resume`. ValueError: bad data, `method="routers"` on a model without depth routers, a LoRA target
-        that matches no module, or `resume` from a checkpoint at the end of its schedule or with settings that change
-        its learning-rate schedule. All of these are raised before the model's weights load, but for a run sized by
-        `num_train_epochs` resumed on other data or batch sizes (its step count is known once the Trainer starts:
-        raised before the first step).
+        TypeError: `args` / `training_args` of the wrong class.
+        FileNotFoundError: a missing model folder or data file, or `resume` without a checkpoint.
+        FileExistsError: checkpoints of an earlier run in `output_dir` without `resume`.
+        ValueError: bad data, `method="routers"` on a model without depth routers, a LoRA target that matches no
+            module, or `resume` from a checkpoint at the end of its schedule or with settings that change its
+            learning-rate schedule.
+
+    All of these are raised before the model's weights load, but for a run sized by `num_train_epochs` resumed on
+    other data or batch sizes (its step count is known once the Trainer starts: raised before the first step).
     """
     if not isinstance(args, AttnResArguments):
         raise TypeError(f"args must be AttnResArguments, got {type(args).__name__}")

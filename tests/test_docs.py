@@ -1,17 +1,21 @@
-"""The README's recipes run as written.
+"""The README and the documentation pages: their recipes run as written, and the site builds strictly.
 
-The README itself is what runs: its fenced blocks are read from the file, and a section in `RUN_HERE` has each of
-its blocks run in order, in a folder laid out as the blocks expect (a tiny model at `out/attnres-model`, a corpus at
-`corpus.jsonl`): `attnres ...` lines through the CLI's `main`, `python -c` lines and ```python blocks with `exec`,
-`pip install -e ".[extra]"` lines checked against the package's extras (installing is `make test`'s job). A section
-whose blocks need what a test machine lacks (a real checkpoint, GPUs, hours) is in `NOT_RUN_HERE` with the reason
-and the test that runs the same thing at model-tester size; a new block in neither fails
-`test_every_readme_block_is_run_here_or_says_why`.
+The pages themselves are what runs: their fenced blocks are read from the files, and a section in `RUN_HERE` has
+each of its blocks run in order, in a folder laid out as the blocks expect (a tiny model at `out/attnres-model`, a
+corpus at `corpus.jsonl`): `attnres ...` lines through the CLI's `main`, `python -c` lines and ```python blocks with
+`exec`, `pip install` lines checked against the package's extras and the Makefile's torch pin, `make X` lines against
+the Makefile's targets (installing and running them is CI's job). A section whose blocks need what a test machine
+lacks (a real checkpoint, GPUs, hours) is in `NOT_RUN_HERE` with the reason and the test that runs the same thing at
+model-tester size; a new block in neither fails `test_every_block_is_run_here_or_says_why`. ```text blocks are
+output and ```bibtex blocks citations: neither runs.
 """
 
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,10 @@ class Block:
     language: str
     code: str
     line: int  # of the opening fence, 1-based
+
+
+NOT_CODE = ("text", "bibtex")
+"""Fenced languages that are output or citations, not commands."""
 
 
 def fenced_blocks(text: str) -> list[Block]:
@@ -47,49 +57,75 @@ def fenced_blocks(text: str) -> list[Block]:
     return blocks
 
 
-def readme_blocks() -> list[Block]:
-    return fenced_blocks(README.read_text())
+def pages() -> list[Path]:
+    """The README and every documentation page (not the results fragments the pages include)."""
+    return [README, *sorted(path for path in DOCS.rglob("*.md") if RESULTS not in path.parents)]
 
 
-def section_blocks(section: str) -> list[Block]:
-    blocks = [block for block in readme_blocks() if block.section == section]
-    assert blocks, f"no code block under {section!r} in the README"
+def page_name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def page_blocks(page: str) -> list[Block]:
+    return [block for block in fenced_blocks((ROOT / page).read_text()) if block.language not in NOT_CODE]
+
+
+def section_blocks(page: str, section: str) -> list[Block]:
+    blocks = [block for block in page_blocks(page) if block.section == section]
+    assert blocks, f"no code block under {section!r} in {page}"
     return blocks
 
 
 RUN_HERE = {
-    "## Example": "test_readme_example_runs",
-    "## Quantization / QLoRA": "test_readme_quantization_and_qlora_recipes_run_as_written",
-    "## Training": "test_readme_training_recipes_run_as_written",
+    ("README.md", "## Set-up"): "test_setup_commands_name_real_targets_and_extras",
+    ("README.md", "## Example"): "test_readme_example_runs",
+    ("docs/getting-started.md", "## Set-up"): "test_setup_commands_name_real_targets_and_extras",
+    ("docs/getting-started.md", "## Retrofit your model and look at its routing"): "test_getting_started_retrofit_runs",
+    ("docs/development.md", "## Tests"): "test_setup_commands_name_real_targets_and_extras",
+    ("docs/quantization.md", "# Quantisation"): "test_quantization_and_qlora_recipes_run_as_written",
+    ("docs/training.md", "# Training"): "test_training_recipes_run_as_written",
 }
-"""section -> the test below that runs its blocks as written."""
+"""(page, section) -> the test below that runs its blocks as written."""
 
 NOT_RUN_HERE = {
-    "## Retrofitting a pretrained model": "paths stand for a real HF folder and GGUF file; tests/test_convert.py "
-    "runs `attnres convert` with these options on tiny folders and files",
-    "### Mixture-of-experts backbones and Kimi Linear (the paper's own backbone)": "real MoE / Kimi Linear folders; "
+    ("docs/retrofitting.md", "# Retrofitting a pretrained model"): "paths stand for a real HF folder and GGUF file; "
+    "tests/test_convert.py runs `attnres convert` with these options on tiny folders and files",
+    ("docs/gguf.md", "# GGUF files"): "a real GGUF file; tests/test_gguf.py and tests/test_gguf_families.py convert "
+    "tiny files written as llama.cpp writes them, tests/test_real_smollm2.py the real SmolLM2 file",
+    ("docs/backbones.md", "## Mixture of experts and Kimi Linear"): "real MoE / Kimi Linear folders; "
     "tests/test_backbones_moe.py runs the convert and train commands on tiny ones, tests/test_benchmarks.py the "
     "ablation presets",
-    "## Serving": "a server on the fixed port 8000, shared by everyone on a test machine; tests/test_serving.py "
-    "starts the same command on a free port and sends the same requests",
-    "## Pipeline parallelism": "torchrun with 2 processes for 200 steps of 512 tokens; "
-    "tests/test_pipeline_parallel.py runs the same pipeline with 2 gloo processes on a tiny model",
-    "## Evaluation (lm-eval-harness, offline)": "needs the benchmark packages' data (prepare-data fetches them); "
+    ("docs/training.md", "## Several processes"): "`accelerate launch --multi_gpu --num_processes 8` needs 8 GPUs; "
+    "tests/test_train.py launches the same DDP and FSDP runs with 2 CPU processes",
+    ("docs/serving.md", "# Serving and batching"): "a server on the fixed port 8000, shared by everyone on a test "
+    "machine; tests/test_serving.py starts the same command on a free port and sends the same requests",
+    ("docs/pipeline-parallelism.md", "# Pipeline parallelism"): "torchrun with 2 processes for 200 steps of 512 "
+    "tokens; tests/test_pipeline_parallel.py runs the same pipeline with 2 gloo processes on a tiny model",
+    ("docs/evaluation.md", "# Evaluation"): "needs the benchmark packages' data (prepare-data fetches them); "
     "tests/test_eval.py and tests/test_eval_cli.py run these commands on the offline task pack with tiny models",
-    "## Reading the depth routing": "the text and book stand for the user's; tests/test_routing_cli.py and "
-    "tests/test_analysis.py run map, compare and dynamics on tiny models",
-    "## The depth-mixing family": "benchmarks of 15 s to 1.5 hours on the real SmolLM2 and books; "
-    "tests/test_benchmarks.py runs their smoke presets",
-    "## Citation": "not code",
+    ("docs/evaluation.md", "## lm-eval directly"): "needs the benchmark data; tests/test_eval_cli.py runs "
+    "`attnres lm-eval` and tests/test_eval.py lm-eval with the pack's include path on tiny models",
+    ("docs/routing.md", "# Reading the routing"): "the text and book stand for the user's; "
+    "tests/test_routing_cli.py and tests/test_analysis.py run map, compare and dynamics on tiny models",
+    ("docs/science.md", "## Ablation study"): "benchmarks of seconds to hours on the books; tests/test_benchmarks.py "
+    "runs their smoke presets",
+    ("docs/science.md", "### The input-dependent query"): "a benchmark of about an hour; tests/test_benchmarks.py "
+    "runs it at smoke size",
+    ("docs/science.md", "## Structured task vs memorisation"): "a benchmark of about 17 minutes; "
+    "tests/test_benchmarks.py runs it at smoke size",
+    ("docs/science.md", "## Does a retrofit learn to route?"): "two 20-minute runs on the real SmolLM2; "
+    "tests/test_benchmarks.py runs the script at smoke size",
+    ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
+    "runs it at a tiny shape",
 }
-"""section -> why its blocks are not run as written here, and which test runs the same thing."""
+"""(page, section) -> why its blocks are not run as written here, and which test runs the same thing."""
 
 
-def test_every_readme_block_is_run_here_or_says_why():
-    sections = {block.section for block in readme_blocks()}
-    assert sections == set(RUN_HERE) | set(NOT_RUN_HERE), (
-        f"README sections with code that no test runs: {sorted(sections - set(RUN_HERE) - set(NOT_RUN_HERE))}; "
-        f"listed but gone: {sorted(set(RUN_HERE) | set(NOT_RUN_HERE) - sections)}")
+def test_every_block_is_run_here_or_says_why():
+    sections = {(page_name(path), block.section) for path in pages() for block in page_blocks(page_name(path))}
+    listed = set(RUN_HERE) | set(NOT_RUN_HERE)
+    assert sections == listed, (f"sections with code that no test runs: {sorted(sections - listed)}; "
+                                f"listed but gone: {sorted(listed - sections)}")
     assert not set(RUN_HERE) & set(NOT_RUN_HERE)
     assert all(name in globals() for name in RUN_HERE.values())
 
@@ -99,15 +135,27 @@ def shell_commands(code: str) -> list[list[str]]:
     return [argv for line in code.replace("\\\n", " ").splitlines() if (argv := shlex.split(line, comments=True))]
 
 
+def _makefile() -> str:
+    return (ROOT / "Makefile").read_text()
+
+
 def _check_pip_install(argv: list[str]) -> None:
-    # `pip install -e ".[quant]"` or `pip install "attnres-hf[serve]"`: this package, and the extras it names exist
-    # (installing them is `make test`'s job, not a test's).
+    # `pip install -e ".[quant]"` or `pip install "attnres-hf[serve,eval]"`: this package, and the extras it names
+    # exist; `pip install torch==X` is the Makefile's pin (installing them is `make test`'s job, not a test's).
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     target = argv[-1]
+    if target.startswith("torch=="):
+        assert f"pip install --quiet {target}" in _makefile(), f"{target}: not the Makefile's torch pin"
+        return
     match = re.fullmatch(r"(\.|[\w-]+)\[([\w,-]+)\]", target)
     assert match and match[1] in (".", project["name"]), f"unexpected pip target {shlex.join(argv)!r}"
     assert match[1] != "." or argv[-2] == "-e", f"{shlex.join(argv)}: the checkout installs editable (-e)"
     assert set(match[2].split(",")) <= set(project["optional-dependencies"]), f"{target}: no such extra"
+
+
+def _check_make(argv: list[str]) -> None:
+    targets = set(re.findall(r"^([\w-]+):", _makefile(), flags=re.MULTILINE))
+    assert len(argv) == 2 and argv[1] in targets, f"{shlex.join(argv)}: no such Makefile target"
 
 
 def run_blocks(blocks: list[Block], where: str, serve=None) -> list[dict]:
@@ -119,7 +167,7 @@ def run_blocks(blocks: list[Block], where: str, serve=None) -> list[dict]:
     for block in blocks:
         at = f"{where}:{block.line}"
         if block.language == "python":
-            namespace = {"__name__": "__readme__"}
+            namespace = {"__name__": "__docs__"}
             exec(compile(block.code, at, "exec"), namespace)
             namespaces.append(namespace)
             continue
@@ -127,20 +175,22 @@ def run_blocks(blocks: list[Block], where: str, serve=None) -> list[dict]:
         for argv in shell_commands(block.code):
             if argv[:2] == ["pip", "install"]:
                 _check_pip_install(argv)
+            elif argv[0] == "make":
+                _check_make(argv)
             elif argv[:2] == ["attnres", "serve"] and serve is not None:
                 serve(argv)
             elif argv[0] == "attnres":
                 assert main(argv[1:]) == 0, f"{at}: {shlex.join(argv)}"
             elif argv[:2] == ["python", "-c"]:
-                exec(compile(argv[2], at, "exec"), {"__name__": "__readme__"})
+                exec(compile(argv[2], at, "exec"), {"__name__": "__docs__"})
             else:
                 raise AssertionError(f"{at}: no runner for {shlex.join(argv)}")
     return namespaces
 
 
-def run_section(section: str) -> list[dict]:
-    """Run every block of the README's `section` in order in the current folder (`run_blocks`)."""
-    return run_blocks(section_blocks(section), README.name)
+def run_section(page: str, section: str) -> list[dict]:
+    """Run every block of `section` of `page` in order in the current folder (`run_blocks`)."""
+    return run_blocks(section_blocks(page, section), page)
 
 
 def serve_and_chat(argv: list[str], log: Path) -> None:
@@ -161,11 +211,20 @@ def serve_and_chat(argv: list[str], log: Path) -> None:
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):
-    (block,) = section_blocks("## Example")
-    assert block.language == "python" and len(block.code.strip().splitlines()) <= 12
+    (block,) = section_blocks("README.md", "## Example")
+    assert block.language == "python" and len(block.code.strip().splitlines()) <= 15
     monkeypatch.chdir(tmp_path)
-    run_section("## Example")
+    (namespace,) = run_section("README.md", "## Example")
     assert (tmp_path / "tiny-attnres" / "model.safetensors").exists()
+    weights = namespace["weights"]  # one (batch, seq_len, n_sources) row-stochastic tensor per router
+    assert len(weights) == 2 * namespace["config"].num_hidden_layers + 1
+    assert all(w.shape[:2] == (1, 4) and torch.allclose(w.sum(-1), torch.ones(1, 4)) for w in weights)
+
+
+def test_setup_commands_name_real_targets_and_extras():
+    """The set-up blocks (make targets, pip lines) name what exists; running them is CI's job."""
+    for page, section in [key for key, name in RUN_HERE.items() if name == "test_setup_commands_name_real_targets_and_extras"]:
+        run_section(page, section)
 
 
 # Contents only: the word tokenizer's unknown token is its pad token, which `generate` masks and a server need not.
@@ -173,7 +232,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 
 
 def readme_folder(root: Path) -> None:
-    """What the README's recipes start from: `out/attnres-model` (a tiny AttnRes model, its tokenizer with a chat
+    """What the pages' recipes start from: `out/attnres-model` (a tiny AttnRes model, its tokenizer with a chat
     template) and `corpus.jsonl`. Hidden 64 / intermediate 128: bitsandbytes' 4-bit CPU kernels need in_features a
     multiple of 64 and out_features of 32 on some CPUs. The corpus is 3 blocks of the default 512 tokens (2 to train
     on, 1 held out), so each step of the recipes' default batch is 2 blocks."""
@@ -190,15 +249,10 @@ def readme_folder(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_readme_training_recipes_run_as_written(tmp_path, monkeypatch):
-    blocks = section_blocks("## Training")
-    # `accelerate launch --multi_gpu --num_processes 8` needs 8 GPUs; tests/test_train.py launches the same DDP and
-    # FSDP runs with 2 CPU processes.
-    launches = [block for block in blocks if block.code.startswith("accelerate launch")]
-    assert len(launches) == 1
+def test_training_recipes_run_as_written(tmp_path, monkeypatch):
     readme_folder(tmp_path)
     monkeypatch.chdir(tmp_path)
-    run_blocks([block for block in blocks if block not in launches], README.name)
+    run_section("docs/training.md", "# Training")
     routers = json.loads(Path("runs/routers/train_summary.json").read_text())
     assert routers["method"] == "routers" and routers["steps"] == 200
     assert routers["eval_loss_after"] < routers["eval_loss_before"]
@@ -207,7 +261,7 @@ def test_readme_training_recipes_run_as_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_readme_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypatch):
+def test_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -216,7 +270,7 @@ def test_readme_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypa
 
     readme_folder(tmp_path)
     monkeypatch.chdir(tmp_path)
-    loads, adapted = run_section("## Quantization / QLoRA")
+    loads, adapted = run_section("docs/quantization.md", "# Quantisation")
 
     # The quantized loads are what they say: NF4, and int8.
     assert loads["model_4bit"].config.quantization_config.bnb_4bit_quant_type == "nf4"
@@ -252,7 +306,7 @@ def test_readme_quantization_and_qlora_recipes_run_as_written(tmp_path, monkeypa
     reference = AutoModelForCausalLM.from_pretrained(merged).eval()
     tokens = reference.generate(**prompt, max_new_tokens=4, do_sample=False)[0, prompt["input_ids"].shape[1]:]
     assert reply == {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}
-    # ... and serves, as the section says (`attnres serve out/merged`) and the Serving section shows.
+    # ... and serves, as the page says (`attnres serve out/merged`) and the Serving page shows.
     serve_and_chat(["attnres", "serve", "out/merged"], tmp_path / "server.log")
 
 
@@ -284,9 +338,63 @@ def test_model_card_recipes_run_as_written(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "base_quantization.json").read_text())["quantization_config"] is None
 
 
-def test_readme_names_the_two_setup_commands():
+def test_readme_is_short_and_names_the_two_setup_commands():
     text = README.read_text()
-    assert "make test" in text and "make demo" in text
+    assert len(text.splitlines()) <= 200, "the README is a landing page: the rest belongs in docs/"
+    assert "`make demo`" in text and "`make test`" in text
+
+
+def test_getting_started_retrofit_runs(tmp_path, monkeypatch):
+    """The getting-started walk-through on a tiny Llama folder at `my-llama`: convert, train the routers, draw."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import TINY, counting_text, word_tokenizer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path / "my-llama")
+    word_tokenizer().save_pretrained(tmp_path / "my-llama")
+    (tmp_path / "book.txt").write_text(counting_text(lines=64))
+    monkeypatch.chdir(tmp_path)
+    run_section("docs/getting-started.md", "## Retrofit your model and look at its routing")
+    verification = json.loads(Path("out/my-attnres/conversion_report.json").read_text())["verification"]
+    assert verification["greedy_match"] and verification["max_abs_logit_delta"] <= 1e-5
+    assert json.loads(Path("runs/routers/train_summary.json").read_text())["steps"] == 20
+    for name in ("routing_average.png", "routing_tokens.png", "summary.json"):
+        assert (tmp_path / "outputs" / "routing" / name).is_file(), name
+
+
+DOCS_ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2.0 is no warning of ours
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """`mkdocs build --strict`: broken links and anchors, missing pages, snippets and API references fail."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    result = subprocess.run([str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                            env=DOCS_ENV, capture_output=True, text=True, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0 and "WARNING" not in log, log
+    assert (tmp_path / "site" / "reference" / "modeling" / "index.html").is_file()
+
+
+def test_every_results_fragment_is_included_and_says_where_it_came_from():
+    """docs/results/*.md are what the benchmarks wrote: each is included by a page, and none is included twice
+    (one home for each number)."""
+    text = "\n".join(path.read_text() for path in pages())
+    included = re.findall(r'--8<-- "docs/results/([\w.-]+)"', text)
+    fragments = sorted(path.name for path in RESULTS.glob("*.md"))
+    assert sorted(set(included)) == fragments, set(included) ^ set(fragments)
+    assert len(included) == len(set(included)), "a results fragment is included twice"
+
+
+PRIVATE_WORDS = re.compile(r"\b(issue \d+|this round|last round|last session|earlier round|other agents?)\b",
+                           re.IGNORECASE)
+
+
+def test_the_pages_speak_to_users():
+    """No project-internal history a reader cannot follow (issue numbers, rounds, sessions, other agents)."""
+    for path in pages():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not PRIVATE_WORDS.search(line), f"{page_name(path)}:{number}: {line}"
 
 
 def test_cli_info_describes_the_block_layout(tmp_path, capsys):
