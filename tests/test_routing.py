@@ -113,11 +113,13 @@ def test_naive_attnres_docstring_contract():
 
 def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch):
     """Completed-block key norms come from the state (once per block), never recomputed per router."""
-    from attnres_hf.modeling import mixing_attnres
+    from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres
 
     calls, merges = [], []
-    original, merge = mixing_attnres.inverse_rms, mixing_attnres._merge_inference
-    monkeypatch.setattr(mixing_attnres, "inverse_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
+    original, merge = mixing_attnres.inverse_rms, attnres_two_phase._merge_inference
+    for module in (attnres_buffer, attnres_two_phase, mixing_attnres):  # every module that calls it
+        monkeypatch.setattr(module, "inverse_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
+    # (patched where the router looks it up)
     monkeypatch.setattr(mixing_attnres, "_merge_inference", lambda *a: merges.append(1) or merge(*a))
     model = tiny_model(attnres_block_size=2, num_hidden_layers=4)
     with torch.no_grad():

@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+import attnres_hf.modeling
 from attnres_hf import AttnResForCausalLM, AttnResModel
 from utils import tiny_model
 
@@ -28,6 +30,10 @@ def test_save_writes_safetensors_modeling_files_and_auto_map(saved):
     folder, _, _ = saved
     files = {p.name for p in folder.iterdir()}
     assert {"model.safetensors", "config.json", "configuration_attnres.py", "modeling_attnres.py"} <= files
+    # every module of `attnres_hf.modeling` travels (the relative imports of the two above, followed recursively)
+    siblings = {p.name for p in Path(attnres_hf.modeling.__file__).parent.glob("*.py")} - {"__init__.py"}
+    assert {"mixing_attnres.py", "attnres_reference.py", "attnres_buffer.py", "attnres_two_phase.py"} <= siblings
+    assert siblings <= files, siblings - files
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map == {
         "AutoConfig": "configuration_attnres.AttnResConfig",

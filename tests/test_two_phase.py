@@ -8,8 +8,9 @@ import contextlib
 import pytest
 import torch
 
-from attnres_hf.modeling import mixing_attnres
-from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState, naive_attnres
+from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres
+from attnres_hf.modeling.attnres_reference import naive_attnres
+from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState
 from utils import TINY, tiny_model
 
 KNOBS = {
@@ -198,24 +199,24 @@ def test_partial_merge_function_passes_gradcheck(score_fn, key_norm, monkeypatch
     """`_PartialMerge` (phase 2 with gradients, recomputing the completed sources' weighted sum in backward): its
     backward is the derivative of its forward, for the merged output and the partial sum's logit, in float64 (the
     key norm's statistics too: `inverse_rms` computes in fp32 otherwise)."""
-    monkeypatch.setattr(mixing_attnres, "inverse_rms", lambda x, eps: torch.rsqrt(x.pow(2).mean(-1) + eps))
+    monkeypatch.setattr(attnres_two_phase, "inverse_rms", lambda x, eps: torch.rsqrt(x.pow(2).mean(-1) + eps))
     generator = torch.Generator().manual_seed(0)
     n, batch, seq, dim = 3, 2, 3, 8
     buffer = torch.randn(n + 2, batch, seq, dim, generator=generator, dtype=torch.float64)  # slot n: not read
     weights = torch.randn(batch, seq, n, generator=generator, dtype=torch.float64).softmax(-1)
-    mixed = mixing_attnres._mix(buffer[:n], weights.unsqueeze(-2)).squeeze(-2).requires_grad_()
+    mixed = attnres_buffer._mix(buffer[:n], weights.unsqueeze(-2)).squeeze(-2).requires_grad_()
     partial = torch.randn(batch, seq, dim, generator=generator, dtype=torch.float64, requires_grad=True)
     query = torch.randn(dim, generator=generator, dtype=torch.float64, requires_grad=True)
     lse = None if score_fn == "sigmoid" else torch.randn(batch, seq, generator=generator, dtype=torch.float64,
                                                            requires_grad=True)
 
     def merge(partial, mixed, query, *lse):
-        return mixing_attnres._PartialMerge.apply(buffer, n, weights, partial, mixed, query, *(lse or (None,)),
-                                                  1e-5, key_norm)
+        return attnres_two_phase._PartialMerge.apply(buffer, n, weights, partial, mixed, query, *(lse or (None,)),
+                                                     1e-5, key_norm)
 
     inputs = (partial, mixed, query) + (() if lse is None else (lse,))
     assert torch.autograd.gradcheck(merge, inputs)
-    plain = mixing_attnres._merge_partial(partial, mixed, query, lse, 1e-5, key_norm)[:2]
+    plain = attnres_two_phase._merge_partial(partial, mixed, query, lse, 1e-5, key_norm)[:2]
     for ours, theirs in zip(merge(*inputs), plain, strict=True):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
@@ -296,9 +297,9 @@ def test_source_gradients_are_summed_in_place_once_per_slot(block_size, input_id
     path's plain autograd."""
     model, projection, reference = with_stacked_reference(block_size, input_ids, monkeypatch, seed=6)
     taken = []
-    take = mixing_attnres._SourceGrads.take
-    monkeypatch.setattr(mixing_attnres._SourceGrads, "take", lambda self, slot: taken.append(slot) or take(self, slot))
-    monkeypatch.setattr(mixing_attnres, "_per_source", lambda *a: pytest.fail("autograd summed a per-source gradient"))
+    take = attnres_buffer._SourceGrads.take
+    monkeypatch.setattr(attnres_buffer._SourceGrads, "take", lambda self, slot: taken.append(slot) or take(self, slot))
+    monkeypatch.setattr(attnres_buffer, "_per_source", lambda *a: pytest.fail("autograd summed a per-source gradient"))
     _, _, grads = run(model, input_ids, projection)
     slots = 1 + (model.config.num_sublayers - 1) // block_size
     assert sorted(taken) == list(range(slots))  # every slot once; slot 0 is the embedding
@@ -333,8 +334,8 @@ def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size
     `backward`, a `retain_graph` replay and a partial `torch.autograd.grad`, with the same gradients as before."""
     model, projection, reference = with_stacked_reference(block_size, input_ids, monkeypatch, seed=8)
     made = []
-    init = mixing_attnres._SourceGrads.__init__
-    monkeypatch.setattr(mixing_attnres._SourceGrads, "__init__", lambda self, b: made.append(self) or init(self, b))
+    init = attnres_buffer._SourceGrads.__init__
+    monkeypatch.setattr(attnres_buffer._SourceGrads, "__init__", lambda self, b: made.append(self) or init(self, b))
     model.zero_grad()
     out = model(input_ids)
     loss = (out.logits @ projection).square().mean()
@@ -396,8 +397,8 @@ def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, inpu
     config = model.config
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     calls = {"merge": 0, "direct": 0}
-    merge, direct = mixing_attnres._merge_inference, AttnResRouter._direct_inference
-    monkeypatch.setattr(mixing_attnres, "_merge_inference",
+    merge, direct = attnres_two_phase._merge_inference, AttnResRouter._direct_inference
+    monkeypatch.setattr(mixing_attnres, "_merge_inference",  # (where the router looks it up)
                         lambda *a: calls.__setitem__("merge", calls["merge"] + 1) or merge(*a))
     monkeypatch.setattr(AttnResRouter, "_direct_inference",
                         lambda *a: calls.__setitem__("direct", calls["direct"] + 1) or direct(*a))

@@ -5,16 +5,17 @@ methods: the config, the decoder, the training recipes (`ROUTER_MODULES`, weight
 and the tests read it. Adding a method means adding its state and modules (a `mixing_*.py` sibling) and its record
 here. The state contract (`DepthState`, `DepthRead`, `DepthWrite`) is in `mixing_base.py`.
 
-Travels with checkpoints as remote code (a relative import of `modeling_attnres.py`, with its `mixing_*.py`
-siblings): imports only torch and transformers.
+Travels with checkpoints as remote code (a relative import of `modeling_attnres.py`, with its `mixing_*.py` and
+`attnres_*.py` siblings): imports only torch and transformers.
 """
 
 import torch
 from torch import nn
 
+from .attnres_reference import (attnres_num_sources, attnres_routing_maps, attnres_source_columns,
+                                attnres_source_names, naive_attnres)
 from .mixing_attnres import (AttnResFinalModules, AttnResLayerModules, AttnResRouter, AttnResState, ResidualState,
-                             attnres_num_sources, attnres_routing_maps, attnres_source_columns, attnres_source_names,
-                             attnres_source_norms, naive_attnres)
+                             attnres_source_norms)
 from .mixing_base import (AttnResRMSNorm, DepthMixingMethod, DepthRead, DepthState, DepthWrite, RoutingMap,
                           registered_modules, register_modules, stacked_norms)
 from .mixing_dense import (DCAFinalModules, DCALayerModules, DCAState, DenseFormerLayerModules, DenseFormerState,

@@ -1,0 +1,265 @@
+"""The source buffer of Attention Residuals (arXiv:2603.15031, Eq. 1-4 and 6): the completed sources of one forward
+written once, in place, into a slot-major buffer, and the custom autograd Functions through which the routers read it
+(the scores `w . v_i` of Eq. 2-3, the weighted sum of Eq. 1, the key norm's `1/RMS`). Their backward reads the buffer
+instead of saved copies of the sources, and in eager training sums the sources' gradients in place (`_SourceGrads`).
+
+Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
+sibling `mixing_base.py`.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .mixing_base import inverse_rms
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The source buffer: completed sources written once, in place, read by every router through views
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without a dispatch when it is one already (a decoded token runs hundreds of these)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _scores(values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """`values (n, B, T, D)` (slot-major, contiguous) against `queries (S, D)` -> `(B, T, S, n)`, in the queries'
+    dtype: one `(n B T, D) @ (D, S)` product (a view, no copy of the sources in fp32 models)."""
+    n, batch, seq, dim = values.shape
+    flat = _as(values.reshape(n * batch * seq, dim), queries.dtype)
+    return (flat @ queries.T).view(n, batch, seq, -1).permute(1, 2, 3, 0)
+
+
+def _mix(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`weights (B, T, S, n)` (the values' dtype) times `values (n, B, T, D)` -> `(B, T, S, D)`: one batched product
+    over the `B T` positions, reading the sources through a strided view (no copy)."""
+    n, batch, seq, dim = values.shape
+    per_token = values.reshape(n, batch * seq, dim).transpose(0, 1)  # (B T, n, D), strided view
+    return torch.bmm(weights.reshape(batch * seq, -1, n), per_token).view(batch, seq, -1, dim)
+
+
+class _SourceGrads:
+    """The gradients of one forward's source buffer, summed in place (eager training).
+
+    Autograd's own way hands every reader's gradient to each source it read and sums them there: one `(B, T, D)` sum
+    per reader per source, two per router (scores and mixing), so Full AttnRes's ~L^2/2 router reads cost ~L^2 such
+    sums (they were about 70% of its extra training time). Here a reader's backward adds its mixing term for all the
+    slots it read into `grad` `(n_slots, B, T, D)`, one in-place product, and records its scores term (rank `S` per
+    slot: `dL/dlogit` times the queries), which `take` adds in one `(B T, K) @ (K, D)` product per slot. `_SourceSlot`
+    hands a slot's sum to its source once: every reader of the slot is an autograd consumer of the slot's handle, so
+    the engine runs them all before it.
+
+    The sums belong to one backward pass (graph task): `retain_graph` replays and partial `torch.autograd.grad` calls
+    each start from zero, and the pass drops them when it ends (they would otherwise live as long as the forward's
+    outputs, e.g. through the next forward of a training loop). Tracing (`torch.compile`) keeps autograd's own sums
+    (`_store`), which inductor fuses.
+    """
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.task, self.grad, self.score_terms = buffer, None, None, []
+
+    @staticmethod
+    def applies() -> bool:
+        """Eager training with a torch that names the current backward pass (`torch._C._current_graph_task_id`)."""
+        return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and hasattr(torch._C, "_current_graph_task_id"))
+
+    def _current(self) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
+            torch.autograd.Variable._execution_engine.queue_callback(self._release)  # when this pass ends
+        return self.grad
+
+    def _release(self) -> None:
+        self.grad, self.score_terms = None, []
+
+    def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
+        """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
+        self._current()
+        self.score_terms.append((grad_logits, queries))
+
+    def add_mix(self, n: int, grad_values: torch.Tensor, lo: int = 0) -> None:
+        """Add `grad_values (n - lo, B, T, D)` (a view is fine) to slots `lo .. n - 1`."""
+        self._current()[lo:n].add_(grad_values)
+
+    def add_mix_product(self, n: int, weights: torch.Tensor, grad: torch.Tensor, lo: int = 0) -> None:
+        """Add `weights_i * grad` to slot `i` for `i` in `lo .. n - 1`: `weights (n - lo, B, T, 1)`, `grad (B, T, D)`."""
+        self._current()[lo:n].addcmul_(weights, grad)
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        """Slot `slot`'s summed gradient `(B, T, D)` (buffer dtype), or `None` when no reader ran in this pass."""
+        if self.task != torch._C._current_graph_task_id():
+            return None
+        grad = self.grad[slot]
+        terms = [(g[..., slot], q) for g, q in self.score_terms if slot < g.shape[-1]]
+        if terms:
+            dim = grad.shape[-1]
+            coefficients = torch.cat([g.reshape(-1, g.shape[-1]) for g, _ in terms], dim=-1)  # (B T, K) fp32
+            queries = torch.cat([q for _, q in terms])  # (K, D) fp32
+            if grad.dtype == queries.dtype:
+                grad.view(-1, dim).addmm_(coefficients, queries)
+            else:  # the product in fp32, added in the buffer's dtype
+                grad.view(-1, dim).add_((coefficients @ queries).to(grad.dtype))
+        return grad
+
+
+class _SourceSlot(torch.autograd.Function):
+    """Write `source` into `buffer[slot]` and return its handle: a 0-dim tensor the slot's readers take as an input
+    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`).
+    A leaf source (`inputs_embeds` that requires grad) gets a copy: autograd would keep the slot's view itself as
+    its `.grad`, and with it every slot's gradient."""
+
+    @staticmethod
+    def forward(ctx, grads, slot, source):
+        grads.buffer[slot].copy_(source)
+        ctx.grads, ctx.slot, ctx.leaf = grads, slot, source.is_leaf
+        ctx.set_materialize_grads(False)
+        return source.new_zeros(())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _):
+        grad = ctx.grads.take(ctx.slot)
+        return None, None, grad.clone() if ctx.leaf and grad is not None else grad
+
+
+class _SourceScores(torch.autograd.Function):
+    """`_scores(buffer[:n], queries)` whose backward reads the buffer instead of a saved copy of the sources.
+
+    The buffer is written in place (a slot once per forward, before any reader) and is not saved with
+    `save_for_backward`, so later writes do not trip autograd's version counter; slots `< n` never change after they
+    are read. `inputs` are the `n` slots' autograd handles: `_SourceSlot` handles with `grads` (the gradients are
+    summed in `grads`), or the source tensors themselves with `grads=None` (one gradient per source, autograd sums
+    them; the traced path)."""
+
+    @staticmethod
+    def forward(ctx, buffer, grads, n, queries, *inputs):
+        ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
+        ctx.save_for_backward(queries)
+        return _scores(buffer[:n], queries)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # grad (B, T, S, n)
+        (queries,) = ctx.saved_tensors
+        values, n = ctx.buffer[: ctx.n], ctx.n
+        grad_queries = None
+        if ctx.needs_input_grad[3]:
+            flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
+            grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
+        needs = ctx.needs_input_grad[4:]
+        if not any(needs):
+            return None, None, None, grad_queries, *_nones(needs)
+        if ctx.grads is not None:
+            ctx.grads.add_scores(grad, queries)
+            return None, None, None, grad_queries, *_nones(needs)
+        flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)
+        grad_values = (flat_grad @ queries).view(values.shape)
+        return None, None, None, grad_queries, *_per_source(grad_values, ctx, n)
+
+
+class _SourceMix(torch.autograd.Function):
+    """`_mix(buffer[:n], weights)` whose backward reads the buffer (see `_SourceScores`)."""
+
+    @staticmethod
+    def forward(ctx, buffer, grads, n, weights, *inputs):
+        ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
+        ctx.save_for_backward(weights)
+        return _mix(buffer[:n], weights)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # grad (B, T, S, D)
+        (weights,) = ctx.saved_tensors
+        values, n = ctx.buffer[: ctx.n], ctx.n
+        batch, seq, dim = values.shape[1:]
+        grad = grad.reshape(batch * seq, -1, dim)
+        grad_weights = None
+        if ctx.needs_input_grad[3]:
+            per_token = values.reshape(n, batch * seq, dim).permute(1, 2, 0)  # (B T, D, n)
+            grad_weights = torch.bmm(grad, per_token).view(weights.shape)
+        needs = ctx.needs_input_grad[4:]
+        if not any(needs):
+            return None, None, None, grad_weights, *_nones(needs)
+        flat = weights.reshape(batch * seq, -1, n)
+        if ctx.grads is not None:  # summed in place, from the first slot that needs a gradient
+            lo = needs.index(True)
+            if flat.shape[1] == 1:  # one router: slot i += w_i * grad
+                ctx.grads.add_mix_product(n, flat[:, 0, lo:].T.reshape(n - lo, batch, seq, 1),
+                                          grad.view(batch, seq, dim), lo)
+            else:  # a block's routers: (B T, n, S) @ (B T, S, D), added through a (n, B T, D) view
+                product = torch.bmm(flat[..., lo:].transpose(1, 2), grad)
+                ctx.grads.add_mix(n, product.transpose(0, 1).unflatten(1, (batch, seq)), lo)
+            return None, None, None, grad_weights, *_nones(needs)
+        # (n, B, T, D), slot-major and contiguous: autograd sums each slot's gradient with the source's others
+        if flat.shape[1] == 1:  # one router: w_i * grad, a broadcast product
+            grad_values = flat[:, 0].T.unsqueeze(-1) * grad[:, 0]
+        else:  # a block's routers: (B T, n, S) @ (B T, S, D)
+            grad_values = torch.bmm(flat.transpose(1, 2), grad).transpose(0, 1).contiguous()
+        return None, None, None, grad_weights, *_per_source(grad_values.view(n, batch, seq, dim), ctx, n)
+
+
+def _nones(needs) -> tuple:
+    """`None` gradients for the handles."""
+    return (None,) * len(needs)
+
+
+class _SourceInverseRMS(torch.autograd.Function):
+    """`inverse_rms` of the source in buffer slot `slot`, whose backward reads the slot (no saved copy). `handle`:
+    the slot's autograd handle (`_store`); with `grads`, the gradient is added to the slot's sum in place."""
+
+    @staticmethod
+    def forward(ctx, buffer, grads, slot, eps, handle):
+        ctx.buffer, ctx.grads, ctx.slot = buffer, grads, slot
+        inv = inverse_rms(buffer[slot], eps)
+        ctx.save_for_backward(inv)
+        return inv
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # d/dx (mean(x^2) + eps)^(-1/2) = -inv^3 x / D
+        (inv,) = ctx.saved_tensors
+        value = ctx.buffer[ctx.slot]
+        coefficient = (grad * inv.pow(3) / -value.shape[-1]).unsqueeze(-1)
+        if ctx.grads is not None:
+            ctx.grads.add_mix_product(ctx.slot + 1, _as(coefficient, value.dtype).unsqueeze(0), value, ctx.slot)
+            return None, None, None, None, None
+        return None, None, None, None, (coefficient * value.float()).to(ctx.buffer.dtype)
+
+
+def _per_source(grad_values, ctx, n):
+    """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
+    grad_values = grad_values.to(ctx.buffer.dtype)
+    return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[4:]))
+
+
+def _read_sources(function, plain, state, other):
+    """`function` (an autograd Function above) over the state's completed sources when gradients flow, else the same
+    numbers from `plain`."""
+    n, handles = len(state.sources), state.handles
+    if torch.is_grad_enabled() and (other.requires_grad or any(h.requires_grad for h in handles)):
+        return function.apply(state.buffer, state.grads, n, other, *handles)
+    return plain(state.buffer[:n], other)
+
+
+def _store(buffer: torch.Tensor, grads: _SourceGrads | None, slot: int, source: torch.Tensor) -> torch.Tensor:
+    """Copy `source` into `buffer[slot]` and return the handle the slot's readers take as their autograd input: a
+    `_SourceSlot` handle when `grads` sums the gradients (eager training), else `source` itself (the copy is made
+    outside autograd; the readers route one gradient each to `source`)."""
+    if grads is not None and source.requires_grad:
+        return _SourceSlot.apply(grads, slot, source)
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            buffer[slot].copy_(source)
+    else:
+        buffer[slot].copy_(source)
+    return source
+
+
+def _source_inverse_rms(buffer, grads, slot, eps, handle):
+    """`inverse_rms` of the source in `buffer[slot]` (`handle`: its autograd handle, `_store`), `(B, T)` fp32."""
+    if torch.is_grad_enabled() and handle.requires_grad:
+        return _SourceInverseRMS.apply(buffer, grads, slot, eps, handle)
+    return inverse_rms(buffer[slot], eps)

@@ -1,0 +1,218 @@
+"""Two-phase block inference of Block AttnRes (arXiv:2603.15031, Algorithm 1, over the sources of Eq. 6). Phase 1:
+when a block starts, every router of the block is scored against the completed sources at once (`Phase1`), with the
+model's query bank and the constants made once per forward (`_query_bank`, `_Constants`) and the checks that reading
+the routers' weights outside their own forwards is sound (`_forward_is_plain`). Phase 2: each sub-layer merges its
+block's partial sum into its phase-1 result, an online-softmax update (`_merge_partial`, `_merge_inference`, and
+`_PartialMerge` with gradients).
+
+Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
+siblings `attnres_buffer.py` and `mixing_base.py`.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.module import _global_forward_pre_hooks
+
+from .attnres_buffer import _as, _mix
+from .mixing_base import AttnResRMSNorm, inverse_rms
+
+
+def _two_phase_applies(config) -> bool:
+    """Whether the two-phase block path (and the source buffer) serves this router configuration."""
+    return (config.attnres_num_heads == 1 and config.attnres_window is None and config.attnres_query == "static"
+            and not config.attnres_scalar_weights)
+
+
+class Phase1(NamedTuple):
+    """Phase 1 of two-phase block inference for the routers of sub-layers `start .. stop - 1` (one block): their
+    scores against the block's completed sources, computed once when the block starts.
+
+    - `probs`: `(B, T, S, n)` fp32: softmax over the completed sources (sigmoid: each source's sigmoid);
+    - `lse`: `(B, T, S)` fp32: the log-sum-exp of those logits (softmax only; the online-softmax statistics that the
+      running max and normaliser reduce to);
+    - `mixed`: `(B, T, S, D)` in the stream dtype: `sum_i probs_i v_i`, the completed sources' share of each router's
+      output before the partial sum joins;
+    - `queries`: `(S, D)` fp32, the block's query bank (pseudo-queries with their key-norm weights folded in);
+    - `bank`: `(2 L, D)` fp32, the model's query bank (`_query_bank`), of which `queries` are the block's rows;
+    - `eps`: the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); both made once per forward
+      (`_Constants`).
+
+    Each is kept as a tuple of the `S` routers' views (`unbind`), which a merge picks by position.
+    """
+
+    start: int
+    stop: int
+    queries: tuple[torch.Tensor, ...]
+    probs: tuple[torch.Tensor, ...]
+    lse: tuple[torch.Tensor, ...] | None
+    mixed: tuple[torch.Tensor, ...]
+    bank: torch.Tensor
+    eps: torch.Tensor
+
+
+def _forward_is_plain(module: nn.Module) -> bool:
+    """Whether nothing stands between `module`'s forward and its parameters: no forward pre-hook (torch's pruning
+    computes a weight in one) and no replaced `forward` (accelerate's hooks, which bring an offloaded module's weights
+    in for its forward only, or move them to its device). Then its parameters, read outside its forward, are what
+    its forward would read. (Forward hooks run after the forward, so they do not count; hooks registered for every
+    module: `_global_pre_hooks`.)"""
+    return not (module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def _global_pre_hooks() -> bool:
+    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`)."""
+    return bool(_global_forward_pre_hooks)
+
+
+def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
+    """Whether a router's key norm holds its weight as a plain parameter that its forward reads as is (no
+    parametrization, which changes the class; `_forward_is_plain`)."""
+    return type(key_norm) is AttnResRMSNorm and _forward_is_plain(key_norm)
+
+
+def _reads_directly(router: nn.Module) -> bool:
+    """Whether `router`'s (an `AttnResRouter`) and its key norm's parameters can be read outside their forwards
+    (global hooks aside)."""
+    key_norm = router._modules.get("key_norm")
+    return _forward_is_plain(router) and (key_norm is None or _key_norm_reads_directly(key_norm))
+
+
+def _query_bank(layers, routers) -> torch.Tensor | None:
+    """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
+    `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts the
+    forward of a decoder layer, a router or its key norm (`_forward_is_plain`).
+
+    Phase 1 reads the routers of a block's later layers before they run, and the bank every router before any layer
+    runs, which is only sound while nothing manages their weights: under accelerate's offload (`device_map` with disk
+    or CPU offload, `max_memory`) a module's weights are there during its own forward only, a layer on another device
+    holds its routers there, and FSDP2's `fully_shard` of the decoder layers gathers a layer's sharded parameters in
+    its pre-forward hook. Then there is no bank and every router takes the direct path, reading its own weights in its
+    own forward (the same numbers)."""
+    if (_global_pre_hooks() or not all(_forward_is_plain(layer) for layer in layers)
+            or not all(_reads_directly(router) for router in routers)):
+        return None
+    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward)
+    bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
+    if routers[0]._modules.get("key_norm") is not None:
+        weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
+        bank = bank * _as(torch.stack(weights), torch.float32)
+    return bank
+
+
+class _Constants(NamedTuple):
+    """What every router of one forward shares, made once when the state starts (only when every router is a plain
+    `AttnResRouter`): `bank`, the model's query bank `(2 L, D)` fp32 (`_query_bank`; `None` for Full AttnRes, which
+    has no phase 1, and when hooks manage the routers' weights: each router folds its own query when it reads);
+    `eps`, the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see
+    `_merge_inference`); `key_norm` and `sigmoid`: whether the routers have a key norm and sigmoid scores (the
+    config's, so that phase 1 needs no router). Tensors and flags only: the state that holds them crosses
+    accelerate's device hooks, which move what has a `.to`."""
+
+    bank: torch.Tensor | None
+    eps: torch.Tensor
+    norm_eps: torch.Tensor
+    key_norm: bool
+    sigmoid: bool
+
+    @classmethod
+    def build(cls, config, layers, routers, like: torch.Tensor) -> "_Constants":
+        eps = config.rms_norm_eps
+        bank = _query_bank(layers, routers) if config.attnres_block_size > 1 else None
+        return cls(bank, torch.full((), eps, device=like.device),
+                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
+                   config.attnres_score_fn == "sigmoid")
+
+
+def _merge_partial(partial, mixed, query, lse, eps, key_norm):
+    """Phase 2's arithmetic (see `AttnResRouter._merge`): the partial sum's logit `(B, T)` fp32 (and its `1/RMS`, or
+    `None` without the key norm), the completed sources' share (softmax; `lse` is their log-sum-exp) or the
+    partial sum's sigmoid gate (`lse` is `None`), and the merged router output `(B, T, D)` in the stream dtype."""
+    logit = _as(partial, query.dtype) @ query
+    inv = inverse_rms(partial, eps) if key_norm else None
+    if inv is not None:
+        logit = logit * inv
+    if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
+        share = torch.sigmoid(logit)
+        hidden = mixed + _as(share.unsqueeze(-1), partial.dtype) * partial
+    else:  # softmax: the completed sources keep sigmoid(lse - p) of the mass (online-softmax update)
+        share = torch.sigmoid(lse - logit)
+        hidden = torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+    return hidden, logit, inv, share
+
+
+def _merge_inference(partial, mixed, query, lse, norm_eps):
+    """`_merge_partial`'s merged output `(B, T, D)` alone, in the fewest operations: the no-grad path without depth
+    weights (a decoded token runs one per sub-layer, and at one token each operation costs microseconds).
+
+    The key norm enters as `p = (partial . q) sqrt(D) / hypot(sqrt(D eps), ||partial||)` (`norm_eps`: the 0-dim fp32
+    tensor `sqrt(D eps)`; `None` without the key norm), which is `(partial . q) rsqrt(mean(partial^2) + eps)`; with
+    softmax scores the completed sources' share `sigmoid(lse - p)` takes one fused `addcdiv`."""
+    values = _as(partial, torch.float32)
+    logit = values @ query  # (B, T): partial . q, before the key norm
+    if norm_eps is not None:
+        norm = torch.hypot(norm_eps, torch.linalg.vector_norm(values, dim=-1))
+        scale = math.sqrt(partial.shape[-1])
+        if lse is not None:  # lse - p in one operation
+            share = torch.sigmoid(torch.addcdiv(lse, logit, norm, value=-scale))
+            return torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+        logit = torch.div(logit, norm).mul_(scale)
+    if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
+        return torch.addcmul(mixed, _as(torch.sigmoid(logit).unsqueeze(-1), partial.dtype), partial)
+    share = torch.sigmoid(lse - logit)
+    return torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+
+
+class _PartialMerge(torch.autograd.Function):
+    """Phase 2 of two-phase block inference with gradients (`_merge_partial`), saving for backward the partial sum
+    and per-token scalars only: not the completed sources' weighted sum `mixed` (one `(B, T, D)` per router), which
+    the softmax backward recomputes from the source buffer and the router's phase-1 weights (`weights`, `(B, T, n)`
+    in the buffer's dtype; one small product per router). Returns the merged output and the partial sum's logit
+    (differentiable, for the depth weights).
+
+    Backward (`g`: the gradient of `h`; `s`: the share; `p`: the logit; `r = 1/RMS(partial)`; `q`: the folded query):
+    softmax `dL/ds = g . (mixed - partial)`, `dL/dp = -s (1 - s) dL/ds = -dL/dlse`, `dL/dpartial = (1 - s) g + ...`,
+    `dL/dmixed = s g`; sigmoid `dL/dp = s (1 - s) g . partial`, `dL/dpartial = s g + ...`, `dL/dmixed = g`; then
+    through `p = r (partial . q)`: `dL/dq = sum_t dL/dp r partial`, `dL/dpartial += dL/dp (r q - p r^2 partial / D)`.
+    """
+
+    @staticmethod
+    def forward(ctx, buffer, n, weights, partial, mixed, query, lse, eps, key_norm):
+        hidden, logit, inv, share = _merge_partial(partial, mixed, query, lse, eps, key_norm)
+        ctx.buffer, ctx.n, ctx.softmax = buffer, n, lse is not None
+        ctx.save_for_backward(weights, partial, query, logit, inv, share)
+        ctx.set_materialize_grads(False)
+        return hidden, logit
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_hidden, grad_logit):
+        weights, partial, query, logit, inv, share = ctx.saved_tensors
+        values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
+        grad_partial = grad_mixed = grad_lse = None
+        grad_p = grad_logit if grad_logit is not None else torch.zeros_like(logit)
+        if grad_hidden is not None:
+            grad = _as(grad_hidden, query.dtype)
+            if ctx.softmax:
+                mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)  # forward's value, recomputed
+                grad_share = (grad * (_as(mixed, query.dtype) - values)).sum(-1)
+                grad_lse = grad_share * share * (1 - share)
+                grad_p = grad_p - grad_lse
+                grad_partial, grad_mixed = grad * (1 - share).unsqueeze(-1), grad * share.unsqueeze(-1)
+            else:
+                grad_p = grad_p + (grad * values).sum(-1) * share * (1 - share)
+                grad_partial, grad_mixed = grad * share.unsqueeze(-1), grad
+        if inv is not None:  # p = r (partial . q) with r = (mean(partial^2) + eps)^(-1/2)
+            coefficient = grad_p * inv
+            grad_values = (coefficient.unsqueeze(-1) * query
+                           - (coefficient * logit * inv / values.shape[-1]).unsqueeze(-1) * values)
+        else:
+            coefficient = grad_p
+            grad_values = coefficient.unsqueeze(-1) * query
+        grad_query = coefficient.reshape(-1) @ values.reshape(-1, values.shape[-1])
+        grad_partial = grad_values if grad_partial is None else grad_partial + grad_values
+        grad_mixed = None if grad_mixed is None else _as(grad_mixed, ctx.buffer.dtype)
+        return None, None, None, _as(grad_partial, partial.dtype), grad_mixed, grad_query, grad_lse, None, None
