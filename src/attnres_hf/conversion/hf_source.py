@@ -186,9 +186,9 @@ def _read_by_model_code(config, key: str) -> bool:
     """Whether the family's transformers model file or its AttnRes backbone adapter reads `key` from a config
     (`config.key`, `getattr(config, "key", ...)`): some families read fields their config class does not declare
     (Qwen3-MoE's `head_dim`)."""
-    from ..modeling import backbones
+    from ..modeling import backbones, backbones_base
 
-    modules = (backbones.BACKBONES[config.model_type].causal_lm.__module__, backbones.__name__)
+    modules = (backbones.BACKBONES[config.model_type].causal_lm.__module__, backbones.__name__, backbones_base.__name__)
     pattern = rf"config\.{re.escape(key)}\b|getattr\(\s*[\w.]*config\s*,\s*[\"']{re.escape(key)}[\"']"
     return any(re.search(pattern, _module_source(name)) for name in modules)
 

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .._io import staged_folder
-from ..assets import cache_dir
+from .._downloads import cache_dir
 from .benchmarks import BENCHMARKS, Benchmark
 
 

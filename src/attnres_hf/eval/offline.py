@@ -14,7 +14,7 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..assets import _fetch
+from .._downloads import _fetch
 from .benchmarks import BENCHMARKS, OFFLINE
 from .local import default_data_dir, write_benchmark
 

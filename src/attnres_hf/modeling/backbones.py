@@ -34,8 +34,9 @@ A family with a reader of the stream that is not scale-invariant (e.g. a linear 
 in a parallel block without its own norm) would not be exact; such a family gets no record, and `check_config`
 refuses the settings of a registered family that AttnRes cannot serve, naming the reason.
 
-Adding a family (tens of lines): one `BackboneAdapter(...)` in `_DENSE` (or in a sibling module whose tuple of
-records is joined into `BACKBONES` at the bottom of this file), declaring:
+Adding a family (tens of lines): one `BackboneAdapter(...)` (the record type and its defaults are in
+`backbones_base.py`) in `_DENSE`, or in a sibling module whose tuple of records `BACKBONES` joins (as
+`backbones_moe.MOE_BACKBONES`), declaring:
 
 - `model_type`, `config_class`, `causal_lm` (the family's `*ForCausalLM`, the source of a retrofit),
   `pretrained_model` (its `*PreTrainedModel`, whose `_init_weights` initialises the family's modules, incl.
@@ -61,16 +62,11 @@ Travels with checkpoints as remote code (a relative import of `modeling_attnres.
 transformers and its siblings.
 """
 
-import contextlib
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from transformers.cache_utils import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.gemma2 import modeling_gemma2 as gemma2
 from transformers.models.gemma2.configuration_gemma2 import Gemma2Config
 from transformers.models.gemma3 import modeling_gemma3 as gemma3
@@ -90,119 +86,8 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.smollm3 import modeling_smollm3 as smollm3
 from transformers.models.smollm3.configuration_smollm3 import SmolLM3Config
 
-
-@dataclass(frozen=True)
-class SubLayer:
-    """One sub-layer of a family's decoder layer, by the names of the layer's children.
-
-    - `module`: the sub-layer (`"self_attn"`, `"mlp"`), or a tuple of candidates (the first the layer has).
-    - `norm`: its pre-norm, the reader of the depth stream (must be scale-invariant for an exact retrofit).
-    - `post`: modules applied, in order, to its output before the output joins the stream (Gemma's
-      `post_attention_layernorm` / `post_feedforward_layernorm`, Phi-3's `resid_attn_dropout`).
-    - `output_multiplier`: a config field the output is multiplied by before it joins the stream (Granite's
-      `residual_multiplier`).
-    """
-
-    module: str | tuple[str, ...]
-    norm: str
-    post: tuple[str, ...] = ()
-    output_multiplier: str | None = None
-
-    def module_name(self, layer: nn.Module) -> str:
-        """The name of this sub-layer's module in `layer` (the first candidate `layer` has)."""
-        names = (self.module,) if isinstance(self.module, str) else self.module
-        found = next((name for name in names if name in layer._modules), None)
-        if found is None:
-            raise ValueError(f"{type(layer).__name__} has none of the sub-layer modules {names}")
-        return found
-
-
-@dataclass(frozen=True)
-class KeyValueInputs:
-    """How an attention module takes separate key and value inputs (MUDDFormer's and DCA's k/v streams).
-
-    - `key`, `value`: the names (inside the attention module) of the key and value input projections; their input is
-      replaced by the routed stream (a forward pre-hook, on the PEFT wrapper when there is one: see `KeyValueRouting`).
-    - `fused`: the name of a fused q/k/v projection (Phi-3's `qkv_proj`) instead, with `fused_sizes(config)` the
-      `(q, k, v)` widths of its output: the projection runs on each input and the k and v slices are swapped in.
-    """
-
-    key: str = "k_proj"
-    value: str = "v_proj"
-    fused: str | None = None
-    fused_sizes: Callable | None = None
-
-    def projections(self) -> tuple[str, ...]:
-        """The names of the projections whose input (or output slices) the routing replaces."""
-        return (self.key, self.value) if self.fused is None else (self.fused,)
-
-    @contextlib.contextmanager
-    def routed(self, attention: nn.Module, config, key_input: torch.Tensor, value_input: torch.Tensor):
-        """Within the block, `attention`'s key/value projections read `key_input` / `value_input`
-        (`(batch, seq_len, hidden_size)` each) instead of the attention's `hidden_states` (a decoder layer keeps a
-        `KeyValueRouting` instead, whose hooks stay installed)."""
-        routing = KeyValueRouting(self, attention, config)
-        routing.route(attention, key_input, value_input)
-        try:
-            yield
-        finally:
-            routing.remove()
-
-
-class _ProjectionHook:
-    """The hook on one key/value projection (a callable object, not a closure: `copy.deepcopy` and pickling of
-    the model carry it over to the copy's own `KeyValueRouting`)."""
-
-    def __init__(self, routing: "KeyValueRouting", name: str):
-        self.routing, self.name = routing, name
-
-    def __call__(self, module, args, output=None):
-        routed = self.routing.slot[0]
-        if routed is None:
-            return None
-        spec = self.routing.spec
-        if spec.fused is None:  # a forward pre-hook: the projection reads its routed input
-            return (routed[(spec.key, spec.value).index(self.name)], *args[1:])
-        q, k, _ = spec.fused_sizes(self.routing.config)  # a forward hook: splice in the k and v slices
-        keys, values = module.forward(routed[0]), module.forward(routed[1])  # `forward`: without this hook
-        return torch.cat([output[..., :q], keys[..., q : q + k], values[..., q + k :]], dim=-1)
-
-
-class KeyValueRouting:
-    """The separate key/value inputs of one attention module (MUDDFormer, DCA): `route(attention, key_input,
-    value_input)` sets them (`(batch, seq_len, hidden_size)` each) for the next call, `clear()` unsets them.
-
-    The hooks are installed at construction, and again only when a projection module was replaced (PEFT wraps
-    `k_proj` in a LoRA layer: the wrapper gets the hook, so its adapter reads the routed input too), so a compiled
-    model traces the hooks, not their registration (which breaks the graph)."""
-
-    def __init__(self, spec: KeyValueInputs, attention: nn.Module, config):
-        self.spec, self.config, self.slot, self.hooked = spec, config, [None], {}
-        self.install(attention)
-
-    def install(self, attention: nn.Module) -> None:
-        for name in self.spec.projections():
-            module = attention.get_submodule(name)
-            if name in self.hooked and self.hooked[name][0] is module:
-                continue
-            if name in self.hooked:
-                self.hooked[name][1].remove()
-            hook = _ProjectionHook(self, name)
-            handle = module.register_forward_hook(hook) if self.spec.fused else module.register_forward_pre_hook(hook)
-            self.hooked[name] = (module, handle)
-
-    def route(self, attention: nn.Module, key_input: torch.Tensor, value_input: torch.Tensor) -> None:
-        self.install(attention)
-        self.slot[0] = (key_input, value_input)
-
-    def clear(self) -> None:
-        self.slot[0] = None
-
-    def remove(self) -> None:
-        self.clear()
-        for _, handle in self.hooked.values():
-            handle.remove()
-        self.hooked = {}
+from .backbones_base import BackboneAdapter, KeyValueInputs, SubLayer, default_attention_masks, default_layer_types
+from .backbones_moe import MOE_BACKBONES  # mixture-of-experts families and Kimi Linear
 
 
 KEY_VALUE_METHODS = ("muddformer", "dca")
@@ -210,41 +95,9 @@ KEY_VALUE_METHODS = ("muddformer", "dca")
 without `key_value_inputs` refuses them. `tests/test_backbones.py` checks this list against the methods' states."""
 
 
-def default_layer_types(config) -> list[str]:
-    """`config.layer_types` when the family has them, else every layer sliding when `sliding_window` is set
-    (Mistral, Phi-3) or full attention (Llama)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return list(layer_types)
-    kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
-    return [kind] * config.num_hidden_layers
-
-
-def default_attention_masks(config, layer_types, **mask_kwargs) -> dict:
-    """`{layer type: mask}` for the layer types present: causal, and sliding-window causal (transformers' own)."""
-    masks = {}
-    if "full_attention" in layer_types:
-        masks["full_attention"] = create_causal_mask(config=config, **mask_kwargs)
-    if "sliding_attention" in layer_types:
-        masks["sliding_attention"] = create_sliding_window_causal_mask(config=config, **mask_kwargs)
-    return masks
-
-
-def shared_position_embeddings(rotary, hidden_states, position_ids, layer_types) -> dict:
-    """One rotary embedding `(cos, sin)` for every layer type (Llama and most families)."""
-    if rotary is None:
-        return dict.fromkeys(layer_types)
-    embeddings = rotary(hidden_states, position_ids)
-    return dict.fromkeys(layer_types, embeddings)
-
-
 def per_type_position_embeddings(rotary, hidden_states, position_ids, layer_types) -> dict:
     """One rotary embedding per layer type (Gemma3: local and global frequencies)."""
     return {layer_type: rotary(hidden_states, position_ids, layer_type) for layer_type in set(layer_types)}
-
-
-def plain_embedding(config) -> nn.Module:
-    return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
 
 def scaled_embedding(embedding_class) -> Callable:
@@ -268,49 +121,10 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _no_check(config) -> None:
-    return None
-
-
 def _check_gemma3(config) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("gemma3 with use_bidirectional_attention=True (an embedding model, not a causal LM) is not "
                          "supported: AttnRes backbones are causal decoders")
-
-
-@dataclass(frozen=True)
-class BackboneAdapter:
-    """Everything AttnRes needs to know about one backbone family (see the module docstring for how to add one)."""
-
-    model_type: str
-    config_class: type
-    causal_lm: type
-    pretrained_model: type
-    decoder_layer: type
-    attention: SubLayer
-    mlp: SubLayer
-    norm: type
-    rotary: type | None
-    attention_class: type
-    position_embeddings: Callable = shared_position_embeddings
-    embedding: Callable = plain_embedding
-    embedding_multiplier: str | None = None
-    logits: Callable | None = None
-    key_value_inputs: KeyValueInputs | None = KeyValueInputs()
-    make_cache: Callable = field(default=lambda config: DynamicCache(config=config))
-    attention_masks: Callable = default_attention_masks
-    layer_types: Callable = default_layer_types
-    record_outputs: dict = field(default_factory=dict)
-    aux_loss: Callable | None = None
-    check_config: Callable = _no_check
-    gguf_architecture: str | None = None
-    gguf_permuted_qk: bool = False
-    gguf_norm_offset: float = 0.0
-    tested: str = ""  # kept for compatibility; what is tested is the README's table (checked by test_backbones)
-
-    def can_record_outputs(self) -> dict:
-        """This family's `_can_record_outputs` entries: its attention weights, plus `record_outputs`."""
-        return {"attentions": self.attention_class, **self.record_outputs}
 
 
 _LLAMA_LAYOUT = dict(
@@ -380,7 +194,7 @@ _DENSE = (
     ),
 )
 
-BACKBONES: dict[str, BackboneAdapter] = {adapter.model_type: adapter for adapter in _DENSE}
+BACKBONES: dict[str, BackboneAdapter] = {adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES)}
 """`model_type` of a backbone config -> its adapter: the one list of backbone families."""
 
 DEFAULT_BACKBONE = "llama"
@@ -423,11 +237,6 @@ def recorded_outputs() -> dict:
             table[key] += [r for r in recorders if r not in table[key]]
     return table
 
-
-# Mixture-of-experts families and Kimi Linear: a sibling module (it imports `BackboneAdapter` and `SubLayer` above).
-from .backbones_moe import MOE_BACKBONES  # noqa: E402
-
-BACKBONES.update({adapter.model_type: adapter for adapter in MOE_BACKBONES})
 
 __all__ = ["BACKBONES", "BackboneAdapter", "DEFAULT_BACKBONE", "KEY_VALUE_METHODS", "KeyValueInputs", "SubLayer",
            "backbone_adapter", "default_attention_masks", "default_layer_types", "init_backbone_weights",

@@ -1,6 +1,6 @@
 """Backbone adapters for mixture-of-experts families and for Kimi Linear, the AttnRes paper's own backbone.
 
-Records of `backbones.BackboneAdapter` (see `backbones.py` for what each field means), joined into
+Records of `BackboneAdapter` (`backbones_base.py`; see `backbones.py` for what each field means), joined into
 `backbones.BACKBONES`. Every sub-layer is transformers' own module of the source family, under the family's own
 parameter names (experts as `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, the experts' router as
 `mlp.gate`), so a checkpoint maps by identity:
@@ -31,8 +31,8 @@ depth mixing needs nothing more. Two limits are the source model's, stated rathe
 and MLA derives keys and values from one compressed latent of one input, so MUDDFormer's and DCA's separate key and
 value inputs do not exist for it (both are refused on Kimi Linear).
 
-Travels with checkpoints as remote code (a sibling of `backbones.py`): imports only torch, transformers and its
-siblings.
+Travels with checkpoints as remote code (a sibling of `backbones.py`, which imports it): imports only torch,
+transformers and its siblings (`backbones_base.py`, never `backbones.py`).
 """
 
 from collections.abc import Callable
@@ -54,7 +54,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.utils.output_capturing import OutputRecorder
 
-from .backbones import BackboneAdapter, SubLayer
+from .backbones_base import BackboneAdapter, SubLayer
 
 
 @dataclass(frozen=True)

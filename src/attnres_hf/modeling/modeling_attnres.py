@@ -35,8 +35,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .backbones import (KEY_VALUE_METHODS, KeyValueRouting, backbone_adapter, init_backbone_weights,
-                        recorded_outputs)
+from .backbones import KEY_VALUE_METHODS, backbone_adapter, init_backbone_weights, recorded_outputs
+from .backbones_base import KeyValueRouting
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState,
                            modules_to_not_convert, naive_attnres, num_depth_mixing_parameters, register_modules,
