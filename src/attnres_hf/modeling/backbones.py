@@ -2,7 +2,7 @@
 
 `BACKBONES` holds one `BackboneAdapter` record per supported `model_type` and is the only list of backbone families:
 the config (`AttnResConfig.backbone`), the decoder (`modeling_attnres.py`), the conversion (`conversion/families.py`,
-key tables and GGUF layouts), the tests and the README's table read it. AttnRes keeps none of a family's code: the
+key tables and GGUF layouts), the tests and the docs' table read it. AttnRes keeps none of a family's code: the
 decoder builds the family's own decoder layer (`adapter.decoder_layer(config.backbone, layer_idx)`), adopts its
 children under their own names (`self_attn`, `mlp`, `input_layernorm`, Phi-3's `qkv_proj` inside `self_attn`,
 Gemma's `pre_feedforward_layernorm`, ...) and never calls its `forward`: the depth state replaces the residual adds

@@ -200,7 +200,7 @@ class BackboneAdapter:
     gguf_architecture: str | None = None
     gguf_permuted_qk: bool = False
     gguf_norm_offset: float = 0.0
-    tested: str = ""  # kept for compatibility; what is tested is the README's table (checked by test_backbones)
+    tested: str = ""  # kept for compatibility; what is tested is docs/backbones.md's table (checked by test_backbones)
 
     def can_record_outputs(self) -> dict:
         """This family's `_can_record_outputs` entries: its attention weights, plus `record_outputs`."""

@@ -44,7 +44,7 @@ Code: `pipeline_plan.py` (the depth state as tensors, `StateCodec`; the split an
 `plan_pipeline`), `pipeline_stages.py` (the kept sources, the stages and `AttnResPipeline`); this module holds the
 torchrun entry point (`main`) and re-exports the public names.
 
-Use (every rank, after `torch.distributed.init_process_group`; full example in the README, "Pipeline parallelism")::
+Use (every rank, after `torch.distributed.init_process_group`; full example in docs/pipeline-parallelism.md)::
 
     pipeline = AttnResPipeline(model, micro_batch_size=2, seq_len=128, num_micro_batches=4, virtual_stages=2)
     optimizer = torch.optim.AdamW(pipeline.parameters(), lr=1e-4)
