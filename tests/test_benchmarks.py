@@ -3,12 +3,44 @@
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ABLATION = Path(__file__).parents[1] / "benchmarks" / "ablation.py"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+ABLATION = BENCHMARKS / "ablation.py"
+
+
+def test_a_results_fragment_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`_results`: the command as given (quoted; torchrun's under torchrun), no commit outside a checkout, and an
+    atomic write: a second run replaces the file, a failed write leaves the old one and no temporary file."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _results
+
+    monkeypatch.setattr(_results, "ROOT", tmp_path)  # not a checkout
+    run = _results.Run("benchmarks/x.py", ["--label", "two words"])
+    assert run.command == "python benchmarks/x.py --label 'two words'" and run.commit is None
+    path = tmp_path / "docs" / "results" / "x.md"
+    run.write(path, "| a |\n|---|\n| 1 |\n")
+    first = path.read_text()
+    assert first.startswith("Measured by `python benchmarks/x.py --label 'two words'` on ") and "no git commit" in first
+    assert first.endswith("\n\n| a |\n|---|\n| 1 |\n") and oct(path.stat().st_mode & 0o777) == "0o644"
+    run.write(path, "| a |\n|---|\n| 2 |")
+    assert path.read_text().endswith("| 2 |\n")
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_results.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        run.write(path, "| a |\n|---|\n| 3 |")
+    assert path.read_text().endswith("| 2 |\n") and sorted(p.name for p in path.parent.iterdir()) == ["x.md"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _results.command_line("x.py", ["--layers", "8"]) == "torchrun --nproc-per-node 2 benchmarks/x.py --layers 8"
 
 
 @pytest.fixture(scope="module")
