@@ -131,7 +131,7 @@ class Run:
         wall = time.perf_counter() - self.clock
         commit = f"commit {self.commit}" if self.commit else "no git commit (not a checkout)"
         return (f"Measured by `{self.command}` on {self.started:%Y-%m-%d %H:%M} UTC (wall time "
-                f"{format_seconds(wall)}), on {machine(device)}; {versions()}; {commit}; 1-minute load average "
+                f"{format_seconds(wall)}, Python's start-up and imports not counted), on {machine(device)}; {versions()}; {commit}; 1-minute load average "
                 f"{format_load(self.load_start)} at the start, {format_load(load_average())} at the end "
                 f"({os.cpu_count()} cores; the run's own processes count in it). {notes + ' ' if notes else ''}"
                 "Running the command again replaces this file.")

@@ -27,7 +27,7 @@ def assert_results_fragment(path: Path, script: str, argv: list[str], printed: s
     fragment = path.read_text()
     provenance, body = fragment.split("\n\n", 1)
     assert provenance.startswith(f"Measured by `python benchmarks/{script} {shlex.join(argv)}` on "), provenance
-    assert re.search(r" on \d{4}-\d\d-\d\d \d\d:\d\d UTC \(wall time [\d.]+ (s|min)\), on ", provenance)
+    assert re.search(r" on \d{4}-\d\d-\d\d \d\d:\d\d UTC \(wall time [\d.]+ (s|min), [^)]*\), on ", provenance)
     assert f", {os.cpu_count()} cores (torch threads: " in provenance
     assert f" on {_results.cpu_model() or 'unknown CPU'}, " in provenance
     assert f"torch {torch.__version__}, transformers {transformers.__version__}; " in provenance
