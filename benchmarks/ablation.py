@@ -28,7 +28,9 @@ another setting than the paper's (block size, window, heads), the row says so.
         # loss; TF32 for the fp32 matmuls); CPU runs are fp32. Needs torch, transformers, tokenizers, numpy and
         # tqdm only: no scipy, no network, no cache (DATA holds the text and tokenizer).
 
-Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset.
+Add `--output results.json` to keep the per-run numbers, `--variants baseline,dca` to run a subset, `--results
+docs/results/ablation_long.md` to write the report (results.md's text) with how it was measured, as a Markdown
+fragment for the docs (`benchmarks/_results.py`).
 """
 
 import argparse
@@ -39,6 +41,7 @@ import os
 import queue
 import shutil
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -50,6 +53,9 @@ import torch
 from tqdm.auto import tqdm
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM, assets
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 
 @dataclass(frozen=True)
@@ -537,6 +543,30 @@ def format_ordering_check(check: dict) -> str:
             f"{format_paired((check['mean'], check['low'], check['high']))}: {verdict}")
 
 
+def report_text(results: dict, preset_name: str, preset: Preset, device, wall: float) -> str:
+    """The report (Markdown): the table, both orderings, the paper's orderings checked, and what was run. Printed,
+    written to `--out`'s results.md and (with how it was measured) to `--results`."""
+    base_name = "baseline" if "baseline" in results else next(iter(results))
+    tokens = preset.steps * preset.batch_size * preset.seq_len
+    unit = TOKENIZERS[preset.tokenizer]
+    device = torch.device(device)
+    return "\n".join([
+        table(results, baseline=base_name, unit=f"nats/{unit}"), "",
+        f"- ordering, ours (mean val loss, best first): {our_ordering(results)}",
+        f"- ordering, paper Table 4 (same variants):     {paper_ordering(results)}", "",
+        "the paper's orderings, paired over seeds (variant minus reference, 95% t-interval):"
+        + (" one seed gives no interval, so no verdicts (run --seeds 2 or more)" if preset.seeds < 2 else ""), "",
+        *map(format_ordering_check, ordering_checks(results)), "",
+        f"preset {preset_name} on {device}{' (bf16 autocast)' if device.type == 'cuda' else ' (fp32)'}: "
+        f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
+        f"{preset.seeds} seed{'s' if preset.seeds > 1 else ''}; wall time {wall / 60:.1f} min; same initial "
+        "backbone, data order, token budget and "
+        f"hyperparameters for every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far "
+        f"longer (nats per token of its tokenizer; ours: nats per {unit}), "
+        f"so only orderings and signs can be "
+        f"compared."])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="smoke")
@@ -551,7 +581,10 @@ def main(argv=None):
     parser.add_argument("--data-dir", help="folder written by --prepare-data (books and tokenizer), for a machine "
                                            "without the attnres-hf cache or a network")
     parser.add_argument("--prepare-data", metavar="DIR", help="copy the books and SmolLM2's tokenizer into DIR, exit")
+    parser.add_argument("--results", metavar="PATH", help="also write the report (results.md's text), with how it was "
+                        "measured, to PATH (a Markdown fragment, e.g. docs/results/ablation_long.md)")
     args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
     if args.prepare_data:
         print(f"wrote {prepare_data(args.prepare_data)}: {TOKENIZER_FILE}, gutenberg/*.txt")
         return
@@ -619,23 +652,11 @@ def main(argv=None):
     paired = {name: paired_summary(paired_difference([r["val_loss"] for r in runs],
                                                      [r["val_loss"] for r in results[base_name]]))
               for name, runs in results.items() if name != base_name}
-    report = "\n".join([
-        table(results, baseline=base_name, unit=f"nats/{unit}"), "",
-        f"ordering, ours (mean val loss, best first): {our_ordering(results)}",
-        f"ordering, paper Table 4 (same variants):     {paper_ordering(results)}", "",
-        "the paper's orderings, paired over seeds (variant minus reference, 95% t-interval):"
-        + (" one seed gives no interval, so no verdicts (run --seeds 2 or more)" if preset.seeds < 2 else ""),
-        *map(format_ordering_check, checks), "",
-        f"preset {args.preset} on {device}{' (bf16 autocast)' if device.type == 'cuda' else ' (fp32)'}: "
-        f"{preset.num_hidden_layers} layers x {preset.hidden_size}, {tokens:,} training tokens per run, "
-        f"{preset.seeds} seed{'s' if preset.seeds > 1 else ''}; wall time {wall / 60:.1f} min; same initial "
-        "backbone, data order, token budget and "
-        f"hyperparameters for every variant of a seed; the paper's Table 4 is a 16 + 16-layer model trained far "
-        f"longer (nats per token of its tokenizer; ours: nats per {unit}), "
-        f"so only orderings and signs can be "
-        f"compared."])
+    report = report_text(results, args.preset, preset, device, wall)
     print()
     print(report)
+    if args.results:
+        measured.write(args.results, report, device=str(device))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "results.md").write_text(report + "\n")

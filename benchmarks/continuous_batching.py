@@ -4,14 +4,18 @@ Both models go through transformers' own continuous batching (`model.generate_ba
 into one row per step, paged attention through `ALL_ATTENTION_FUNCTIONS`). Same shape for both (default: SmolLM2-135M
 with `--layers` layers), random weights shared by the backbone, fp32, greedy, no end of sequence, so both produce the
 same number of tokens. For each model the batch runs `--repeats` times, alternating models; the median wall time gives
-generated tokens per second. Printed: one line per model and the ratio AttnRes / Llama (1.0 = as fast as Llama).
+generated tokens per second. Printed: one row per model and the ratio AttnRes / Llama (1.0 = as fast as Llama), a
+Markdown table that `--results PATH` also writes, with how it was measured (`benchmarks/_results.py`).
 
     python benchmarks/continuous_batching.py                          # CPU, a small workload
+    python benchmarks/continuous_batching.py --results docs/results/continuous_batching.md   # the docs' table
     python benchmarks/continuous_batching.py --device cuda --requests 256 --new-tokens 128 --layers 30
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -19,7 +23,9 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 
-from overhead import SMOLLM2_135M  # the benchmarks' one SmolLM2-135M shape (benchmarks/overhead.py)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from overhead import SMOLLM2_135M  # noqa: E402  (the benchmarks' one SmolLM2-135M shape, benchmarks/overhead.py)
 
 
 def build_models(layers: int, depth_mixing: str, device: str) -> dict[str, torch.nn.Module]:
@@ -50,7 +56,10 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+                        "(a Markdown fragment, e.g. docs/results/continuous_batching.md)")
     args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
 
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (args.requests,), generator=generator)
@@ -68,17 +77,24 @@ def main(argv=None) -> None:
             seconds, tokens[name] = run_batch(model, prompts, args.new_tokens, cb_config)
             times[name].append(seconds)
 
-    print(
-        f"continuous batching, {args.device}, {args.layers} layers (SmolLM2-135M width), {args.requests} requests, "
-        f"prompts {int(lengths.min())}-{int(lengths.max())} tokens, {args.new_tokens} new tokens each, "
-        f"median of {args.repeats}"
-    )
+    text = report(args, lengths, models, times, tokens)
+    print(text)
+    if args.results:
+        measured.write(args.results, text, device=args.device)
+
+
+def report(args, lengths, models, times, tokens) -> str:
+    """The printed table (Markdown; also what `--results` writes)."""
+    lines = [f"Continuous batching, {args.device}, {args.layers} layers (SmolLM2-135M width), {args.requests} "
+             f"requests, prompts {int(lengths.min())}-{int(lengths.max())} tokens, {args.new_tokens} new tokens each, "
+             f"median of {args.repeats}:", "", "| model | generated tokens / s | tokens |", "|---|---|---|"]
     throughput = {}
     for name in models:
         throughput[name] = tokens[name] / statistics.median(times[name])
-        print(f"  {name:<22} {throughput[name]:9.1f} tokens/s  ({tokens[name]} tokens)")
+        lines.append(f"| {name} | {throughput[name]:.1f} | {tokens[name]} |")
     llama, attnres = throughput["llama"], throughput[f"attnres({args.depth_mixing})"]
-    print(f"  throughput ratio attnres/llama: {attnres / llama:.3f}")
+    lines += ["", f"Throughput ratio attnres/llama: {attnres / llama:.3f}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

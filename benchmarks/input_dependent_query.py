@@ -9,6 +9,7 @@ so one step changes a logit `q . k` (keys of unit RMS) by up to `lr * d` through
 `lr * d^2` through the `d^2` entries of `W_l`: without the `1/d` the projection is `d` times "hotter" than the query.
 
     python benchmarks/input_dependent_query.py --preset cpu --seeds 2 --output idq.json
+    python benchmarks/input_dependent_query.py --preset cpu --seeds 2 --results docs/results/input_dependent_query.md
 """
 
 import argparse
@@ -16,10 +17,14 @@ import importlib.util
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 _spec = importlib.util.spec_from_file_location("ablation", Path(__file__).with_name("ablation.py"))
 ablation = importlib.util.module_from_spec(_spec)
@@ -91,6 +96,25 @@ def train(preset, overrides, proj_scale, lr_scale, seed, train_data, val_data, l
     return {"val_loss": val, "trace": trace}
 
 
+def report(results: dict) -> str:
+    """The printed table (Markdown; also what `--results` writes): per setting the validation loss (mean, and per
+    seed), the paired difference to Full AttnRes, and the routing's mean max depth weight at the last logged step."""
+    base = [r["val_loss"] for r in results.get("Full AttnRes", [])]
+    rows = ["| setting | val loss (nats/byte), mean | per seed | paired Δ vs Full AttnRes [95% CI] | mean max depth "
+            "weight at the last logged step, per seed |", "|---|---|---|---|---|"]
+    for name, runs in results.items():
+        losses = [r["val_loss"] for r in runs]
+        delta = "-"
+        if base and name != "Full AttnRes" and len(base) == len(losses):
+            delta = ablation.format_paired(ablation.paired_difference(losses, base))
+        last = [r["trace"][-1] for r in runs]
+        weights = ", ".join(f"{t['max depth weight']:.2f}" for t in last)
+        rows.append(f"| {name} | {statistics.mean(losses):.4f} (n={len(losses)}) | "
+                    f"{', '.join(f'{x:.4f}' for x in losses)} | {delta} | {weights} (step {last[0]['step']}, "
+                    f"uniform {last[0]['uniform weight']:.2f}) |")
+    return "\n".join(rows)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=ablation.PRESETS, default="smoke")
@@ -99,7 +123,10 @@ def main(argv=None):
     parser.add_argument("--settings", help="comma-separated subset")
     parser.add_argument("--log-every", type=int, default=40)
     parser.add_argument("--output")
+    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+                        "(a Markdown fragment, e.g. docs/results/input_dependent_query.md)")
     args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
     preset = ablation.PRESETS[args.preset]
     if args.steps:
         preset = ablation.Preset(**(ablation.asdict(preset) | {"steps": args.steps}))
@@ -123,14 +150,14 @@ def main(argv=None):
                   + ", ".join(f"{k} {v:.3g}" for k, v in last.items() if k.startswith(("grad", "update"))),
                   flush=True)
         results[name] = runs
-    base = [r["val_loss"] for r in results.get("Full AttnRes", [])]
-    print("\n| setting | val loss (nats/byte) | paired Δ vs Full AttnRes [95% CI] |\n|---|---|---|")
-    for name, runs in results.items():
-        losses = [r["val_loss"] for r in runs]
-        delta = "-"
-        if base and name != "Full AttnRes" and len(base) == len(losses):
-            delta = ablation.format_paired(ablation.paired_difference(losses, base))
-        print(f"| {name} | {statistics.mean(losses):.4f} (n={len(losses)}) | {delta} |")
+    text = (f"preset {args.preset} ({preset.num_hidden_layers} layers x {preset.hidden_size}, {preset.steps} steps of "
+            f"{preset.batch_size} x {preset.seq_len} bytes, lr {preset.learning_rate}), {args.seeds} seed"
+            f"{'s' if args.seeds > 1 else ''}; for a seed every setting starts from the same backbone and sees the "
+            f"same batches; routing logged every {args.log_every} steps (1/n: uniform, 1: one source)\n\n"
+            f"{report(results)}")
+    print(f"\n{text}")
+    if args.results:
+        measured.write(args.results, text)
     if args.output:
         Path(args.output).write_text(json.dumps({"preset": ablation.asdict(preset), "results": results}, indent=1))
 

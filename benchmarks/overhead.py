@@ -33,12 +33,17 @@ below the target, FAIL when it is entirely above, "not shown" when it straddles:
     python benchmarks/overhead.py --modes eager --knobs none --profile   # plus where the time goes
 
 `--profile` prints, per workload, the operators with the most self time for Llama, Block and Full (eager,
-`torch.profiler`), to explain a missed target.
+`torch.profiler`), to explain a missed target. The tables are Markdown; `--results PATH` writes them (not the
+profile), with how they were measured, as a fragment for the docs (`benchmarks/_results.py`):
+
+    python benchmarks/overhead.py --modes eager --knobs none --repeats 4 --results docs/results/overhead_cpu_eager.md
 """
 
 import argparse
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -46,6 +51,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -237,14 +245,20 @@ def run_mode(mode: str, models: dict, args, inputs: dict, device) -> dict:
     return {"times": times, "peaks": peaks}
 
 
-def report(mode: str, result: dict, args) -> None:
+COLUMNS = {"train": "train step", "prefill": "prefill", "decode": "decode / token", "memory": "train peak memory"}
+
+
+def report(mode: str, result: dict, args) -> str:
+    """One mode's table (Markdown; printed, and what `--results` writes): Llama's median times, every other model's
+    median ratio to Llama with its interval (and its verdict where a target applies), the training peak memory, then
+    the verdicts against the targets."""
     times, peaks = result["times"], result["peaks"]
     llama = times["llama"]
-    print(f"\n== {mode} ==  (ratio to Llama: median of {args.repeats} paired repeats [95% interval]; "
-          f"Llama: median seconds)")
     workloads = list(llama)
     columns = workloads + (["memory"] if peaks else [])
-    print(f"{'model':<22}" + "".join(f"{c:>34}" for c in columns))
+    lines = [f"**{mode}** (ratio to Llama: median of {args.repeats} paired repeats [95% interval]; Llama: median "
+             "time)", "", "| model | " + " | ".join(COLUMNS[c] for c in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
     cells = []
     for workload in workloads:
         base = statistics.median(llama[workload])
@@ -252,7 +266,7 @@ def report(mode: str, result: dict, args) -> None:
         cells.append(f"{base * unit[0]:.4g} {unit[1]}")
     if peaks:
         cells.append(f"{peaks['llama'] / 2**20:.0f} MiB")
-    print(f"{'llama':<22}" + "".join(f"{c:>34}" for c in cells))
+    lines.append("| llama | " + " | ".join(cells) + " |")
     verdicts = []
     for name in times:
         if name == "llama":
@@ -265,20 +279,22 @@ def report(mode: str, result: dict, args) -> None:
             med, low, high, cover = median_interval(ratios)
             cells.append(f"{med:.3f} [{low:.3f}, {high:.3f}]")
             if workload in targets:
-                verdicts.append(f"  {name:<10} {mode:<9} {workload:<8} {med:.3f} [{low:.3f}, {high:.3f}] "
-                                f"{verdict(low, high, targets[workload])}")
+                judged = verdict(low, high, targets[workload])
+                cells[-1] += f" {judged.split(' (')[0]}"
+                verdicts.append(f"- {name}, {mode}, {workload}: {med:.3f} [{low:.3f}, {high:.3f}] {judged}")
         if peaks:
             ratio = peaks[name] / peaks["llama"]
-            cells.append(f"{peaks[name] / 2**20:.0f} MiB {ratio:.3f}")
+            cells.append(f"{peaks[name] / 2**20:.0f} MiB ({ratio:.3f})")
             if "memory" in targets:
-                verdicts.append(f"  {name:<10} {mode:<9} {'memory':<8} {ratio:.3f} (one run) "
-                                f"{verdict(ratio, ratio, targets['memory'])}")
-        print(f"{name:<22}" + "".join(f"{c:>34}" for c in cells))
+                judged = verdict(ratio, ratio, targets["memory"])
+                cells[-1] += f" {judged.split(' (')[0]}"
+                verdicts.append(f"- {name}, {mode}, memory: {ratio:.3f} (one run) {judged}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     cover = median_interval([0.0] * args.repeats)[3]
-    print(f"(interval coverage with {args.repeats} repeats: {cover:.1%})")
+    lines += ["", f"Interval coverage with {args.repeats} repeats: {cover:.1%}."]
     if verdicts:
-        print("targets:")
-        print("\n".join(verdicts))
+        lines += ["", "Targets (issue 13), judged on the interval:", "", *verdicts]
+    return "\n".join(lines)
 
 
 def profile_models(models: dict, inputs: dict, device, args) -> None:
@@ -333,7 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                         "--workloads train` on its own for the compiled training step)")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
     parser.add_argument("--profile-rows", type=int, default=15)
+    parser.add_argument("--results", metavar="PATH", help="also write the tables, with how they were measured, to "
+                        "PATH (a Markdown fragment, e.g. docs/results/overhead_cpu_eager.md; not the profile)")
     args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
     modes = [m for m in args.modes.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
     knobs = [] if args.knobs in ("", "none") else args.knobs.split(",")
@@ -360,20 +379,24 @@ def main(argv: list[str] | None = None) -> None:
         "prompt": torch.randint(vocab, (1, PROMPT_LEN), generator=generator).to(device),
     }
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"device={device} ({name}) torch={torch.__version__} dtype=fp32 attn={args.attn_implementation} "
-          f"layers={args.layers} train={args.train_batch}x{args.train_len} prefill=1x{args.prefill_len} "
-          f"decode={args.decode_tokens} tokens repeats={args.repeats} models={', '.join(models)}", flush=True)
+    header = (f"device={device} ({name}) torch={torch.__version__} dtype=fp32 attn={args.attn_implementation} "
+              f"layers={args.layers} train={args.train_batch}x{args.train_len} prefill=1x{args.prefill_len} "
+              f"decode={args.decode_tokens} tokens repeats={args.repeats} models={', '.join(models)}")
+    print(header, flush=True)
     # every AttnRes model compiles AttnResForCausalLM.forward anew (train, prefill, decode each): more graphs than
     # dynamo keeps per code object by default
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
-    results = {}
+    results, texts = {}, [header]
     for mode in modes:
         chosen = models
         if mode == "compiled":  # the compiled targets are Block's; Full for reference; knobs eager only
             chosen = {k: v for k, v in models.items() if k in (("llama", "block") if args.quick else COMPILED)}
         results[mode] = run_mode(mode, chosen, args, inputs, device)
-        report(mode, results[mode], args)  # at once: a run cut short keeps the modes it finished
+        texts.append(report(mode, results[mode], args))
+        print(f"\n{texts[-1]}", flush=True)  # at once: a run cut short keeps the modes it finished
+    if args.results:
+        measured.write(args.results, "\n\n".join(texts), device=str(device))
     if args.profile:
         profile_models(models, inputs, device, args)
 

@@ -7,10 +7,14 @@ hidden 576, vocab 49152, tied embeddings; random weights, fp32 on CPU, or `--dty
 `attnres_block_size` from `default_attnres_block_size` (8 sub-layers: 8 blocks), 2 ranks x 3 virtual stages of 5
 layers. The step's loss is
 printed for both runs (caching changes what is sent, not the numbers). A last line gives the formula for bf16
-training at the same split and `--formula-seq-len` tokens per micro-batch.
+training at the same split and `--formula-seq-len` tokens per micro-batch. `--results PATH` writes the same table,
+with how it was measured, as a Markdown fragment (`benchmarks/_results.py`).
 
     python benchmarks/pipeline_bytes.py                                   # spawns 2 gloo processes on CPU
     torchrun --nproc-per-node 2 benchmarks/pipeline_bytes.py --layers 8   # or under torchrun (any rank count)
+    python benchmarks/pipeline_bytes.py --results docs/results/pipeline_bytes.md   # the docs' table
+    python benchmarks/pipeline_bytes.py --dtype bfloat16 --layers 8 --virtual-stages 2 --seq-len 32 \\
+        --results docs/results/pipeline_bytes_bf16.md                   # the docs' bf16 table
 """
 
 import argparse
@@ -24,7 +28,9 @@ import torch.distributed as dist
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 from attnres_hf.training.pipeline_parallel import AttnResPipeline, plan_pipeline
 
-from overhead import SMOLLM2_135M  # the benchmarks' one SmolLM2-135M shape (benchmarks/overhead.py)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from overhead import SMOLLM2_135M  # noqa: E402  (the benchmarks' one SmolLM2-135M shape, benchmarks/overhead.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,7 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--formula-seq-len", type=int, default=4096)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    return parser.parse_args(argv)
+    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+                        "(a Markdown fragment, e.g. docs/results/pipeline_bytes.md)")
+    args = parser.parse_args(argv)
+    args.measured = Run(__file__, sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def config_for(args) -> AttnResConfig:
@@ -69,22 +79,33 @@ def run(rank: int, world_size: int, args) -> None:
         rows.append((cache, int(sent[0]), int(sent[1]), predicted, loss.item(), pipeline.plan))
     if rank:
         return
-    plan = rows[0][-1]
-    print(f"shape: SmolLM2-135M's, {config.num_hidden_layers} layers, hidden {config.hidden_size}, block "
-          f"{config.attnres_block_size} sub-layers ({config.num_attnres_blocks} blocks + embedding), {args.dtype}")
-    print(f"split: {world_size} ranks x {args.virtual_stages} virtual stages = {plan.num_stages} stages, layers "
-          f"{[end - first for first, end in plan.layer_ranges]}, sources after each stage {list(plan.sources_after)}")
-    print(f"step: {args.micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, "
-          "ScheduleInterleaved1F1B")
-    print(f"{'caching':8} {'sent forward':>14} {'sent backward':>14} {'formula (each)':>15} {'loss':>9}")
-    for cache, forward, backward, predicted, loss, _ in rows:
-        print(f"{'on' if cache else 'off':8} {forward:>14,} {backward:>14,} {predicted:>15,} {loss:>9.5f}")
-    off, on = rows[0][1] + rows[0][2], rows[1][1] + rows[1][2]
-    print(f"caching sends {on / off:.3f} of the bytes ({off / on:.2f}x fewer)")
     bf16 = {cache: plan_pipeline(config, world_size, args.virtual_stages, cache).bytes_per_micro_batch(
         1, args.formula_seq_len, config.hidden_size, 2) for cache in (False, True)}
-    print(f"formula, bf16, 1 x {args.formula_seq_len} tokens per micro-batch, each direction: off "
-          f"{bf16[False] / 2**20:.1f} MiB, on {bf16[True] / 2**20:.1f} MiB")
+    text = report(config, args, world_size, rows, bf16)
+    print(text)
+    if args.results:
+        args.measured.write(args.results, text)
+
+
+def report(config, args, world_size: int, rows: list, bf16: dict) -> str:
+    """The printed table (Markdown; also what `--results` writes): the shape and split, bytes sent per direction with
+    and without caching beside the formula, and the formula for bf16 at `--formula-seq-len` tokens."""
+    plan = rows[0][-1]
+    lines = [
+        f"- shape: SmolLM2-135M's, {config.num_hidden_layers} layers, hidden {config.hidden_size}, block "
+        f"{config.attnres_block_size} sub-layers ({config.num_attnres_blocks} blocks + embedding), {args.dtype}",
+        f"- split: {world_size} ranks x {args.virtual_stages} virtual stages = {plan.num_stages} stages, layers "
+        f"{[end - first for first, end in plan.layer_ranges]}, sources after each stage {list(plan.sources_after)}",
+        f"- step: {args.micro_batches} micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, "
+        "ScheduleInterleaved1F1B", "",
+        "| caching | sent forward | sent backward | formula (each direction) | loss |", "|---|---|---|---|---|"]
+    for cache, forward, backward, predicted, loss, _ in rows:
+        lines.append(f"| {'on' if cache else 'off'} | {forward:,} B | {backward:,} B | {predicted:,} B | {loss:.5f} |")
+    off, on = rows[0][1] + rows[0][2], rows[1][1] + rows[1][2]
+    lines += ["", f"Caching sends {on / off:.3f} of the bytes ({off / on:.2f}x fewer). Formula, bf16, 1 x "
+              f"{args.formula_seq_len} tokens per micro-batch, each direction: off {bf16[False] / 2**20:.1f} MiB, on "
+              f"{bf16[True] / 2**20:.1f} MiB."]
+    return "\n".join(lines)
 
 
 def _spawned(rank: int, world_size: int, store: str, args) -> None:

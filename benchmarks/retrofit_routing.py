@@ -23,12 +23,15 @@ held-out windows and its 95% t-interval, from `ablation.paired_difference`), the
 
     python benchmarks/retrofit_routing.py --arms routers --out outputs/retrofit_routers &   # the recorded run
     python benchmarks/retrofit_routing.py --arms norms --out outputs/retrofit_norms         # (README, 'Does a
-    python benchmarks/retrofit_routing.py --merge outputs/retrofit_routers outputs/retrofit_norms   # retrofit ...')
+    python benchmarks/retrofit_routing.py --merge outputs/retrofit_routers outputs/retrofit_norms \\
+        --results docs/results/retrofit_routing.md                                         # retrofit ...')
 
 The defaults are the recorded run's: 100 steps of 4 x 32 tokens, lr 2e-4, held-out 2,048 tokens in windows of 256,
 one torch thread per process (two threads of one process on a loaded machine wait on each other).
 
-Writes `retrofit_routing.json`, `routing_average.png`, `routing_tokens.png` and `probe_shift.png` to `--out`.
+Writes `retrofit_routing.json`, `routing_average.png`, `routing_tokens.png` and `probe_shift.png` to `--out`;
+`--results PATH` writes the printed report (Markdown), with how it was measured, as a fragment for the docs
+(`benchmarks/_results.py`); with `--merge`, the merged report.
 """
 
 import argparse
@@ -43,6 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
 from ablation import format_paired, paired_difference  # noqa: E402  (one home for the paired statistics)
 
 from attnres_hf import assets  # noqa: E402
@@ -161,6 +165,9 @@ def merge(folders: list[str | Path]) -> dict:
     merged["perplexity"] = perplexity_rows(nll)
     merged["arms"] = {a: merged["arms"][a] for a in order[1:]}
     merged["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
+    merged["merged_from"] = [{"folder": str(f), "command": p.get("command"), "wall_seconds": p.get("wall_seconds")}
+                             for f, p in zip(folders, parts)]
+    merged.pop("command", None)  # the first part's
     return merged
 
 
@@ -289,6 +296,8 @@ def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, steps
 
 
 def report(results: dict) -> str:
+    """The printed report (Markdown; also what `--results` writes): settings, the perplexity table, the curves, and
+    the router arm's routing and probe."""
     s = results["settings"]
     lines = [f"{s['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens, lr {s['learning_rate']} (constant), "
              f"same batches in the same order for every arm; held-out: {results['held_out_tokens']} tokens in "
@@ -302,23 +311,31 @@ def report(results: dict) -> str:
             value = row.get(key)
             cells.append("-" if value is None else format_paired(value, unit="window"))
         lines.append(f"| {name} | {params} | {row['perplexity']:.3f} | {cells[0]} | {cells[1]} |")
-    for name, arm in results["arms"].items():
-        c = arm["curve"]
-        lines.append(f"\n{name}: held-out loss at steps {c['step']}: "
-                     + ", ".join(f"{v:.4f}" for v in c["held_out_loss"]))
-        if c["depth_entropy_ratio"][0] is not None:
-            lines.append(f"{name}: depth entropy / uniform: " + ", ".join(f"{v:.4f}" for v in c["depth_entropy_ratio"]))
+    curves = {name: arm["curve"] for name, arm in results["arms"].items()}
+    if curves:
+        steps = next(iter(curves.values()))["step"]
+        held = min(16, results["held_out_tokens"] // s["seq_len"])
+        lines += ["", "| step | " + " | ".join(map(str, steps)) + " |", "|---" * (len(steps) + 1) + "|"]
+        for i, (name, c) in enumerate(curves.items()):
+            label = f"held-out loss ({held} x {s['seq_len']} tokens), {name}" if i == 0 else f"held-out loss, {name}"
+            lines.append(f"| {label} | " + " | ".join(f"{v:.4f}" for v in c["held_out_loss"]) + " |")
+        for name, c in curves.items():
+            if c["depth_entropy_ratio"][0] is not None:
+                lines.append(f"| depth entropy / uniform, {name} | "
+                             + " | ".join(f"{v:.4f}" for v in c["depth_entropy_ratio"]) + " |")
     if "routing" in results:
         r, p = results["routing"], results["probe"]
-        lines += [f"\nrouting after training: mean entropy/uniform {r['mean_entropy_ratio']:.4f}, static share "
-                  f"{r['static_share']:.3f}, largest departure of a mean weight from uniform "
+        lines += ["", "Routing of the router-trained model:", "",
+                  f"- after training: mean entropy/uniform {r['mean_entropy_ratio']:.4f}, static share "
+                  f"{'n/a (uniform routing)' if r['static_share'] is None else format(r['static_share'], '.3f')}, "
+                  "largest departure of a mean weight from uniform "
                   f"{r['max_mean_departure_from_uniform']:.4f}",
-                  f"contradiction probe ({p['pairs_used']} pairs): max |shift| {p['max_abs_shift']:.4f}; "
+                  f"- contradiction probe ({p['pairs_used']} pairs): max |shift| {p['max_abs_shift']:.4f}; "
                   f"{p['cells_interval_excludes_zero']}/{p['cells']} router-source cells with a 95% bootstrap "
-                  "interval excluding 0"]
+                  "interval excluding 0; the largest shifts:"]
         top = sorted(p["largest_shifts"], key=lambda row: -abs(row["shift"]))[:3]
-        lines += [f"  {row['router']} <- {row['source']}: {row['shift']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]"
-                  for row in top]
+        lines += [f"    - {row['router']} <- {row['source']}: {row['shift']:+.4f} [{row['low']:+.4f}, "
+                  f"{row['high']:+.4f}]" for row in top]
     return "\n".join(lines)
 
 
@@ -336,12 +353,23 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="outputs/retrofit_routing")
     parser.add_argument("--merge", nargs="+", metavar="OUT", help="print one report from runs of separate arms")
+    parser.add_argument("--results", metavar="PATH", help="also write the report, with how it was measured, to PATH "
+                        "(a Markdown fragment, e.g. docs/results/retrofit_routing.md; with --merge, of the merged "
+                        "arms)")
     args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
     if args.merge:
         results = merge(args.merge)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "retrofit_routing.json").write_text(json.dumps(results, indent=1) + "\n")
-        print(report(results))
+        text = report(results)
+        print(text)
+        if args.results:
+            parts = "; ".join(f"`{part['command'] or part['folder']}`"
+                              + (f" ({part['wall_seconds'] / 60:.1f} min)" if part["wall_seconds"] else "")
+                              for part in results["merged_from"])
+            measured.write(args.results, text, notes=f"It merges the runs of separate arms: {parts}; the machine, "
+                      "versions and commit above are the merge's.")
         return
     arms = [a.strip() for a in args.arms.split(",")]
     if unknown := sorted(set(arms) - set(ARMS)):
@@ -367,10 +395,14 @@ def main(argv=None):
                   log=lambda line: print(line, flush=True))
     results["text"] = assets.text_source()
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
+    results["command"] = measured.command
     (Path(args.out) / "retrofit_routing.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = report(results)
     print()
-    print(report(results))
+    print(text)
     print(f"\nwall time {results['wall_seconds'] / 60:.1f} min; wrote {args.out}/")
+    if args.results:
+        measured.write(args.results, text)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ baseline over seeds with its 95% t-interval (`ablation.paired_difference`), and 
 
     python benchmarks/structured_vs_memorisation.py            # the recorded run (README), a few minutes
     python benchmarks/structured_vs_memorisation.py --seeds 2 --steps 50   # quick look
+    python benchmarks/structured_vs_memorisation.py --results docs/results/structured_vs_memorisation.md
 """
 
 import argparse
@@ -41,6 +42,7 @@ from ablation import (  # noqa: E402
     optimizer_and_schedule,
     paired_difference,
 )
+from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 TASKS = ("recall", "memorisation")
 MODELS = ("baseline", "Block AttnRes (S=2)", "Full AttnRes")
@@ -170,7 +172,10 @@ def main(argv=None):
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
     parser.add_argument("--output", help="write the per-run results as JSON here")
+    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+                        "(a Markdown fragment, e.g. docs/results/structured_vs_memorisation.md)")
     args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
     tasks = [t.strip() for t in args.tasks.split(",")]
     if unknown := sorted(set(tasks) - set(TASKS)):
         parser.error(f"unknown tasks {unknown}; choose from {TASKS}")
@@ -182,9 +187,11 @@ def main(argv=None):
     preset = Preset(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, seq_len=2 * settings["pairs"],
                     batch_size=settings["batch_size"], steps=args.steps, seeds=args.seeds, learning_rate=3e-3,
                     eval_batches=0, max_chars_per_book=None)
-    print(f"model: {preset.num_hidden_layers} layers x {preset.hidden_size}, {preset.num_attention_heads} heads; "
-          f"{args.steps} steps x {settings['batch_size']} sequences, lr {preset.learning_rate} (warm-up + cosine); "
-          f"{args.seeds} seeds; task settings {settings}")
+    header = (f"model: {preset.num_hidden_layers} layers x {preset.hidden_size}, {preset.num_attention_heads} heads; "
+              f"{args.steps} steps x {settings['batch_size']} sequences, lr {preset.learning_rate} (warm-up + "
+              f"cosine); {args.seeds} seeds; task settings {settings}; loss in nats per scored token, paired Δ over "
+              "seeds with its 95% t-interval")
+    print(header)
     started = time.perf_counter()
     results = {task: {name: [] for name in MODELS} for task in tasks}
     for task in tasks:
@@ -194,9 +201,12 @@ def main(argv=None):
                 results[task][name].append(result)
                 print(f"  {task} seed {seed} {name}: loss {result['loss']:.4f} accuracy {result['accuracy']:.3f} "
                       f"({result['seconds']:.0f} s)", flush=True)
+    text = f"{header}\n\n{table(results)}"
     print()
-    print(table(results))
+    print(text)
     print(f"\nwall time {(time.perf_counter() - started) / 60:.1f} min")
+    if args.results:
+        measured.write(args.results, text, device=args.device)
     if args.output:
         Path(args.output).write_text(json.dumps({"settings": settings, "preset": preset.__dict__,
                                                  "results": results}, indent=1) + "\n")

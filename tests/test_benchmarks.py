@@ -3,12 +3,71 @@
 import importlib.util
 import json
 import math
+import os
+import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-ABLATION = Path(__file__).parents[1] / "benchmarks" / "ablation.py"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+ABLATION = BENCHMARKS / "ablation.py"
+
+
+def assert_results_fragment(path: Path, script: str, argv: list[str], printed: str) -> str:
+    """`--results` wrote a docs fragment: no heading, a provenance paragraph (the command as given, the UTC date and
+    wall time, the machine, the versions, the commit, the load), then exactly the text the benchmark printed; no
+    temporary file left beside it. Returns the provenance paragraph."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _results
+
+    fragment = path.read_text()
+    provenance, body = fragment.split("\n\n", 1)
+    assert provenance.startswith(f"Measured by `python benchmarks/{script} {shlex.join(argv)}` on "), provenance
+    assert re.search(r" on \d{4}-\d\d-\d\d \d\d:\d\d UTC \(wall time [\d.]+ (s|min), [^)]*\), on ", provenance)
+    assert f", {os.cpu_count()} cores (torch threads: " in provenance
+    assert f" on {_results.cpu_model() or 'unknown CPU'}, " in provenance
+    assert f"torch {torch.__version__}, transformers {transformers.__version__}; " in provenance
+    assert re.search(r"; (commit [0-9a-f]{4,}( \+ local changes)?|no git commit \(not a checkout\)); ", provenance)
+    assert re.search(r"load average (\d+\.\d\d|n/a) at the start, (\d+\.\d\d|n/a) at the end", provenance)
+    assert provenance.endswith("Running the command again replaces this file.") and "\n" not in provenance
+    assert body.strip() == printed.strip() and body.strip() in printed
+    assert not [line for line in fragment.splitlines() if line.startswith("#") or set(line) in ({"="}, {"-"})]
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
+    return provenance
+
+
+def test_a_results_fragment_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`_results`: the command as given (quoted; torchrun's under torchrun), no commit outside a checkout, and an
+    atomic write: a second run replaces the file, a failed write leaves the old one and no temporary file."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _results
+
+    monkeypatch.setattr(_results, "ROOT", tmp_path)  # not a checkout
+    run = _results.Run("benchmarks/x.py", ["--label", "two words"])
+    assert run.command == "python benchmarks/x.py --label 'two words'" and run.commit is None
+    path = tmp_path / "docs" / "results" / "x.md"
+    run.write(path, "| a |\n|---|\n| 1 |\n")
+    first = path.read_text()
+    assert first.startswith("Measured by `python benchmarks/x.py --label 'two words'` on ") and "no git commit" in first
+    assert first.endswith("\n\n| a |\n|---|\n| 1 |\n") and oct(path.stat().st_mode & 0o777) == "0o644"
+    run.write(path, "| a |\n|---|\n| 2 |")
+    assert path.read_text().endswith("| 2 |\n")
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_results.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        run.write(path, "| a |\n|---|\n| 3 |")
+    assert path.read_text().endswith("| 2 |\n") and sorted(p.name for p in path.parent.iterdir()) == ["x.md"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _results.command_line("x.py", ["--layers", "8"]) == "torchrun --nproc-per-node 2 benchmarks/x.py --layers 8"
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +131,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, tmp_path, one_thread):
+def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, tmp_path, one_thread, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from utils import TINY, counting_text, word_tokenizer
@@ -114,6 +173,17 @@ def test_retrofit_routing_runs_every_arm_on_the_same_batches(retrofit_routing, t
         assert merged["perplexity"][name]["nll"] == pytest.approx(ppl[name]["nll"], rel=1e-5)
     assert merged["perplexity"]["norms"]["paired_delta_nll_vs_routers"] == pytest.approx(
         ppl["norms"]["paired_delta_nll_vs_routers"], rel=1e-4, abs=1e-6)
+    # `--merge ... --results`: the merged report, printed and written as a docs fragment naming the merged runs
+    capsys.readouterr()
+    argv = ["--merge", str(tmp_path / "routers"), str(tmp_path / "norms"), "--out", str(tmp_path / "merged"),
+            "--results", str(tmp_path / "docs" / "retrofit_routing.md")]
+    retrofit_routing.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.strip() == retrofit_routing.report(merged).strip()
+    assert "| step | 0 | 2 | 4 |" in printed and "| depth entropy / uniform, routers |" in printed
+    provenance = assert_results_fragment(tmp_path / "docs" / "retrofit_routing.md", "retrofit_routing.py", argv,
+                                         printed)
+    assert f"It merges the runs of separate arms: `{tmp_path / 'routers'}`; `{tmp_path / 'norms'}`;" in provenance
 
 
 def test_matched_lora_picks_the_closest_parameter_count(retrofit_routing):
@@ -238,18 +308,24 @@ def test_memorisation_table_is_fixed_per_seed_and_its_labels_ignore_the_input(sy
         synthetic.memorisation_table(5000, seed=0)
 
 
-def test_structured_vs_memorisation_runs_and_pairs_its_variants(synthetic):
-    settings = {"steps": 3, "batch_size": 8, "pairs": 6, "keys": 3, "items": 64}
-    preset = synthetic.Preset(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, seq_len=12, batch_size=8,
-                              steps=3, seeds=2, learning_rate=3e-3, eval_batches=0, max_chars_per_book=None)
-    results = {task: {name: [synthetic.run_one(task, name, seed, preset, settings) for seed in range(2)]
-                      for name in synthetic.MODELS} for task in synthetic.TASKS}
+def test_structured_vs_memorisation_runs_and_pairs_its_variants(synthetic, tmp_path, capsys):
+    argv = ["--seeds", "2", "--steps", "3", "--batch-size", "8", "--items", "64", "--output",
+            str(tmp_path / "synthetic.json"), "--results", str(tmp_path / "docs" / "synthetic.md")]
+    synthetic.main(argv)
+    results = json.loads((tmp_path / "synthetic.json").read_text())["results"]
+    assert list(results) == list(synthetic.TASKS)
     for task in synthetic.TASKS:
+        assert list(results[task]) == list(synthetic.MODELS)
         for runs in results[task].values():
-            assert all(math.isfinite(r["loss"]) and 0 <= r["accuracy"] <= 1 for r in runs)
-    # the same seed's batches for every variant: the residual-exact init gives identical first losses
+            assert len(runs) == 2 and all(math.isfinite(r["loss"]) and 0 <= r["accuracy"] <= 1 for r in runs)
     text = synthetic.table(results)
     assert text.count("| recall |") == 3 and "verdict" in text
+    printed = capsys.readouterr().out
+    assert text in printed
+    # --results: the model line and the table, as printed at the end, with how they were measured
+    final = printed[printed.rindex("model: 4 layers x 64"):printed.rindex("\nwall time")]
+    assert final.rstrip().endswith(text)
+    assert_results_fragment(tmp_path / "docs" / "synthetic.md", "structured_vs_memorisation.py", argv, final)
 
 
 def test_ordering_checks_judge_each_claim_by_its_paired_interval(ablation):
@@ -317,13 +393,17 @@ def test_ordering_checks_draw_no_verdict_without_an_interval(ablation, seeds):
 
 def test_ablation_with_one_seed_reports_no_interval_and_no_verdict(ablation, tmp_path, capsys):
     """`--seeds 1` end to end: the paired difference with `[n/a (1 seed)]` in the printed table and results.md,
-    null bounds and verdicts in results.json (strict JSON), and no verdict on any ordering."""
+    null bounds and verdicts in results.json (strict JSON), and no verdict on any ordering; `--results` writes the
+    same report as a docs fragment."""
     out = tmp_path / "out"
-    ablation.main(["--preset", "smoke", "--out", str(out), "--variants", "baseline,Full AttnRes,DenseFormer",
-                   "--steps", "1", "--seeds", "1", "--jobs", "1"])
+    argv = ["--preset", "smoke", "--out", str(out), "--variants", "baseline,Full AttnRes,DenseFormer",
+            "--steps", "1", "--seeds", "1", "--jobs", "1", "--results", str(tmp_path / "docs" / "ablation.md")]
+    ablation.main(argv)
     printed = capsys.readouterr().out
     report = (out / "results.md").read_text()
     assert report.strip() in printed
+    # --results: the same report, with how it was measured (a Markdown fragment for the docs)
+    assert_results_fragment(tmp_path / "docs" / "ablation.md", "ablation.py", argv, report)
     for text in (printed, report):
         assert "nan" not in text.lower() and "recovered" not in text and "consistent" not in text
         assert text.count("[n/a (1 seed)]") == 2 + 2  # two table rows, two orderings

@@ -1,6 +1,7 @@
-"""The overhead benchmark's statistics: the median's distribution-free interval and the PASS/FAIL/"not shown"
-verdict on it (the timings themselves are the benchmark's, never a test's)."""
+"""The overhead benchmark's statistics: the median's distribution-free interval, the PASS/FAIL/"not shown" verdict
+on it, and the Markdown table that reports them (the timings themselves are the benchmark's, never a test's)."""
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -29,3 +30,22 @@ def test_median_interval_uses_binomial_order_statistics(overhead):
 def test_a_target_is_judged_on_the_whole_interval(overhead, low, high, expected):
     assert overhead.verdict(low, high, 1.03).startswith(expected)
     assert overhead.verdict(low, high, None) == ""
+
+
+def test_report_is_a_markdown_table_with_each_verdict_beside_its_ratio(overhead):
+    """The printed tables are what `--results` writes to the docs: Markdown, Llama's times, each ratio with its
+    interval (and its verdict where a target applies), the memory, then the verdicts with their targets."""
+    llama = {"train": [1.0] * 6, "prefill": [0.5] * 6, "decode": [0.01] * 6}
+    block = {"train": [1.01, 1.0, 1.02, 1.01, 1.0], "prefill": [0.6] * 5, "decode": [0.0101] * 5}
+    result = {"times": {"llama": llama, "block": block, "block+sigmoid": block},
+              "peaks": {"llama": 100 * 2**20, "block": 104 * 2**20, "block+sigmoid": 104 * 2**20}}
+    lines = overhead.report("eager", result, argparse.Namespace(repeats=5)).splitlines()
+    assert lines[2:5] == ["| model | train step | prefill | decode / token | train peak memory |",
+                          "|---|---|---|---|---|", "| llama | 1 s | 0.5 s | 10 ms | 100 MiB |"]
+    assert lines[5] == ("| block | 1.010 [1.000, 1.020] PASS | 1.200 [1.200, 1.200] FAIL | 1.010 [1.010, 1.010] PASS | "
+                        "104 MiB (1.040) PASS |")
+    assert lines[6] == ("| block+sigmoid | 1.010 [1.000, 1.020] | 1.200 [1.200, 1.200] | 1.010 [1.010, 1.010] | "
+                        "104 MiB (1.040) |")  # no targets for the knobs
+    assert "Interval coverage with 5 repeats: 93.8%." in lines
+    assert "- block, eager, prefill: 1.200 [1.200, 1.200] FAIL (> 1.02)" in lines
+    assert "- block, eager, memory: 1.040 (one run) PASS (<= 1.05)" in lines
