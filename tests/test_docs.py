@@ -384,6 +384,10 @@ def test_every_results_fragment_is_included_and_says_where_it_came_from():
     fragments = sorted(path.name for path in RESULTS.glob("*.md"))
     assert sorted(set(included)) == fragments, set(included) ^ set(fragments)
     assert len(included) == len(set(included)), "a results fragment is included twice"
+    for path in RESULTS.glob("*.md"):  # `benchmarks/_results.py` writes the first form; the second is an archive
+        first = path.read_text().split("\n", 1)[0]
+        assert re.match(r"Measured by `python benchmarks/\w+\.py.*` on \d{4}-\d\d-\d\d ", first) or re.match(
+            r"Transcribed from README\.md at commit \w+ \(\d{4}-\d\d-\d\d\), not written by a run", first), path.name
 
 
 PRIVATE_WORDS = re.compile(r"\b(issue \d+|this round|last round|last session|earlier round|other agents?)\b",
@@ -391,8 +395,9 @@ PRIVATE_WORDS = re.compile(r"\b(issue \d+|this round|last round|last session|ear
 
 
 def test_the_pages_speak_to_users():
-    """No project-internal history a reader cannot follow (issue numbers, rounds, sessions, other agents)."""
-    for path in pages():
+    """No project-internal history a reader cannot follow (issue numbers, rounds, sessions, other agents), in the
+    pages or the results fragments they include."""
+    for path in [*pages(), *sorted(RESULTS.glob("*.md"))]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not PRIVATE_WORDS.search(line), f"{page_name(path)}:{number}: {line}"
 
