@@ -175,6 +175,7 @@ def test_the_issue_snippet_records_routing(overrides):
     assert record.weights.shape == (9 * config.attnres_num_heads, 6, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ROUTED))
 def test_routing_maps_hold_every_depth_weight_of_every_method_and_knob(name, input_ids, tmp_path):
     """Each row of the record is one row of one depth-weight tensor the model returned, at the source columns the

@@ -80,6 +80,7 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(NPM_FAILURES))
 def test_whatever_npm_does_the_demo_text_is_lambada_after_one_note(kind, fresh_cache, capsys):
     from attnres_hf.demo import demo_texts

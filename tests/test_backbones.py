@@ -92,6 +92,7 @@ def test_every_method_retrofits_exactly_and_runs_trained_like(family, method):
         assert torch.isfinite(moved).all() and (moved - reference).abs().max().item() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(ATTNRES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_greedy_generation_equals_full_recompute(family, variant):
@@ -120,6 +121,7 @@ REMOTE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_save_and_reload_native_and_as_remote_code(tmp_path):
     """Every family, Block AttnRes with trained-like routers: native reload and remote code (without the package,
     one fresh process for all families) give identical logits."""
@@ -240,7 +242,7 @@ def test_the_docs_list_every_family():
     root = Path(__file__).parents[1]
     page = (root / "docs" / "backbones.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
-    assert set(BACKBONES) == rows
+    assert set(BACKBONES) == rows - {"model_type"}  # the header names the column
     gguf = {line.split("|")[1].strip().strip("`") for line in page.splitlines()
             if line.startswith("| `") and line.rstrip(" |").endswith(("yes", "yes (as `llama`)"))}
     assert gguf == {name for name, adapter in BACKBONES.items() if adapter.gguf_architecture}

@@ -282,6 +282,7 @@ REMOTE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_save_reload_native_and_remote_code(sources, tmp_path):
     """Each family saves, reloads natively with identical logits, and loads as remote code in a fresh process
     without attnres-hf installed (one process for all families)."""

@@ -81,6 +81,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch):
     assert main(["info", str(tmp_path)]) == 0
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_command(tmp_path):
     tiny_config().save_pretrained(tmp_path)
     result = subprocess.run([sys.executable, "-m", "attnres_hf.cli", "info", str(tmp_path)], capture_output=True,

@@ -12,6 +12,7 @@ from attnres_hf.modeling.depth_mixing import DEPTH_MIXING
 from utils import tiny_model
 
 
+@pytest.mark.slow
 def test_compiled_forward_has_no_graph_break_and_gives_the_eager_logits(input_ids):
     """Block AttnRes (two-phase inside blocks, the direct buffer read for the final router), fullgraph: a graph
     break raises."""
@@ -75,6 +76,7 @@ def test_generate_with_a_static_cache_matches_a_dynamic_cache(block_size, input_
     torch.testing.assert_close(none, dynamic, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth_mixing", list(DEPTH_MIXING))
 def test_every_depth_mixing_traces_as_one_graph(depth_mixing, input_ids):
     """`_can_compile_fullgraph = True` holds for every method: dynamo captures the whole forward (backend "eager":
@@ -87,6 +89,7 @@ def test_every_depth_mixing_traces_as_one_graph(depth_mixing, input_ids):
     torch.testing.assert_close(captured, eager, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_training_step_has_no_graph_break_and_gives_the_eager_gradients(input_ids):
     """Training through the source buffer's autograd Functions and the two-phase merge (`_PartialMerge`) under
     `torch.compile(fullgraph=True)` (aot_eager: dynamo's capture of the Functions and AOTAutograd's joint graph,

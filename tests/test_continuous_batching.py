@@ -30,6 +30,7 @@ def _lone_generate(model, prompt):
         return model.generate(ids, generation_config=_generation_config())[0, ids.shape[1] :].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [{"depth_mixing": method} for method in DEPTH_MIXING_METHODS]

@@ -165,6 +165,7 @@ def test_verification_compares_the_weights_with_the_files_tensors(tmp_path, monk
         retrofit(gguf_path)
 
 
+@pytest.mark.slow
 def test_hf_folder_converts_to_a_complete_folder_that_loads_and_round_trips(tmp_path):
     source = tiny_source("qwen2", tie=True)
     source.save_pretrained(tmp_path / "source")

@@ -99,6 +99,7 @@ REMOTE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_every_method_saves_and_reloads_natively_and_as_remote_code(tmp_path, input_ids, tmp_path_factory):
     expected = {}
     for name, overrides in ALL.items():

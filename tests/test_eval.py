@@ -91,6 +91,7 @@ def model_dirs(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_the_pack_has_one_yaml_per_benchmark_and_lm_eval_knows_every_task(data_dir):
     names = {path.stem for path in harness.task_dir().glob("*.yaml")}
     assert names == {b.task for b in harness.BENCHMARKS.values()}
@@ -135,6 +136,7 @@ def test_bad_imports_are_refused_and_lose_nothing(data_dir, tmp_path):
         data.import_benchmark("cmath", tmp_path / "bad.jsonl", tmp_path / "d")
 
 
+@pytest.mark.slow
 def test_every_task_runs_end_to_end_on_a_tiny_model(data_dir, model_dirs, tmp_path):
     report = harness.evaluate_pair(
         model_dirs / "attnres", tasks=",".join(data.BENCHMARKS), output_dir=tmp_path / "out", limit=2, data_dir=data_dir,
@@ -154,6 +156,7 @@ def _loglikelihoods(results, task):
     return {s["doc_id"]: [r[0] for r in s["resps"]] for s in results["samples"][task]}
 
 
+@pytest.mark.slow
 def test_batch_size_does_not_change_scores(data_dir):
     model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
     from utils import randomize_routers
@@ -172,6 +175,7 @@ def test_batch_size_does_not_change_scores(data_dir):
     assert generations[0] == generations[1]
 
 
+@pytest.mark.slow
 def test_lm_eval_batch_sizes_keep_lm_eval_meaning(data_dir):
     """`"auto"` searches the batch size from `max_batch_size` down, `"auto:N"` searches again over the run, and a
     number as a string is that number (lm-eval's command line passes one): the scores are batch size 1's."""
@@ -266,6 +270,7 @@ def test_dtype_takes_what_lm_eval_and_transformers_take(value, expected):
             assert checks.check_eval_dtype(getattr(torch, expected)) == result  # the torch.dtype itself too
 
 
+@pytest.mark.slow
 def test_dtype_auto_loads_the_checkpoint_dtype(data_dir, tmp_path, monkeypatch):
     """dtype="auto" for a folder is transformers' (the checkpoint's dtype): a bfloat16 checkpoint is evaluated in
     bfloat16; the default (float32) and a named dtype cast it."""
@@ -310,6 +315,7 @@ def test_attnres_eval_options_take_what_lm_eval_takes(option, value, accepted, c
         assert exit_.value.code == 2 and option in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_exactly_one_bos_where_the_tokenizer_adds_one(add_bos, data_dir):
     model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer(add_bos=add_bos)
@@ -414,6 +420,7 @@ def _sleeping(duration: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("escape", list(ESCAPES))
 @pytest.mark.parametrize("ends", ["returns", "times out"])
 @pytest.mark.parametrize("pid_namespace", [True, False], ids=["namespace-if-allowed", "subreaper-only"])
@@ -520,6 +527,7 @@ def _contexts(results, task):
             for s in results["samples"][task]}
 
 
+@pytest.mark.slow
 def test_few_shot_examples_come_from_the_questions_own_subject_and_never_include_it(data_dir):
     model, tokenizer = eval_model(attnres_block_size=2), byte_tokenizer()
     tasks = [harness.BENCHMARKS[n] for n in ("mmlu", "cmmlu", "hellaswag", "triviaqa", "gsm8k")]
@@ -538,6 +546,7 @@ def test_few_shot_examples_come_from_the_questions_own_subject_and_never_include
             assert context.count(question) == 1, (task, question)  # the question itself only once, at the end
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_with_trust_remote_code(data_dir, model_dirs, tmp_path):
     """`attnres lm-eval` is lm-eval's own CLI; the folder also loads with trust_remote_code (its saved code)."""
     out = tmp_path / "lm-eval-out"
@@ -677,6 +686,7 @@ def test_corrupt_or_truncated_local_data_is_found_before_loading(data_dir, tmp_p
         harness.preflight([harness.BENCHMARKS["gsm8k"]], False, broken)
 
 
+@pytest.mark.slow
 def test_a_perturbed_model_is_reported_different_even_when_filtered_answers_agree(data_dir):
     from utils import randomize_routers
 
@@ -788,6 +798,7 @@ def _scores(task, doc: dict, response: str) -> dict:
             for metric, value in task.process_results(doc, [filtered]).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "case"), [(name, case) for name, cases in SCORING.items() for case in cases],
                          ids=[f"{name}-{i}" for name, cases in SCORING.items() for i in range(len(cases))])
 def test_scoring_table(name, case, pack_tasks):

@@ -110,6 +110,7 @@ def test_device_map_auto_with_a_small_max_memory(reference, tmp_path):
     assert_same_model(loaded, reference)
 
 
+@pytest.mark.slow
 def test_empty_weights_construction_then_dispatch_with_offload(reference, tmp_path):
     """accelerate's big-model recipe: build on the meta device, then load the checkpoint with layers on disk."""
     folder, model, *_ = reference

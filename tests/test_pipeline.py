@@ -46,6 +46,7 @@ def test_text_generation_pipeline_on_a_prompt_and_on_chat_messages(chat_folder):
     assert reply["content"].split() == tokenizer.decode(_greedy(chat_folder, chat_ids, 5), skip_special_tokens=True).split()
 
 
+@pytest.mark.slow
 def test_pipeline_with_trust_remote_code_alone(chat_folder, tmp_path):
     """A process that never imports attnres_hf: the folder's `auto_map` and modeling files are enough."""
     code = (

@@ -18,6 +18,8 @@ from attnres_hf.demo import smollm2_hf_folder
 from attnres_hf.eval import perplexity
 from gguf_fixtures import byte_level, llama_cpp_split
 
+pytestmark = pytest.mark.slow  # the real checkpoint: loads and runs a 135M model
+
 
 @pytest.fixture(scope="module")
 def smollm2():

@@ -72,6 +72,7 @@ REMOTE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_remote_code_reload_in_a_fresh_process_without_the_package(saved, input_ids, tmp_path_factory):
     folder, model, logits = saved
     env_home = tmp_path_factory.mktemp("hf_home")
@@ -103,6 +104,7 @@ COEXIST_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_remote_code_and_package_coexist_in_one_process(saved, input_ids, tmp_path_factory):
     folder, _, logits = saved
     result = subprocess.run(

@@ -119,6 +119,7 @@ LAUNCH = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(LAUNCH))
 def test_two_process_training_matches_one_process_on_the_same_global_batch(strategy, tiny_model_dir):
     steps = ["--method", "full", "--max-steps", "3", "--eval_steps", "3", "--save_steps", "3", "--lr", "1e-3"]
@@ -176,6 +177,7 @@ class LossRecorder(TrainerCallback):
             self.losses.append(logs["loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["routers", "lora", "full"])
 def test_two_runs_with_the_same_seed_are_bit_identical(method, tmp_path):
     """Adapter init, data order and dropout (LoRA and attention dropout) all come after seeding."""
