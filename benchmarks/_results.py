@@ -15,7 +15,9 @@ file; it is written to a temporary file first and renamed, so a stopped run neve
         measured.write(args.results, text, device=args.device)
 """
 
+import argparse
 import datetime
+import hashlib
 import os
 import shlex
 import subprocess
@@ -99,12 +101,58 @@ def versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
+def results_path(value: str) -> Path:
+    """`--results PATH` checked when the arguments are parsed, not after an hour of measuring: not empty, not a
+    folder, under a folder that exists (or can be made) and is writable. Returns the absolute path.
+
+    Raises:
+        argparse.ArgumentTypeError: the path cannot take the fragment (argparse turns it into a usage error).
+    """
+    if not value:
+        raise argparse.ArgumentTypeError("an empty path")
+    path = Path(value).expanduser().absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a folder: give the fragment's file name (e.g. {value}/NAME.md)")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{value}: {ancestor} is not writable")
+    return path
+
+
+def _from_root(argv: list[str]) -> list[str]:
+    """`argv` with the `--results` path as seen from the checkout's root (where the recorded command runs), so the
+    recorded command rewrites the same file from there; a path outside the checkout stays absolute."""
+    def from_root(value: str) -> str:
+        path = Path(os.path.abspath(Path(value).expanduser()))  # `..` resolved, links kept
+        return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+    out = []
+    for index, arg in enumerate(argv):
+        if index and argv[index - 1] == "--results" and arg:
+            arg = from_root(arg)
+        elif arg.startswith("--results=") and len(arg) > len("--results="):
+            arg = "--results=" + from_root(arg[len("--results="):])
+        out.append(arg)
+    return out
+
+
 def command_line(script: str, argv: list[str]) -> str:
-    """The command as given: `python benchmarks/SCRIPT ARGS` (`torchrun --nproc-per-node N ...` under torchrun)."""
+    """The command as it runs from the checkout's root: `python benchmarks/SCRIPT ARGS` (`torchrun
+    --nproc-per-node N ...` under torchrun), the `--results` path relative to the root."""
     launcher = "python"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         launcher = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])}"
-    return f"{launcher} {shlex.join([f'benchmarks/{Path(script).name}', *argv])}"
+    return f"{launcher} {shlex.join([f'benchmarks/{Path(script).name}', *_from_root(argv)])}"
+
+
+def body_digest(text: str) -> str:
+    """The first 12 hex digits of the SHA-256 of a fragment's body (what follows the provenance paragraph, stripped):
+    the provenance states it, so a hand edit of a measured number shows (`tests/test_docs.py` recomputes it)."""
+    return hashlib.sha256(text.strip().encode()).hexdigest()[:12]
 
 
 def format_seconds(seconds: float) -> str:
@@ -142,11 +190,11 @@ class Run:
 
 
 def write_fragment(path: str | os.PathLike, provenance: str, text: str) -> Path:
-    """`provenance`, a blank line and `text` to `path`, atomically (a temporary file in the same folder, renamed);
-    creates the folder; replaces an earlier file."""
+    """`provenance` (ending with the body's digest, `body_digest`), a blank line and `text` to `path`, atomically (a
+    temporary file in the same folder, renamed); creates the folder; replaces an earlier file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = f"{provenance.strip()}\n\n{text.strip()}\n"
+    body = f"{provenance.strip()} Body digest {body_digest(text)}.\n\n{text.strip()}\n"
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:

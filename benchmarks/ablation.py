@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from attnres_hf import AttnResConfig, AttnResForCausalLM, assets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 
 @dataclass(frozen=True)
@@ -581,7 +581,7 @@ def main(argv=None):
     parser.add_argument("--data-dir", help="folder written by --prepare-data (books and tokenizer), for a machine "
                                            "without the attnres-hf cache or a network")
     parser.add_argument("--prepare-data", metavar="DIR", help="copy the books and SmolLM2's tokenizer into DIR, exit")
-    parser.add_argument("--results", metavar="PATH", help="also write the report (results.md's text), with how it was "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the report (results.md's text), with how it was "
                         "measured, to PATH (a Markdown fragment, e.g. docs/results/ablation_long.md)")
     args = parser.parse_args(argv)
     measured = Run(__file__, sys.argv[1:] if argv is None else argv)

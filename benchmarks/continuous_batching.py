@@ -24,7 +24,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 from overhead import SMOLLM2_135M  # noqa: E402  (the benchmarks' one SmolLM2-135M shape, benchmarks/overhead.py)
 
 
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=256)
-    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the table, with how it was measured, to PATH "
                         "(a Markdown fragment, e.g. docs/results/continuous_batching.md)")
     args = parser.parse_args(argv)
     measured = Run(__file__, sys.argv[1:] if argv is None else argv)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 _spec = importlib.util.spec_from_file_location("ablation", Path(__file__).with_name("ablation.py"))
 ablation = importlib.util.module_from_spec(_spec)
@@ -123,7 +123,7 @@ def main(argv=None):
     parser.add_argument("--settings", help="comma-separated subset")
     parser.add_argument("--log-every", type=int, default=40)
     parser.add_argument("--output")
-    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the table, with how it was measured, to PATH "
                         "(a Markdown fragment, e.g. docs/results/input_dependent_query.md)")
     args = parser.parse_args(argv)
     measured = Run(__file__, sys.argv[1:] if argv is None else argv)

@@ -53,7 +53,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_size
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
                         "--workloads train` on its own for the compiled training step)")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
     parser.add_argument("--profile-rows", type=int, default=15)
-    parser.add_argument("--results", metavar="PATH", help="also write the tables, with how they were measured, to "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the tables, with how they were measured, to "
                         "PATH (a Markdown fragment, e.g. docs/results/overhead_cpu_eager.md; not the profile)")
     args = parser.parse_args(argv)
     measured = Run(__file__, sys.argv[1:] if argv is None else argv)

@@ -29,7 +29,7 @@ from attnres_hf import AttnResConfig, AttnResForCausalLM, default_attnres_block_
 from attnres_hf.training.pipeline_parallel import AttnResPipeline, plan_pipeline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 from overhead import SMOLLM2_135M  # noqa: E402  (the benchmarks' one SmolLM2-135M shape, benchmarks/overhead.py)
 
 
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--formula-seq-len", type=int, default=4096)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the table, with how it was measured, to PATH "
                         "(a Markdown fragment, e.g. docs/results/pipeline_bytes.md)")
     args = parser.parse_args(argv)
     args.measured = Run(__file__, sys.argv[1:] if argv is None else argv)

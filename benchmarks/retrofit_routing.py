@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 from ablation import format_paired, paired_difference  # noqa: E402  (one home for the paired statistics)
 
 from attnres_hf import assets  # noqa: E402
@@ -353,7 +353,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="outputs/retrofit_routing")
     parser.add_argument("--merge", nargs="+", metavar="OUT", help="print one report from runs of separate arms")
-    parser.add_argument("--results", metavar="PATH", help="also write the report, with how it was measured, to PATH "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the report, with how it was measured, to PATH "
                         "(a Markdown fragment, e.g. docs/results/retrofit_routing.md; with --merge, of the merged "
                         "arms)")
     args = parser.parse_args(argv)

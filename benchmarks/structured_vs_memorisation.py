@@ -42,7 +42,7 @@ from ablation import (  # noqa: E402
     optimizer_and_schedule,
     paired_difference,
 )
-from _results import Run  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
 
 TASKS = ("recall", "memorisation")
 MODELS = ("baseline", "Block AttnRes (S=2)", "Full AttnRes")
@@ -172,7 +172,7 @@ def main(argv=None):
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
     parser.add_argument("--output", help="write the per-run results as JSON here")
-    parser.add_argument("--results", metavar="PATH", help="also write the table, with how it was measured, to PATH "
+    parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the table, with how it was measured, to PATH "
                         "(a Markdown fragment, e.g. docs/results/structured_vs_memorisation.md)")
     args = parser.parse_args(argv)
     measured = Run(__file__, sys.argv[1:] if argv is None else argv)

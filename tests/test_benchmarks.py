@@ -1,5 +1,6 @@
 """The ablation benchmark's own logic: paired variants start from one backbone, and its statistics."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -33,11 +34,39 @@ def assert_results_fragment(path: Path, script: str, argv: list[str], printed: s
     assert f"torch {torch.__version__}, transformers {transformers.__version__}; " in provenance
     assert re.search(r"; (commit [0-9a-f]{4,}( \+ local changes)?|no git commit \(not a checkout\)); ", provenance)
     assert re.search(r"load average (\d+\.\d\d|n/a) at the start, (\d+\.\d\d|n/a) at the end", provenance)
-    assert provenance.endswith("Running the command again replaces this file.") and "\n" not in provenance
+    digest = _results.body_digest(body)
+    assert provenance.endswith(f"Running the command again replaces this file. Body digest {digest}.")
+    assert "\n" not in provenance
     assert body.strip() == printed.strip() and body.strip() in printed
     assert not [line for line in fragment.splitlines() if line.startswith("#") or set(line) in ({"="}, {"-"})]
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
     return provenance
+
+
+def test_a_results_path_is_checked_before_the_run_and_recorded_from_the_root(tmp_path, monkeypatch):
+    """`--results` that cannot take the fragment (empty, a folder, under a file, unwritable) is a usage error when the
+    arguments are parsed; the recorded command names the path from the checkout's root, so it reruns from there."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import _results
+
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    bad = {"": "an empty path", str(tmp_path): "is a folder", str(tmp_path / "a-file" / "x.md"): "is a file",
+           str(tmp_path / "locked" / "x.md"): "not writable"}
+    for value, says in bad.items():
+        if says == "not writable" and os.access(tmp_path / "locked", os.W_OK):
+            continue  # root writes anywhere
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            _results.results_path(value)
+    assert _results.results_path(str(tmp_path / "new" / "x.md")) == tmp_path / "new" / "x.md"
+
+    monkeypatch.setattr(_results, "ROOT", tmp_path)
+    (tmp_path / "new").mkdir()
+    monkeypatch.chdir(tmp_path / "new")
+    command = _results.command_line
+    assert command("x.py", ["--results", "x.md", "--n", "1"]) == "python benchmarks/x.py --results new/x.md --n 1"
+    assert command("x.py", ["--results=../y.md"]) == "python benchmarks/x.py --results=y.md"
+    assert command("x.py", ["--results", "/elsewhere/z.md"]) == "python benchmarks/x.py --results /elsewhere/z.md"
 
 
 def test_a_results_fragment_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):

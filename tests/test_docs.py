@@ -41,17 +41,23 @@ NOT_CODE = ("text", "bibtex")
 """Fenced languages that are output or citations, not commands."""
 
 
+FENCE = re.compile(r"^\s*(`{3,}|~{3,})(.*)$")
+
+
 def fenced_blocks(text: str) -> list[Block]:
-    """The fenced code blocks of a Markdown text, with the heading each stands under."""
+    """The fenced code blocks of a Markdown text (``` or ~~~ fences, indented ones inside lists and admonitions
+    too), with the heading each stands under."""
     blocks, section, lines = [], None, text.splitlines()
     index = 0
     while index < len(lines):
         line = lines[index]
         if line.startswith("#") and not line.startswith("#!"):
             section = line.strip()
-        elif line.startswith("```") and len(line) > 3:
-            end = lines.index("```", index + 1)
-            blocks.append(Block(section, line[3:].strip(), "\n".join(lines[index + 1:end]) + "\n", index + 1))
+        elif opening := FENCE.match(line):
+            fence = opening[1]
+            end = next(i for i in range(index + 1, len(lines))
+                       if re.fullmatch(rf"\s*{re.escape(fence[0])}{{{len(fence)},}}\s*", lines[i]))
+            blocks.append(Block(section, opening[2].strip(), "\n".join(lines[index + 1:end]) + "\n", index + 1))
             index = end
         index += 1
     return blocks
@@ -90,7 +96,7 @@ RUN_HERE = {
 NOT_RUN_HERE = {
     ("docs/retrofitting.md", "# Retrofitting a pretrained model"): "paths stand for a real HF folder and GGUF file; "
     "tests/test_convert.py runs `attnres convert` with these options on tiny folders and files",
-    ("docs/gguf.md", "# GGUF files"): "a real GGUF file; tests/test_gguf.py and tests/test_gguf_families.py convert "
+    ("docs/gguf.md", "# GGUF files"): "a real GGUF file; tests/test_convert.py and tests/test_gguf_families.py convert "
     "tiny files written as llama.cpp writes them, tests/test_real_smollm2.py the real SmolLM2 file",
     ("docs/backbones.md", "## Mixture of experts and Kimi Linear"): "real MoE / Kimi Linear folders; "
     "tests/test_backbones_moe.py runs the convert and train commands on tiny ones, tests/test_benchmarks.py the "
@@ -128,6 +134,15 @@ def test_every_block_is_run_here_or_says_why():
                                 f"listed but gone: {sorted(listed - sections)}")
     assert not set(RUN_HERE) & set(NOT_RUN_HERE)
     assert all(name in globals() for name in RUN_HERE.values())
+    cited = {name for reason in NOT_RUN_HERE.values() for name in re.findall(r"tests/\w+\.py", reason)}
+    assert all((ROOT / name).is_file() for name in cited), sorted(n for n in cited if not (ROOT / n).is_file())
+
+
+def test_every_fence_names_its_language():
+    """A fence without a language would be no command, no output and no citation: say which it is."""
+    unnamed = [f"{page_name(path)}:{block.line}" for path in pages() for block in fenced_blocks(path.read_text())
+               if not block.language]
+    assert not unnamed, unnamed
 
 
 def shell_commands(code: str) -> list[list[str]]:
@@ -223,7 +238,8 @@ def test_readme_example_runs(tmp_path, monkeypatch):
 
 def test_setup_commands_name_real_targets_and_extras():
     """The set-up blocks (make targets, pip lines) name what exists; running them is CI's job."""
-    for page, section in [key for key, name in RUN_HERE.items() if name == "test_setup_commands_name_real_targets_and_extras"]:
+    sections = [key for key, name in RUN_HERE.items() if name == "test_setup_commands_name_real_targets_and_extras"]
+    for page, section in sections:
         run_section(page, section)
 
 
@@ -373,21 +389,32 @@ def test_the_site_builds_strictly(tmp_path):
                             env=DOCS_ENV, capture_output=True, text=True, timeout=300)
     log = result.stdout + result.stderr
     assert result.returncode == 0 and "WARNING" not in log, log
+    assert "excluded from the built site" not in log, log  # a link to a results fragment (INFO only in mkdocs)
     assert (tmp_path / "site" / "reference" / "modeling" / "index.html").is_file()
 
 
 def test_every_results_fragment_is_included_and_says_where_it_came_from():
-    """docs/results/*.md are what the benchmarks wrote: each is included by a page, and none is included twice
-    (one home for each number)."""
-    text = "\n".join(path.read_text() for path in pages())
-    included = re.findall(r'--8<-- "docs/results/([\w.-]+)"', text)
-    fragments = sorted(path.name for path in RESULTS.glob("*.md"))
+    """docs/results/ holds what the benchmarks wrote: each fragment is included by a page of the site, once (one home
+    for each number), and opens with its provenance: a measured one names an existing benchmark script and states
+    the digest of its body (a hand edit shows), an archived one the README commit it was transcribed from."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _results
+
+    text = "\n".join(path.read_text() for path in pages() if path != README)  # the README is not in the site
+    included = re.findall(r'--8<-- "docs/results/([\w./-]+)"', text)
+    fragments = sorted(path.relative_to(RESULTS).as_posix() for path in RESULTS.rglob("*.md"))
     assert sorted(set(included)) == fragments, set(included) ^ set(fragments)
     assert len(included) == len(set(included)), "a results fragment is included twice"
-    for path in RESULTS.glob("*.md"):  # `benchmarks/_results.py` writes the first form; the second is an archive
-        first = path.read_text().split("\n", 1)[0]
-        assert re.match(r"Measured by `python benchmarks/\w+\.py.*` on \d{4}-\d\d-\d\d ", first) or re.match(
-            r"Transcribed from README\.md at commit \w+ \(\d{4}-\d\d-\d\d\), not written by a run", first), path.name
+    for name in fragments:
+        provenance, body = (RESULTS / name).read_text().split("\n\n", 1)
+        measured = re.match(r"Measured by `(python|torchrun --nproc-per-node \d+) benchmarks/(\w+\.py)[^`]*` on "
+                            r"\d{4}-\d\d-\d\d .* Body digest ([0-9a-f]{12})\.$", provenance)
+        if measured:
+            assert (ROOT / "benchmarks" / measured[2]).is_file(), f"{name}: no benchmark {measured[2]}"
+            assert measured[3] == _results.body_digest(body), f"{name}: edited by hand (rerun its command)"
+        else:
+            assert re.match(r"Transcribed from README\.md at commit \w+ \(\d{4}-\d\d-\d\d\), not written by a run",
+                            provenance), name
 
 
 PRIVATE_WORDS = re.compile(r"\b(issue \d+|this round|last round|last session|earlier round|other agents?)\b",

@@ -256,17 +256,22 @@ def evaluate_pair(model, baseline=None, tasks: str | list[str] = "mmlu", *, outp
     """Evaluate `model` (and `baseline`, if given) with lm-eval on the offline task pack and write the table.
 
     Args:
-        model, baseline: model folders (or loaded models, with `tokenizer` / `baseline_tokenizer`).
+        model: a model folder (or a loaded model, with `tokenizer`).
+        baseline: the baseline's folder (or a loaded model, with `baseline_tokenizer`); None evaluates `model` alone.
         tasks: comma-separated benchmark names (see `BENCHMARKS`), or "paper" for the paper's whole table.
         limit: lm-eval's `--limit` (questions per task; a fraction below 1 is a share of each task).
         num_fewshot: few-shot examples; None keeps each task's own default.
         gen_kwargs: generation settings for the generative tasks (lm-eval's `--gen_kwargs`, e.g. "max_gen_toks=256").
-        batch_size, max_batch_size, device, dtype: lm-eval's, with its meaning (see the module docstring and
-            `run_lm_eval`).
+        batch_size: lm-eval's, with its meaning (an int, `"auto"` or `"auto:N"`; the module docstring and
+            `run_lm_eval` say more).
+        max_batch_size: lm-eval's: the largest batch `"auto"` tries.
+        device: lm-eval's (`"cpu"`, `"cuda"`, `"cuda:N"`, ...).
+        dtype: lm-eval's: `"auto"` or a floating torch dtype.
         output_dir: written through a temporary folder; refused if it exists unless `force`, and if it is or holds
             a model folder.
-        model_label, baseline_label: column names of the table (default "+AttnRes" for an AttnRes model, else the
-            model folder's name; "Baseline").
+        model_label: the model's column in the table (default "+AttnRes" for an AttnRes model, else the model
+            folder's name).
+        baseline_label: the baseline's column (default "Baseline").
 
     Returns:
         `{"rows": [...], "comparison": {...}, "results": {...}}`, the content of `results.json`.

@@ -78,10 +78,10 @@ class AttnResConfig(PreTrainedConfig):
             its source family reproduces its logits to float noise. `False` is the paper's formulation (the mean). With
             `attnres_score_fn="sigmoid"` the factor is 2 (`sigmoid(0) = 1/2`), which has the same effect.
 
-        AttnRes ablation knobs (the paper's Table 4; `depth_mixing="attnres"` only, defaults are the paper's AttnRes):
-
         attnres_score_fn (`str`, defaults to `"softmax"`):
-            `"softmax"` over depth (Eq. 2) or `"sigmoid"`: each source weighted by `sigmoid(w . k_i)`, unnormalised.
+            The first of the AttnRes ablation knobs (the paper's Table 4; `depth_mixing="attnres"` only; every default
+            is the paper's AttnRes). `"softmax"` over depth (Eq. 2) or `"sigmoid"`: each source weighted by
+            `sigmoid(w . k_i)`, unnormalised.
         attnres_key_norm (`bool`, defaults to `True`):
             RMSNorm the keys (Eq. 3). `False` scores the raw sources, `w . v_i`; the router then has no `key_norm`.
         attnres_window (`int`, *optional*):
@@ -98,17 +98,15 @@ class AttnResConfig(PreTrainedConfig):
             Input-independent weights: the score of source `i` is a learned scalar `s_{i->l}` (parameter `logits`,
             zero-initialised) instead of `w_l . RMSNorm(v_i)`. No query and no key norm.
 
-        DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024):
-
         denseformer_dilation (`int`, defaults to 1):
-            The DWA after layer `i` averages only the states `j` with `j = i + 1 (mod k)` (the paper's `k`).
+            DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024): the DWA after layer `i`
+            averages only the states `j` with `j = i + 1 (mod k)` (the paper's `k`).
         denseformer_period (`int`, defaults to 1):
             A DWA module after every `p`-th layer only (the paper's `p`); the other layers pass their output on.
 
-        mHC (`depth_mixing="mhc"`; Xie et al., DeepSeek-AI, arXiv:2512.24880):
-
         mhc_num_streams (`int`, defaults to 4):
-            Number `n >= 2` of parallel residual streams (the expansion rate).
+            mHC (`depth_mixing="mhc"`; Xie et al., DeepSeek-AI, arXiv 2512.24880): the number `n >= 2` of parallel
+            residual streams (the expansion rate).
         mhc_sinkhorn_iterations (`int`, defaults to 20):
             Sinkhorn-Knopp iterations that make the stream-mixing matrix doubly stochastic (the paper's `t_max`).
 
