@@ -417,7 +417,7 @@ def test_every_results_fragment_is_included_and_says_where_it_came_from():
                             provenance), name
 
 
-PRIVATE_WORDS = re.compile(r"\b(issue \d+|this round|last round|last session|earlier round|other agents?)\b",
+PRIVATE_WORDS = re.compile(r"\b(issue \d+|(this|last|next|earlier) round|last session|other agents?)\b",
                            re.IGNORECASE)
 
 

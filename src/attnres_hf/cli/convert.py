@@ -10,7 +10,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     from ..modeling.configuration_attnres import DEPTH_MIXING_METHODS
 
     parser = add_command(commands, "convert", run_convert,
-                         help="retrofit a Llama/Mistral/Qwen2/Qwen3 checkpoint into AttnRes")
+                         help="retrofit a checkpoint of a supported family into AttnRes")
     parser.add_argument("source", help="an HF model folder, or a .gguf file")
     parser.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
     parser.add_argument("--gguf-file", help="GGUF file name inside SOURCE when SOURCE is a folder")

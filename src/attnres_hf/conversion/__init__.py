@@ -1,4 +1,4 @@
-"""Retrofit pretrained Llama / Mistral / Qwen2 / Qwen3 checkpoints (HF folders, GGUF files) into AttnRes."""
+"""Retrofit pretrained checkpoints of the supported families (HF folders, GGUF files) into AttnRes."""
 
 from .families import SUPPORTED_MODEL_TYPES, UnsupportedSourceError
 from .convert import convert, load_tokenizer, model_card
