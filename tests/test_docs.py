@@ -379,6 +379,26 @@ def test_getting_started_retrofit_runs(tmp_path, monkeypatch):
         assert (tmp_path / "outputs" / "routing" / name).is_file(), name
 
 
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's `toc` gives a heading (its default `slugify`)."""
+    import unicodedata
+
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def test_the_readmes_links_reach_pages_and_headings():
+    """The README is not part of the site, so `mkdocs --strict` does not see its links: each relative link names a
+    file of the checkout, and each `#anchor` a heading of that page."""
+    for target in re.findall(r"\]\(((?!https?://)[^)\s]+)\)", README.read_text()):
+        path, _, anchor = target.partition("#")
+        page = ROOT / path if path else README
+        assert page.is_file(), f"README links to {target}: no such file"
+        if anchor:
+            headings = [line.lstrip("#").strip() for line in page.read_text().splitlines() if line.startswith("#")]
+            assert anchor in {_slug(heading) for heading in headings}, f"README links to {target}: no such heading"
+
+
 DOCS_ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2.0 is no warning of ours
 
 
