@@ -360,6 +360,19 @@ def test_readme_is_short_and_names_the_two_setup_commands():
     assert "`make demo`" in text and "`make test`" in text
 
 
+def test_the_support_tables_name_every_method_and_extra():
+    """The README's depth-mixing row names exactly `DEPTH_MIXING`'s methods, and getting-started's extras table
+    exactly pyproject's extras (the families: `test_backbones.test_the_docs_list_every_family`)."""
+    from attnres_hf.modeling.depth_mixing import DEPTH_MIXING
+
+    (row,) = [line for line in README.read_text().splitlines() if line.startswith("| depth mixing")]
+    assert set(re.findall(r"`(\w+)`", row.split("|")[2])) == set(DEPTH_MIXING)
+    page = (DOCS / "getting-started.md").read_text()
+    extras = {line.split("|")[1].strip(" `") for line in page.splitlines() if re.match(r"\| `[\w-]+` \|", line)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extras == set(project["optional-dependencies"]) - {"test"}, extras
+
+
 def test_getting_started_retrofit_runs(tmp_path, monkeypatch):
     """The getting-started walk-through on a tiny Llama folder at `my-llama`: convert, train the routers, draw."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -379,24 +392,18 @@ def test_getting_started_retrofit_runs(tmp_path, monkeypatch):
         assert (tmp_path / "outputs" / "routing" / name).is_file(), name
 
 
-def _slug(heading: str) -> str:
-    """The anchor Python-Markdown's `toc` gives a heading (its default `slugify`)."""
-    import unicodedata
-
-    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
-    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
-
-
 def test_the_readmes_links_reach_pages_and_headings():
     """The README is not part of the site, so `mkdocs --strict` does not see its links: each relative link names a
     file of the checkout, and each `#anchor` a heading of that page."""
+    from markdown.extensions.toc import slugify  # the anchors the site's `toc` gives headings
+
     for target in re.findall(r"\]\(((?!https?://)[^)\s]+)\)", README.read_text()):
         path, _, anchor = target.partition("#")
         page = ROOT / path if path else README
         assert page.is_file(), f"README links to {target}: no such file"
         if anchor:
             headings = [line.lstrip("#").strip() for line in page.read_text().splitlines() if line.startswith("#")]
-            assert anchor in {_slug(heading) for heading in headings}, f"README links to {target}: no such heading"
+            assert anchor in {slugify(heading, "-") for heading in headings}, f"README links to {target}: no heading"
 
 
 DOCS_ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2.0 is no warning of ours
