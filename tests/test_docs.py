@@ -85,6 +85,7 @@ def section_blocks(page: str, section: str) -> list[Block]:
 RUN_HERE = {
     ("README.md", "## Set-up"): "test_setup_commands_name_real_targets_and_extras",
     ("README.md", "## Example"): "test_readme_example_runs",
+    ("README.md", "## From and to flash-linear-attention"): "test_readme_fla_commands_run",
     ("docs/getting-started.md", "## Set-up"): "test_setup_commands_name_real_targets_and_extras",
     ("docs/getting-started.md", "## Retrofit your model and look at its routing"): "test_getting_started_retrofit_runs",
     ("docs/development.md", "## Tests"): "test_setup_commands_name_real_targets_and_extras",
@@ -234,6 +235,22 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     weights = namespace["weights"]  # one (batch, seq_len, n_sources) row-stochastic tensor per router
     assert len(weights) == 2 * namespace["config"].num_hidden_layers + 1
     assert all(w.shape[:2] == (1, 4) and torch.allclose(w.sum(-1), torch.ones(1, 4)) for w in weights)
+
+
+def test_readme_fla_commands_run(tmp_path, monkeypatch):
+    """The fla round trip as the README writes it, from a tiny fla checkpoint at `path/to/fla-model`."""
+    pytest.importorskip("fla")
+    from safetensors.torch import load_file
+
+    from test_fla import save_fla
+
+    monkeypatch.chdir(tmp_path)
+    save_fla(tmp_path / "path" / "to", name="fla-model", layers=2, block_size=2)
+    run_section("README.md", "## From and to flash-linear-attention")
+    before = load_file(tmp_path / "path/to/fla-model/model.safetensors")
+    after = load_file(tmp_path / "fla-model-again/model.safetensors")
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "attnres-model/conversion_report.json").read_text())["verification"]["exact"]
 
 
 def test_setup_commands_name_real_targets_and_extras():

@@ -1,6 +1,7 @@
 """The `attnres` command: one module per command family, each adding its sub-commands to one argparse tree.
 
 - `attnres convert SOURCE OUTPUT_DIR`: retrofit a checkpoint of a supported family (HF folder or GGUF file).
+- `attnres export --to fla MODEL OUTPUT_DIR`: write an AttnRes model as flash-linear-attention's checkpoint.
 - `attnres train MODEL --data FILES --method METHOD --output-dir D`: fine-tune with `Trainer`.
 - `attnres eval MODEL` (and `eval prepare-data`, `eval tasks`, `eval perplexity`), `attnres lm-eval ...`: lm-eval.
 - `attnres routing MODEL --text ...` (and `routing compare`, `routing dynamics`): read the depth routing.
@@ -21,12 +22,13 @@ import sys
 
 from ._common import with_default_subcommand
 
-COMMAND_MODULES = ("convert", "train", "eval", "routing", "info", "serve", "demo")
+COMMAND_MODULES = ("convert", "export", "train", "eval", "routing", "info", "serve", "demo")
 """Modules of this package that each `register(commands)` a command family, in `attnres --help` order."""
 
-EXPECTED_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
-"""What the library raises for bad input, missing files and refused opt-ins (`FileNotFoundError`,
-`FileExistsError`, `PermissionError` are `OSError`s): reported in one line, not as a traceback."""
+EXPECTED_ERRORS = (OSError, ValueError, KeyError, RuntimeError, ImportError)
+"""What the library raises for bad input, missing files, refused opt-ins and a missing extra (`FileNotFoundError`,
+`FileExistsError`, `PermissionError` are `OSError`s; `ImportError` names the extra to install): reported in one line,
+not as a traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:

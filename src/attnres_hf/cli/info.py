@@ -43,6 +43,9 @@ def run_info(args: argparse.Namespace) -> int:
         layout = f"{config.num_attnres_blocks} blocks" + (f", the last of {last}" if last != size else "")
         print(f"block size          {size} sub-layer{'s' if size > 1 else ''} ({kind}, {layout})")
         print(f"routers             {config.num_sublayers + 1} (attn_res and mlp_res per layer, final_res)")
+        # sub-layer 0 reads the embedding alone: its weight is 1 whatever the router's parameters (paper Eq. 2)
+        print("inert               layer 0's attn_res: one source (the embedding), weight 1 whatever its "
+              "pseudo-query and key norm; kept, as other implementations (fla, Kimi K3) store it too")
         for index, block in enumerate(block_layout(config), start=1):
             print(f"  block {index:>3}: {' '.join(block)}")
     return 0

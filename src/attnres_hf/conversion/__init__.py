@@ -1,7 +1,10 @@
-"""Retrofit pretrained checkpoints of the supported families (HF folders, GGUF files) into AttnRes."""
+"""Retrofit pretrained checkpoints of the supported families (HF folders, GGUF files) into AttnRes; import and export
+flash-linear-attention's AttnRes checkpoints."""
 
 from .families import SUPPORTED_MODEL_TYPES, UnsupportedSourceError
 from .convert import convert, load_tokenizer, model_card
+from .export import EXPORT_FORMATS, export
+from .fla_layout import FLA_KEY_MAP
 from .gguf_source import (GGUF_END_TOKENS, check_against_gguf, gguf_config_fields, gguf_stop_token_ids, gguf_tensor_map,
                           read_gguf_tensors)
 from .gguf_tokenizer import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer, load_gguf_tokenizer
@@ -10,6 +13,8 @@ from .retrofit import check_gguf_file, check_torch_file, load_source, load_sourc
 from .verify import PROBE_TEXT, verify_conversion
 
 __all__ = [
+    "EXPORT_FORMATS",
+    "FLA_KEY_MAP",
     "GGUF_END_TOKENS",
     "GGUF_PRE_TOKENIZERS",
     "PROBE_TEXT",
@@ -20,6 +25,7 @@ __all__ = [
     "check_gguf_file",
     "check_torch_file",
     "convert",
+    "export",
     "folder_tensors",
     "gguf_config_fields",
     "gguf_pre_tokenizer",

@@ -19,6 +19,8 @@ from .. import __version__
 from ..modeling.depth_mixing import DEPTH_MIXING
 from .._io import staged_folder
 from .gguf_source import check_against_gguf
+from .fla_source import (check_fla_installed, check_fla_tensors, fla_overrides, fla_report_fields, fla_source,
+                         is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
 from .retrofit import check_dtype, check_path_argument, load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
@@ -63,7 +65,14 @@ def model_card(report: dict) -> ModelCard:
             f"Block Attention Residuals, {config['attnres_block_size']} sub-layers per block "
             f"({config['num_attnres_blocks']} blocks over {config['num_sublayers']} sub-layers)"
         )
-    if config["depth_mixing"] == "attnres":
+    if source.get("imported_routers"):
+        start = (
+            "Imported from a flash-linear-attention checkpoint with AttnRes: every tensor, its trained routers "
+            "included, copied\n  unchanged (fla's `[1, hidden]` pseudo-queries stored as `[hidden]`), with fla's "
+            "block size and its plain mean\n  (`attnres_rescale_output=False`). Layer 0's attention router reads one "
+            "source, so its weights never act;\n  they are kept so that `attnres export --to fla` gives them back."
+        )
+    elif config["depth_mixing"] == "attnres":
         rescaled = ", rescaled by their number" if config["attnres_rescale_output"] else ""
         start = (
             "Every backbone weight is copied unchanged; the depth routers' pseudo-queries are zero, so at conversion "
@@ -76,16 +85,23 @@ def model_card(report: dict) -> ModelCard:
             "under which\n  the method is the residual model, so at conversion time the model computes the source's "
             "function. Training\n  the mixing parameters makes it depart from the source."
         )
+    compared = verification.get("compared_with")
+    compared_row = (
+        f"| compared with | {compared['model']} on {compared['device']}, its CUDA-only kernels replaced by reference "
+        f"functions (`conversion_report.json`) |\n| exact (max delta within 1e-4 of max abs logit, same top tokens) | "
+        f"{verification['exact']} |\n" if compared else ""
+    )
     gguf_row = (
         f"| GGUF tensors equal to the file's (dequantised) | {verification['gguf_tensors_checked']}, max abs delta "
         f"{verification['gguf_max_abs_delta']:.3g} |\n"
         if "gguf_tensors_checked" in verification
         else ""
     )
+    made = "imported" if source.get("imported_routers") else "retrofitted"
     body = f"""
 # {Path(report["output_dir"]).name}
 
-An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retrofitted from
+An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model {made} from
 `{source["name"]}` ({source["model_type"]}) with attnres-hf {__version__}.
 
 - Method: {method}.
@@ -101,7 +117,7 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model retro
 | mean abs logit delta | {verification["mean_abs_logit_delta"]:.3g} |
 | top-1 agreement | {verification["argmax_agreement"]:.4f} |
 | {verification["greedy_new_tokens"]}-token greedy continuation identical | {verification["greedy_match"]} |
-{gguf_row}
+{compared_row}{gguf_row}
 ## Use
 
 ```python
@@ -239,30 +255,42 @@ def convert(
         raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
     target_dtype = check_dtype(dtype, auto=True)
 
-    unused = []  # config.json keys the source family's config class does not use (HF folders)
-    if isinstance(source, PreTrainedModel):
-        target_dtype = source.dtype if target_dtype == "auto" else target_dtype
-        # verification runs in fp32; never change the caller's model in place
-        source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
-        source_model, name = source_model.eval(), str(source.config._name_or_path or "in-memory model")
-    else:
-        source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
-        size = {"attnres_block_size": attnres_block_size} if attnres_block_size is not None else {}
-        retrofit_config(source_config, **config_overrides, **size, depth_mixing=depth_mixing)  # invalid options fail here
-        tokenizer = tokenizer or load_tokenizer(source, gguf_file)
-        load_dtype = "auto" if target_dtype == "auto" else torch.float32
-        source_model, name = load_source(source, gguf_file, dtype=load_dtype), str(source)
-        if target_dtype == "auto":  # the checkpoint's own dtype is written; verification still runs in fp32
-            target_dtype = source_model.dtype
-            source_model = source_model.float()
-        folder, file_name = split_gguf_path(source, gguf_file)
-        if file_name is None:  # also a UserWarning of load_source_config
-            unused = unused_config_keys(folder / "config.json", source_config)
-    name = source_name or name
+    unused, fla = [], None  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
-    model = retrofit(source_model, progress=True, **overrides)
+    if not isinstance(source, PreTrainedModel) and is_fla_folder(source):
+        # flash-linear-attention's transformer: mapped tensor by tensor, checked against fla's own model
+        fla = fla_source(source)  # refuses every fla option with no exact counterpart
+        overrides = fla_overrides(fla, **overrides)
+        names = check_fla_tensors(fla, retrofit_config(fla.backbone, **overrides))
+        check_fla_installed()
+        tokenizer = tokenizer or load_tokenizer(source)
+        model, name = load_fla_model(fla, overrides, names), str(source)
+        target_dtype = model.dtype if target_dtype == "auto" else target_dtype
+        model = model.float()
+        source_type = fla.fields["model_type"]
+    else:
+        if isinstance(source, PreTrainedModel):
+            target_dtype = source.dtype if target_dtype == "auto" else target_dtype
+            # verification runs in fp32; never change the caller's model in place
+            source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
+            source_model, name = source_model.eval(), str(source.config._name_or_path or "in-memory model")
+        else:
+            source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
+            retrofit_config(source_config, **overrides)  # invalid options fail here
+            tokenizer = tokenizer or load_tokenizer(source, gguf_file)
+            load_dtype = "auto" if target_dtype == "auto" else torch.float32
+            source_model, name = load_source(source, gguf_file, dtype=load_dtype), str(source)
+            if target_dtype == "auto":  # the checkpoint's own dtype is written; verification still runs in fp32
+                target_dtype = source_model.dtype
+                source_model = source_model.float()
+            folder, file_name = split_gguf_path(source, gguf_file)
+            if file_name is None:  # also a UserWarning of load_source_config
+                unused = unused_config_keys(folder / "config.json", source_config)
+        model = retrofit(source_model, progress=True, **overrides)
+        source_type = source_model.config.model_type
+    name = source_name or name
 
     if tokenizer is not None:
         input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
@@ -270,7 +298,10 @@ def convert(
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(model.config.vocab_size, (1, 64), generator=generator)
     print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
-    verification = verify_conversion(source_model, model, input_ids)
+    if fla is not None:
+        verification = verify_against_fla(source, model, input_ids)
+    else:
+        verification = verify_conversion(source_model, model, input_ids)
     if gguf_file is not None or (not isinstance(source, PreTrainedModel) and Path(source).suffix == ".gguf"):
         folder, file_name = split_gguf_path(source, gguf_file)
         print(f"Checking every weight against the tensors of {file_name} ...", flush=True)
@@ -282,8 +313,8 @@ def convert(
     config = model.config
     report = {
         "attnres_hf_version": __version__,
-        "source": {"name": name, "gguf_file": gguf_file, "model_type": source_model.config.model_type,
-                   "unused_config_keys": unused},
+        "source": {"name": name, "gguf_file": gguf_file, "model_type": source_type, "unused_config_keys": unused,
+                   **(fla_report_fields(fla) if fla is not None else {})},
         "output_dir": str(output_dir),
         "dtype": str(target_dtype).removeprefix("torch."),
         "config": {

@@ -14,9 +14,11 @@ PROBE_TEXT = (
 
 @torch.no_grad()
 def verify_conversion(
-    source: PreTrainedModel, converted: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int = 32
+    source: PreTrainedModel, converted: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int = 32,
+    source_use_cache: bool = True,
 ) -> dict:
-    """Compare `converted` with `source` on `input_ids` (shape `(1, seq_len)`).
+    """Compare `converted` with `source` on `input_ids` (shape `(1, seq_len)`); `source_use_cache=False` generates
+    the source's continuation without a KV cache (the converted model's always uses one).
 
     Returns a dict with `max_abs_logit_delta` and `mean_abs_logit_delta` (over all positions and the vocabulary,
     in logit units, computed in fp32), `argmax_agreement` (fraction of positions whose top token agrees),
@@ -27,7 +29,7 @@ def verify_conversion(
     converted_logits = converted(input_ids).logits.float()
     delta = (source_logits - converted_logits).abs()
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    source_tokens = source.generate(input_ids, **greedy)[0, input_ids.shape[1] :]
+    source_tokens = source.generate(input_ids, use_cache=source_use_cache, **greedy)[0, input_ids.shape[1] :]
     converted_tokens = converted.generate(input_ids, **greedy)[0, input_ids.shape[1] :]
     return {
         "num_probe_tokens": int(input_ids.shape[1]),

@@ -1,0 +1,139 @@
+"""`attnres export --to fla`: an AttnRes folder written as flash-linear-attention's own checkpoint.
+
+The folder holds fla's `config.json` (its `TransformerConfig`, `model_type: "transformer"`), the weights under fla's
+names (`fla_layout.FLA_KEY_MAP`; pseudo-queries `[hidden]` as fla's `[1, hidden]`), values and dtype unchanged, the
+tokenizer, `generation_config.json` and `export_report.json`, which compares fla's model loaded from the written
+folder with the AttnRes model (`fla_source.verify_against_fla`). Written to a temporary sibling folder and renamed.
+fla's kernel options (`fuse_norm`, `fuse_swiglu`, `fuse_cross_entropy`, ...: kernels and loss only) are those of
+the fla checkpoint the folder was converted from (its `conversion_report.json`), else fla's defaults.
+"""
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from .._io import staged_folder
+from ..modeling import AttnResConfig, AttnResForCausalLM
+from .convert import load_tokenizer
+from .families import UnsupportedSourceError
+from .fla_layout import KERNEL_OPTIONS, fla_from_attnres, to_fla_name, to_fla_tensor
+from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
+from .hf_source import _shown, folder_tensors
+from .retrofit import _check_folder, check_path_argument
+from .verify import PROBE_TEXT
+
+EXPORT_FORMATS = ("fla",)
+"""What `export` writes: `"fla"`, flash-linear-attention 0.6's `TransformerForCausalLM`."""
+
+
+def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tuple[Path, Path]:
+    check_path_argument(model_dir, "model_dir (an AttnRes model folder)")
+    check_path_argument(output_dir, "output_dir")
+    if to not in EXPORT_FORMATS:
+        raise ValueError(f"to must be one of {', '.join(EXPORT_FORMATS)}, got {to!r}")
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be True or False, got {force!r}")
+    if not isinstance(max_shard_size, (str, int)) or isinstance(max_shard_size, bool):
+        raise TypeError(f"max_shard_size must be a size such as '5GB' or a number of bytes, got {max_shard_size!r}")
+    if not isinstance(probe_text, str) or not probe_text.strip():
+        raise ValueError(f"probe_text must be a non-empty string, got {probe_text!r}")
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if output_dir.exists() and not force:
+        raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file, not a folder; choose another output folder")
+    target = output_dir.resolve()
+    if any(target == p or target in p.parents for p in (Path.cwd().resolve(), model_dir.resolve())):
+        raise ValueError(f"{output_dir} contains the current folder or the model; choose another output folder")
+    return model_dir, output_dir
+
+
+def _kernel_options(model_dir: Path) -> dict:
+    """The fla kernel options of the checkpoint `model_dir` was converted from (its `conversion_report.json`), so that
+    a round trip gives fla's config back too; none (fla's defaults) for other models."""
+    try:
+        source = json.loads((model_dir / "conversion_report.json").read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    options = source.get("kernel_options") if isinstance(source, dict) and source.get("format") == "fla" else None
+    return {name: value for name, value in (options or {}).items() if name in KERNEL_OPTIONS}
+
+
+def export(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    to: str = "fla",
+    force: bool = False,
+    max_shard_size: str | int = "5GB",
+    probe_text: str = PROBE_TEXT,
+) -> dict:
+    """Write the AttnRes model in `model_dir` as an fla `TransformerForCausalLM` checkpoint in `output_dir`.
+
+    Exports models fla computes: a Llama backbone (or Mistral's window, Qwen2's q/k/v biases, Qwen3's q/k norms with
+    eps 1e-5), `depth_mixing` `"attnres"` (softmax, key norm, static query, one head, no window or scalar weights,
+    `attnres_rescale_output=False`) or `"residual"`. Tensors keep their values and dtype: an fla checkpoint converted
+    by `convert` and exported again gives back every tensor bit for bit.
+
+    Returns:
+        The export report (also `export_report.json`): the tensors written and `verification` (max |delta logits| of
+        fla's model loaded from the output against the AttnRes model on `probe_text`, fp32, CPU; `exact`).
+
+    Raises:
+        FileExistsError: `output_dir` exists and `force` is false (checked first).
+        TypeError, ValueError: a wrong-typed argument, a folder that is not an AttnRes checkpoint.
+        UnsupportedSourceError (a `ValueError`): naming every setting fla's transformer does not have.
+        FileNotFoundError, ValueError: missing or truncated weight files; a tensor with no fla name.
+        ImportError: flash-linear-attention is not installed (the export is checked against fla's model).
+    """
+    model_dir, output_dir = _check(model_dir, output_dir, to, force, max_shard_size, probe_text)
+    files, index = _check_folder(model_dir)
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    if model_type != AttnResConfig.model_type:
+        raise ValueError(f"{model_dir} is not an AttnRes checkpoint (model_type {model_type!r}); `attnres convert` "
+                         "makes one")
+    config = AttnResConfig.from_pretrained(model_dir)
+    fields, problems = fla_from_attnres(config)
+    if problems:
+        raise UnsupportedSourceError(f"{model_dir}: fla's transformer cannot compute this model: {'; '.join(problems)}")
+    names = {name: to_fla_name(name) for name in folder_tensors(files, index)}
+    unnamed = sorted(name for name, fla_name in names.items() if fla_name is None)
+    if unnamed:
+        raise ValueError(f"{model_dir}: tensors with no fla counterpart: {_shown(unnamed)}")
+    version = check_fla_installed()
+    fields |= _kernel_options(model_dir)
+    state = {names[name]: to_fla_tensor(name, tensor).contiguous() for name, tensor in _read_tensors(files).items()}
+    dtype = next(iter(state.values())).dtype
+    print(f"Writing {len(state)} tensors as fla's TransformerForCausalLM ...", flush=True)
+    from huggingface_hub import save_torch_state_dict
+
+    with staged_folder(output_dir, replace=force) as staging:
+        from .fla_cpu import fla_reference_kernels
+
+        with fla_reference_kernels():
+            TransformerConfig = importlib.import_module("fla.models").TransformerConfig
+            fla_config = TransformerConfig(**fields, architectures=["TransformerForCausalLM"],
+                                           dtype=str(dtype).removeprefix("torch."))
+        fla_config.save_pretrained(staging)
+        save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
+        if (model_dir / "generation_config.json").is_file():
+            (staging / "generation_config.json").write_bytes((model_dir / "generation_config.json").read_bytes())
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+            input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
+        else:
+            input_ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        model = AttnResForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model ...", flush=True)
+        verification = verify_against_fla(staging, model, input_ids)
+        report = {
+            "attnres_hf_version": __version__, "flash_linear_attention_version": version, "to": to,
+            "source": str(model_dir), "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."),
+            "tensors": len(state), "fla_config": fields, "verification": verification,
+        }
+        (staging / "export_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -1,0 +1,223 @@
+"""flash-linear-attention checkpoints as sources: an fla `TransformerForCausalLM` folder (`model_type: "transformer"`)
+read into an AttnRes model, every tensor mapped (`fla_layout.FLA_KEY_MAP`) or the folder refused before anything
+loads, and the result checked against fla's own model.
+
+With `attnres_block_size` set in fla's config the checkpoint is an AttnRes model already: its trained pseudo-queries
+and key norms are imported, with fla's block size and `attnres_rescale_output=False` (fla does not rescale), and
+nothing else may change. Unset, it is a plain residual transformer and converts as any other source does (a retrofit:
+zero routers, any block size or depth-mixing method).
+"""
+
+import importlib
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from ..modeling import AttnResConfig, AttnResForCausalLM
+from ..modeling.depth_mixing import is_depth_mixing_parameter
+from .families import UnsupportedSourceError
+from .fla_layout import (FLA_MODEL_TYPE, KERNEL_OPTIONS, backbone_from_fla, to_attnres_name, to_attnres_tensor)
+from .hf_source import _quiet_transformers, _shown, folder_tensors
+from .retrofit import _check_folder, retrofit, retrofit_config
+from .verify import verify_conversion
+
+EXACT_TOLERANCE = 1e-4
+"""`exact` in a report: max |delta logits| at most this times max |logits| (fp32), and the same top token everywhere.
+fp32 runs of the same function through different kernels differ by ~1e-6 of the logits' scale on the tiny models of
+the tests (measured: tests/test_fla.py); a wrong tensor or option moves them by far more."""
+
+
+class FlaSource(NamedTuple):
+    folder: Path
+    fields: dict  # fla's config.json
+    backbone: object  # the transformers config (Llama / Mistral / Qwen2 / Qwen3) that computes fla's backbone
+    block_size: int | None  # fla's attnres_block_size: None for a plain transformer
+    files: list  # the weight files transformers would load, checked
+    index: Path | None
+
+
+def is_fla_folder(source) -> bool:
+    """Whether `source` is a folder whose `config.json` says `model_type: "transformer"` (fla's transformer)."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir():
+        return False
+    try:
+        return json.loads((Path(source) / "config.json").read_text()).get("model_type") == FLA_MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_fla_installed() -> str:
+    """fla's version; it is needed to check a conversion against fla's own model.
+
+    Raises:
+        ImportError: flash-linear-attention (or the Triton it imports) is missing.
+    """
+    if importlib.util.find_spec("fla") is None:
+        raise ImportError('reading an fla checkpoint checks it against fla\'s own model, which needs '
+                          'flash-linear-attention: pip install "attnres-hf[fla]"')
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-linear-attention")
+    except PackageNotFoundError:
+        return version("fla-core")
+
+
+def fla_source(folder: str | os.PathLike) -> FlaSource:
+    """Read and check an fla folder's config and weight files (headers only).
+
+    Raises:
+        FileNotFoundError, ValueError: a missing folder, config or weights; a truncated or corrupt weight file.
+        UnsupportedSourceError (a `ValueError`): naming every fla option that has no exact counterpart
+            (`fla_layout.backbone_from_fla`).
+    """
+    folder = Path(folder)
+    files, index = _check_folder(folder)
+    fields = json.loads((folder / "config.json").read_text())
+    if not isinstance(fields, dict):
+        raise ValueError(f"{folder / 'config.json'} is not a JSON object")
+    backbone, problems = backbone_from_fla(fields)
+    if problems:
+        raise UnsupportedSourceError(f"{folder}: this fla transformer has no exact attnres-hf counterpart: "
+                                     f"{'; '.join(problems)}")
+    config = AutoConfig.for_model(**backbone)
+    return FlaSource(folder, fields, config, fields.get("attnres_block_size"), files, index)
+
+
+def fla_overrides(source: FlaSource, **overrides) -> dict:
+    """The retrofit options (`AttnResConfig` fields) of the converted model, checked with `retrofit_config`. A plain
+    fla transformer takes any retrofit option; an AttnRes one is fla's block size with the paper's plain mean, as it
+    was trained, and nothing else.
+
+    Raises:
+        ValueError: an invalid option, or one that would change an imported AttnRes model (naming it and the
+            checkpoint's value).
+    """
+    if source.block_size is None:
+        retrofit_config(source.backbone, **overrides)
+        return dict(overrides)
+    wanted = {"depth_mixing": "attnres", "attnres_block_size": source.block_size, "attnres_rescale_output": False}
+    changed = [f"{name}={value!r} (the checkpoint's is {wanted[name]!r})" for name, value in overrides.items()
+               if name in wanted and value != wanted[name]]
+    changed += [f"{name}={value!r}" for name, value in overrides.items() if name not in wanted]
+    if changed:
+        raise ValueError(f"{source.folder} is an fla AttnRes model (attnres_block_size {source.block_size}) with trained "
+                         f"routers, imported as they are: {', '.join(changed)} would change it; convert without these "
+                         "options, then fine-tune")
+    retrofit_config(source.backbone, **wanted)
+    return wanted
+
+
+def check_fla_tensors(source: FlaSource, config: AttnResConfig) -> dict[str, str]:
+    """Before loading: every tensor of the folder has attnres-hf's name and shape, and the files fill every weight of
+    `config`'s model (the AttnRes ones too when fla's model has AttnRes); returns `{fla name: attnres-hf name}`.
+
+    Raises:
+        ValueError: naming the tensors with no counterpart, those of another shape, and the weights no tensor holds
+            (an AttnRes checkpoint whose routers some layers lack is refused, not filled with zeros).
+    """
+    tensors = folder_tensors(source.files, source.index)
+    names = {name: to_attnres_name(name) for name in tensors}
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in AttnResForCausalLM(config).state_dict().items()
+                    if source.block_size is not None or not is_depth_mixing_parameter(name)}
+    problems = []
+    unnamed = sorted(name for name, ours in names.items() if ours is None or ours not in expected)
+    if unnamed:
+        problems.append(f"tensors with no place in the model: {_shown(unnamed)}")
+    shapes = [f"{name} {tuple(tensors[name].shape)}" for name, ours in names.items() if ours in expected
+              and tuple(to_attnres_tensor(ours, tensors[name]).shape) != expected[ours]]
+    if shapes:
+        problems.append(f"tensors of another shape than config.json gives: {_shown(sorted(shapes))}")
+    missing = set(expected) - set(names.values())
+    if source.backbone.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        routers = sorted(name for name in missing if is_depth_mixing_parameter(name))
+        if routers:
+            problems.append(f"AttnRes tensors missing (fla's config says attnres_block_size {source.block_size}): "
+                            f"{_shown(routers)}")
+        rest = sorted(missing - set(routers))
+        if rest:
+            problems.append(f"no tensor for {_shown(rest)}")
+    if problems:
+        raise ValueError(f"{source.folder}: the weight files do not match the fla transformer its config.json builds; "
+                         f"{'; '.join(problems)}")
+    return {name: ours for name, ours in names.items()}
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for path in files:
+        state |= load_file(path) if path.suffix == ".safetensors" else torch.load(path, weights_only=True)
+    return state
+
+
+def load_fla_model(source: FlaSource, overrides: dict, names: dict[str, str]) -> AttnResForCausalLM:
+    """The AttnRes model of an fla checkpoint (`overrides` from `fla_overrides`, `names` from `check_fla_tensors`),
+    every tensor in the dtype stored: the backbone through a transformers model of its family (`retrofit`), then
+    fla's routers, each pseudo-query `[1, D]` as `[D]`."""
+    state = {names[name]: to_attnres_tensor(names[name], tensor) for name, tensor in _read_tensors(source.files).items()}
+    dtype = next(iter(state.values())).dtype
+    backbone_state = {name: tensor for name, tensor in state.items() if not is_depth_mixing_parameter(name)}
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(source.backbone)
+    plain.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():  # rotary frequencies: in no state dict, computed by the family's own initialisation
+        for module in plain.modules():
+            if module._non_persistent_buffers_set:
+                plain._init_weights(module.float())
+    plain.load_state_dict(backbone_state, strict=not source.backbone.tie_word_embeddings)
+    plain.tie_weights()
+    if (source.folder / "generation_config.json").is_file():
+        plain.generation_config = GenerationConfig.from_pretrained(source.folder)
+    model = retrofit(plain.eval(), **overrides)
+    if source.block_size is not None:
+        routers = {name: tensor for name, tensor in state.items() if is_depth_mixing_parameter(name)}
+        model.load_state_dict(routers, strict=False)
+    return model.eval()
+
+
+@torch.no_grad()
+def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, input_ids: torch.Tensor) -> dict:
+    """Compare `model` (fp32) with fla's own `TransformerForCausalLM` loaded from `folder` in fp32 on the CPU, its
+    CUDA-only kernels replaced by fla's reference functions (`fla_cpu.REPLACED_KERNELS`): `verify_conversion`'s
+    numbers, plus `compared_with`, `relative_max_abs_logit_delta` (over max |logits|) and `exact`
+    (`EXACT_TOLERANCE`)."""
+    from .fla_cpu import fla_reference_kernels
+
+    version = check_fla_installed()
+    with fla_reference_kernels() as replaced, _quiet_transformers(), warnings.catch_warnings():
+        # fla 0.6 under transformers 5.x: deprecation notices about `past_key_values` on every generate
+        warnings.simplefilter("ignore", FutureWarning)
+        importlib.import_module("fla.models")  # registers fla's config and model classes with the Auto classes
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        # fla 0.6's cached generate is wrong under transformers 5.24, even without AttnRes: generate hands the cache
+        # over as `cache=`, which fla's forward ignores, so each step sees its new token alone. Its uncached
+        # continuation equals a greedy loop of full forwards (measured), and is the reference here.
+        result = verify_conversion(reference, model, input_ids, source_use_cache=False)
+        scale = reference(input_ids).logits.float().abs().max().item()
+    relative = result["max_abs_logit_delta"] / max(scale, 1e-12)
+    result |= {
+        "compared_with": {"model": f"fla {type(reference).__name__} (flash-linear-attention {version})",
+                          "device": "cpu", "dtype": "float32", "kernels_replaced": replaced,
+                          "continuation": "fla's generate without a KV cache (its cached one ignores the cache "
+                                          "under transformers 5.x); the converted model's with one"},
+        "relative_max_abs_logit_delta": relative,
+        "exact": bool(relative <= EXACT_TOLERANCE and result["argmax_agreement"] == 1.0),
+    }
+    return result
+
+
+def fla_report_fields(source: FlaSource) -> dict:
+    """What a conversion report says of an fla source: its AttnRes layout and the kernel options it carried."""
+    return {"format": "fla", "attnres_block_size": source.block_size, "imported_routers": source.block_size is not None,
+            "kernel_options": {name: source.fields[name] for name in KERNEL_OPTIONS if name in source.fields}}
