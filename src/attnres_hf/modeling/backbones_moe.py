@@ -26,15 +26,19 @@ without an auxiliary loss); its router logits are still returned.
 
 Kimi Linear's cache is transformers' hybrid `DynamicCache`: a `LinearAttentionLayer` (convolution and recurrent KDA
 states) per `linear_attention` layer and a `DynamicLayer` (the compressed MLA latents) per `full_attention` layer;
-depth mixing needs nothing more. Two limits are the source model's, stated rather than hidden: transformers'
-`KimiLinearAttention` fails with fewer key/value heads than attention heads (released checkpoints use equal counts),
-and MLA derives keys and values from one compressed latent of one input, so MUDDFormer's and DCA's separate key and
-value inputs do not exist for it (both are refused on Kimi Linear).
+depth mixing needs nothing more. KDA takes fla's Triton kernels on CUDA tensors only (`kda_by_device`: transformers
+picks them at import for every device once fla is importable). Two limits are the source model's, stated rather than
+hidden: transformers' `KimiLinearAttention` fails with fewer key/value heads than attention heads (released
+checkpoints use equal counts), and MLA derives keys and values from one compressed latent of one input, so
+MUDDFormer's and DCA's separate key and value inputs do not exist for it (both are refused on Kimi Linear).
 
 Travels with checkpoints as remote code (a sibling of `backbones.py`, which imports it): imports only torch,
 transformers and its siblings (`backbones_base.py`, never `backbones.py`).
 """
 
+import functools
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +46,6 @@ from torch import nn
 
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.mixtral import modeling_mixtral as mixtral
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
@@ -55,6 +58,12 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.utils.output_capturing import OutputRecorder
 
 from .backbones_base import BackboneAdapter, SubLayer
+
+with warnings.catch_warnings():
+    # transformers' kimi_linear module imports flash-linear-attention where it is installed (to pick its KDA kernels),
+    # and fla warns at import on every machine without a GPU; every other warning of that import is kept.
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,51 @@ def expert_gate_modules(config) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------------------------
 # Kimi Linear: KDA / MLA attention layers, the hybrid cache and its masks
 # ---------------------------------------------------------------------------------------------------------------
+
+
+KDA_KERNELS: dict[str, tuple[Callable, Callable]] = {}
+"""`name -> (on CUDA, elsewhere)` for each KDA function of transformers' kimi_linear module that `kda_by_device`
+dispatches: the function as transformers decorated it (fla's kernel where fla is installed) and its own torch one."""
+
+
+def kda_by_device(name: str) -> None:
+    """Replace `kimi.<name>` (`chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`) by a dispatcher on the
+    device of its first argument, the queries `(batch, seq_len, heads, head_dim)`; idempotent.
+
+    Why: `use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")` (`transformers/integrations/hub_kernels.py`,
+    transformers 5.24) picks flash-linear-attention's kernel once, at import, whenever fla is importable, whatever the
+    device; fla's kernels are Triton programs for GPUs, so on CPU every Kimi Linear forward failed (`RuntimeError: 0
+    active drivers ([]). There should only be one.`), transformers' own model as well as ours.
+    What changes in transformers: nothing for CUDA tensors (the decorated function, fla's kernel where installed, with
+    the decorator's own keyword filtering); other devices (where fla's path cannot run; XPU/NPU untested) take the
+    torch function the decorator wraps (`inspect.unwrap`), called as the decorator calls it without fla: the keywords
+    its signature names, and packed sequences (`cu_seqlens`, `seq_idx`) refused rather than silently mixed. The
+    module's global is replaced, so `KimiLinearForCausalLM` and the AttnRes model in one process dispatch alike. A
+    plain branch on `tensor.is_cuda`, which torch.compile traces (a guard on the device).
+    """
+    decorated = getattr(kimi, name)
+    if getattr(decorated, "attnres_by_device", False):  # already replaced (by this module or a remote-code copy)
+        return
+    torch_function = inspect.unwrap(decorated)
+    accepted = tuple(inspect.signature(torch_function).parameters)
+    KDA_KERNELS[name] = (decorated, torch_function)
+
+    @functools.wraps(decorated)
+    def by_device(query, *args, **kwargs):
+        on_cuda, elsewhere = KDA_KERNELS[name]
+        if query.is_cuda:
+            return on_cuda(query, *args, **kwargs)
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"{name} keeps packed sequences (cu_seqlens) apart only with fla's kernels, on CUDA; "
+                             f"got {query.device} tensors")
+        return elsewhere(query, *args, **{key: value for key, value in kwargs.items() if key in accepted})
+
+    by_device.attnres_by_device = True
+    setattr(kimi, name, by_device)
+
+
+kda_by_device("chunk_kimi_delta_attention")
+kda_by_device("recurrent_kimi_delta_attention")
 
 
 def kimi_attention_masks(config, layer_types, **mask_kwargs) -> dict:
@@ -209,5 +263,6 @@ MOE_BACKBONES = (
 """The adapters of this module, joined into `backbones.BACKBONES`."""
 
 
-__all__ = ["EXPERT_ROUTING", "ExpertRouting", "MOE_BACKBONES", "backbone_model_type", "check_kimi_linear",
-           "expert_gate_modules", "kimi_attention_masks", "kimi_cache", "kimi_decoder_layer"]
+__all__ = ["EXPERT_ROUTING", "ExpertRouting", "KDA_KERNELS", "MOE_BACKBONES", "backbone_model_type",
+           "check_kimi_linear", "expert_gate_modules", "kda_by_device", "kimi_attention_masks", "kimi_cache",
+           "kimi_decoder_layer"]
