@@ -85,7 +85,8 @@ def relative(a, b):
 
 # (decoder layers, attnres_block_size): Full (1), blocks that divide the 2L sub-layers, partial last blocks
 # (3 layers = 6 sub-layers in blocks of 4; 5 layers = 10 in blocks of 4 and of 6), one block over everything
-PAIRS = [(3, 1), (2, 1), (3, 2), (4, 4), (3, 4), (5, 4), (5, 6), (2, 8)]
+PAIRS = [(3, 1), (2, 1), (3, 2), (4, 4), (3, 4), pytest.param(5, 4, marks=pytest.mark.slow),
+         pytest.param(5, 6, marks=pytest.mark.slow), (2, 8)]
 
 
 @pytest.mark.parametrize("layers, block_size", PAIRS)
@@ -158,7 +159,7 @@ def test_a_plain_fla_transformer_is_retrofitted(tmp_path):
     assert relative(our_logits(tmp_path / "out"), fla_logits(folder)) <= EXACT_TOLERANCE
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_round_trip_fla_attnres_fla_is_bit_for_bit(tmp_path, dtype):
     model = fla_model(layers=3, block_size=4, seed=5).to(getattr(torch, dtype))
     model.save_pretrained(tmp_path / "fla")

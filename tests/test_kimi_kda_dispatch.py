@@ -130,6 +130,7 @@ IMPORT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter imports the package (about 7 s)
 def test_importing_the_package_prints_no_triton_warning():
     """`import attnres_hf` imports fla (through transformers' kimi_linear module) without fla's "Triton is not
     supported on current platform" warning; the filter is the import's only: afterwards fla's warning shows again.
