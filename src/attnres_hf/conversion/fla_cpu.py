@@ -108,8 +108,13 @@ def fla_reference_kernels() -> Iterator[dict[str, str]]:
                           'pip install "attnres-hf[fla]"') from None
 
     def rms_norm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-        return layernorm.rms_norm_ref(x, self.weight, self.bias, residual=residual, eps=self.eps, prenorm=prenorm,
-                                      upcast=True)
+        # fla's kernel adds and normalises in fp32 and hands the sum back in the input's dtype (fp32 on request)
+        out = layernorm.rms_norm_ref(x, self.weight, self.bias, residual=residual, eps=self.eps, prenorm=prenorm,
+                                     upcast=True)
+        if not prenorm:
+            return out
+        out, total = out
+        return out, total if residual_in_fp32 else total.to(x.dtype)
 
     def swiglu(gate, up):
         return (F.silu(gate.float()) * up.float()).to(gate.dtype)

@@ -201,6 +201,9 @@ def fla_from_attnres(config) -> tuple[dict, list[str]]:
                  "attnres_rescale_output": False}
         problems += [f"{name}={getattr(config, name)!r} (fla's AttnRes has {name}={want!r})"
                      for name, want in knobs.items() if getattr(config, name) != want]
+        if config.attnres_rescale_output:
+            problems[-1] = problems[-1][:-1] + ("; a retrofit rescales by default: `attnres convert --paper-mean` "
+                                                "makes one fla computes)")
     hidden, heads = backbone.hidden_size, backbone.num_attention_heads
     rope = getattr(backbone, "rope_parameters", None) or {}
     checks = [
