@@ -14,6 +14,11 @@ REMOTE_CODE = SRC / "attnres_hf" / "modeling"
 REMOTE_CODE_IMPORTS = {"torch", "transformers", "huggingface_hub"}
 """Top-level packages the remote-code files may import besides the standard library and their siblings
 (`huggingface_hub`: a dependency of transformers, installed wherever it is)."""
+OPTIONAL_LAZY_IMPORTS = {"attnres_fla.py": {"fla.ops.attnres"}}
+"""The one optional dependency of remote code: `attnres_implementation="fla"` runs flash-linear-attention's fused
+kernel, which only that config needs and only on CUDA. It is imported inside a function (a checkpoint must load, and
+run with "torch", where fla is not installed) and inside its `try` (transformers' remote-code loader requires every
+package a file imports to be installed, except the imports in `try` blocks: `_guarded_lazy_imports`)."""
 
 
 def find_modules(src: Path, package: str) -> dict[str, Path]:
@@ -35,6 +40,18 @@ def _imports(path: Path) -> list[tuple[int, int, str | None, tuple[str, ...]]]:
         elif isinstance(node, ast.ImportFrom):
             found.append((node.lineno, node.level, node.module, tuple(alias.name for alias in node.names)))
     return found
+
+
+def _guarded_lazy_imports(path: Path) -> set[int]:
+    """Lines of the import statements in `path` that are inside a function and inside a `try` block's body."""
+    lines = set()
+    for function in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for block in ast.walk(function):
+                if isinstance(block, ast.Try):
+                    lines |= {node.lineno for statement in block.body for node in ast.walk(statement)
+                              if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return lines
 
 
 def _package_of(modules: dict[str, Path], name: str) -> str:
@@ -205,11 +222,15 @@ def test_the_cycle_check_sees_lazy_package_and_parent_imports(tmp_path):
 def test_remote_code_imports_only_torch_transformers_and_siblings(path):
     """The modeling files travel with checkpoints as flat remote code (`auto_map`): they may import torch,
     transformers, the standard library and their sibling files (relative, one dot), nothing else of attnres_hf and
-    no other package (matplotlib, lm_eval, ...), also not inside a function."""
+    no other package (matplotlib, lm_eval, ...), also not inside a function, but for `OPTIONAL_LAZY_IMPORTS`; and
+    transformers' remote-code loader requires no other package installed for them."""
     siblings = {p.stem for p in REMOTE_CODE.glob("*.py")}
+    optional, guarded = OPTIONAL_LAZY_IMPORTS.get(path.name, set()), _guarded_lazy_imports(path)
     bad = []
     for line, level, module, names in _imports(path):
         if level == 0:
+            if module in optional and line in guarded:
+                continue
             top = module.split(".")[0]
             if top not in REMOTE_CODE_IMPORTS and top not in sys.stdlib_module_names:
                 bad.append(f"line {line}: import of {module}")
@@ -220,3 +241,21 @@ def test_remote_code_imports_only_torch_transformers_and_siblings(path):
             bad.append(f"line {line}: from {shown} import {', '.join(names)} (not a sibling modeling file)")
     if bad:
         pytest.fail(f"{path.relative_to(SRC)} imports what remote code cannot:\n" + "\n".join(bad), pytrace=False)
+    from transformers.dynamic_module_utils import get_imports  # what the remote-code loader requires installed
+
+    assert set(get_imports(path)) <= REMOTE_CODE_IMPORTS | set(sys.stdlib_module_names), get_imports(path)
+
+
+def test_the_optional_fla_import_is_lazy_and_guarded(tmp_path):
+    """The `fla` import of `attnres_fla.py` is allowed only inside a function's `try`: at module level, or in a
+    function without the `try`, it is refused (and the remote-code loader would require fla)."""
+    from transformers.dynamic_module_utils import get_imports
+
+    path = REMOTE_CODE / "attnres_fla.py"
+    lines = [line for line, _, module, _ in _imports(path) if module in OPTIONAL_LAZY_IMPORTS[path.name]]
+    assert lines and set(lines) <= _guarded_lazy_imports(path) and "fla" not in get_imports(path)
+    unguarded = tmp_path / "attnres_fla.py"
+    unguarded.write_text("from fla.ops.attnres import fused_attnres\n\n\ndef f():\n    from fla.ops.attnres import "
+                         "naive_attnres\n    try:\n        import fla.ops.attnres\n    except ImportError:\n"
+                         "        pass\n")
+    assert _guarded_lazy_imports(unguarded) == {7} and "fla" in get_imports(unguarded)

@@ -29,6 +29,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.utils.type_validators import interval
 
+from .attnres_fla import check_fla_config
 from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_adapter
 from .backbones_moe import EXPERT_ROUTING
 from .depth_mixing import DEPTH_MIXING
@@ -97,6 +98,13 @@ class AttnResConfig(PreTrainedConfig):
         attnres_scalar_weights (`bool`, defaults to `False`):
             Input-independent weights: the score of source `i` is a learned scalar `s_{i->l}` (parameter `logits`,
             zero-initialised) instead of `w_l . RMSNorm(v_i)`. No query and no key norm.
+        attnres_implementation (`str`, defaults to `"torch"`):
+            Who computes the direct router reads (Full AttnRes, the final router): `"torch"`, or `"fla"`,
+            flash-linear-attention's fused Triton kernel (`pip install "attnres-hf[fla]"`): CUDA tensors only (others
+            raise at the forward), the default knobs only (softmax, key norm, static query, one head, no window, no
+            scalar weights), the torch path's numbers up to rounding. Reads that return depth weights, and the
+            two-phase Block reads, stay on torch. Settable like `attn_implementation`:
+            `from_pretrained(path, attnres_implementation="fla")`.
 
         denseformer_dilation (`int`, defaults to 1):
             DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024): the DWA after layer `i`
@@ -112,12 +120,13 @@ class AttnResConfig(PreTrainedConfig):
 
     Raises:
         ValueError: on an unknown `depth_mixing`, a knob set for another method (e.g. `mhc_num_streams` with
-            `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys), an
-            invalid knob value, a block size that is neither 1 nor a positive even number, an unsupported backbone
-            family (or a setting of it an adapter refuses, naming why), a flat config no family expresses, and on
-            backbone rules: more key/value heads than attention heads or heads that do not divide, a `head_dim`-less
-            config whose `hidden_size` is not a multiple of the head count, an odd or non-positive `head_dim`, an
-            unknown activation or `rope_type`, a non-positive `sliding_window`, or `layer_types` of the wrong length.
+            `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys;
+            `attnres_implementation="fla"` computes the default knobs only), an invalid knob value, a block size that
+            is neither 1 nor a positive even number, an unsupported backbone family (or a setting of it an adapter
+            refuses, naming why), a flat config no family expresses, and on backbone rules: more key/value heads than
+            attention heads or heads that do not divide, a `head_dim`-less config whose `hidden_size` is not a
+            multiple of the head count, an odd or non-positive `head_dim`, an unknown activation or `rope_type`, a
+            non-positive `sliding_window`, or `layer_types` of the wrong length.
 
     Example:
 
@@ -148,6 +157,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_query: Literal["static", "input_dependent"] = "static"
     attnres_num_heads: int = interval(min=1)(default=1)
     attnres_scalar_weights: bool = False
+    attnres_implementation: Literal["torch", "fla"] = "torch"  # checked against the knobs when set (`_setattr`)
     denseformer_dilation: int = interval(min=1)(default=1)
     denseformer_period: int = interval(min=1)(default=1)
     mhc_num_streams: int = interval(min=2)(default=4)  # one stream cannot hold a doubly-stochastic mix of anything
@@ -446,6 +456,8 @@ def _setattr(self, name, value):
     if self._forwards_to_backbone(name):
         setattr(self.backbone, name, value)
     else:
+        if name == "attnres_implementation":  # (also in `__init__`: the fields it checks are set before it)
+            check_fla_config(self, value)
         _strict_setattr(self, name, value)
 
 

@@ -3,7 +3,7 @@ the ablation knobs of its Table 4): their depth states, the router module and th
 
 The router's pieces are siblings: the plain reference router and the sources of each router (`attnres_reference.py`),
 the source buffer and its autograd Functions (`attnres_buffer.py`), and two-phase block inference
-(`attnres_two_phase.py`, the paper's Algorithm 1).
+(`attnres_two_phase.py`, the paper's Algorithm 1), and fla's fused read on CUDA (`attnres_fla.py`).
 
 Travels with checkpoints as remote code (a relative import of `depth_mixing.py`): imports only torch, transformers and
 its siblings `attnres_*.py` and `mixing_base.py`.
@@ -19,6 +19,7 @@ from transformers import initialization as init
 
 from .attnres_buffer import (_SourceGrads, _SourceMix, _SourceScores, _as, _mix, _read_sources, _scores,
                              _source_inverse_rms, _store)
+from .attnres_fla import fla_read, require_fla
 from .attnres_reference import attnres_num_sources
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merge_partial, _PartialMerge, _two_phase_applies)
@@ -95,6 +96,7 @@ class AttnResState(NamedTuple):
     handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
     grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
     constants: _Constants | None = None  # made once per forward when every router is a plain `AttnResRouter`
+    implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`attnres_fla.py`)
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -118,7 +120,7 @@ class AttnResState(NamedTuple):
             if all(type(r) is AttnResRouter for r in routers):
                 constants = _Constants.build(config, layers, routers, embeddings)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
-                    (handle,), grads, constants)
+                    (handle,), grads, constants, config.attnres_implementation)
         return state._start_block()
 
     def _start_block(self) -> "AttnResState":
@@ -226,6 +228,8 @@ class AttnResRouter(nn.Module):
                 self.key_norm = AttnResRMSNorm(hidden_size, eps=config.rms_norm_eps)
             if config.attnres_query == "input_dependent":
                 self.query_proj = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+        if config.attnres_implementation == "fla":
+            require_fla(config)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for param in (self.query, self.query_proj, self.logits):
@@ -281,8 +285,9 @@ class AttnResRouter(nn.Module):
 
         Three paths, the same numbers (tests/test_two_phase.py): the two-phase merge (Block AttnRes inside a block
         whose phase 1 the state computed), the direct read of the source buffer (Full AttnRes, the final router, a
-        model that gave the state no routers), and the stacked path for the knobs the buffer does not serve
-        (`attnres_num_heads > 1`, `attnres_window`, `attnres_query="input_dependent"`, `attnres_scalar_weights`).
+        model that gave the state no routers; fla's fused kernel with `attnres_implementation="fla"`), and the
+        stacked path for the knobs the buffer does not serve (`attnres_num_heads > 1`, `attnres_window`,
+        `attnres_query="input_dependent"`, `attnres_scalar_weights`).
         """
         if state.buffer is None:
             return self._stacked_forward(state)
@@ -323,7 +328,10 @@ class AttnResRouter(nn.Module):
         return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
 
     def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One router over the source buffer (views of it, no stacking) and the partial sum."""
+        """One router over the source buffer (views of it, no stacking) and the partial sum; fla's fused read on CUDA
+        with `attnres_implementation="fla"` (`attnres_fla.fla_read`)."""
+        if state.implementation == "fla" and (read := fla_read(self, state)) is not None:
+            return read
         if state.constants is not None and not torch.is_grad_enabled():
             return self._direct_inference(state)
         partial, buffer, n = state.partial, state.buffer, len(state.sources)

@@ -1,0 +1,141 @@
+"""flash-linear-attention's fused AttnRes read (`fla.ops.attnres.fused_attnres`: Triton, forward and backward, one
+read of each source with an online softmax) as the CUDA implementation of the direct router read
+(`AttnResConfig.attnres_implementation="fla"`; arXiv:2603.15031, Eq. 1-4 over the sources of Eq. 6).
+
+It serves the reads that the two-phase path does not (Full AttnRes, the final router, a model that gave the state no
+routers) for the paper's router: softmax, key norm, one static pseudo-query, no window, no scalar weights
+(`FLA_NEEDS`; other knobs are refused by the config). The depth weights are the torch path's (fla returns none).
+
+Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
+sibling `attnres_two_phase.py`. fla is an optional dependency, imported lazily inside a `try` (`_fused_attnres`):
+transformers' remote-code loader skips imports in `try` blocks, so a checkpoint loads where fla is not installed.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .attnres_two_phase import _global_pre_hooks, _key_norm_reads_directly
+
+FLA_NEEDS = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_key_norm": True,
+             "attnres_query": "static", "attnres_num_heads": 1, "attnres_window": None,
+             "attnres_scalar_weights": False}
+"""The config values fla's `fused_attnres` computes: `softmax_i(w . RMSNorm(v_i))` with one static query."""
+
+
+def check_fla_config(config, implementation: str) -> None:
+    """Raise `ValueError` naming the first field of `config` that `implementation="fla"` cannot compute."""
+    if implementation != "fla":
+        return
+    for name, needed in FLA_NEEDS.items():
+        value = getattr(config, name)
+        if value != needed:
+            raise ValueError(f"attnres_implementation='fla' needs {name}={needed!r} (fla's fused_attnres is the "
+                             f"paper's softmax router with a key norm and one static query), got {name}={value!r}; "
+                             "use attnres_implementation='torch'")
+
+
+def _fused_attnres():
+    """fla's `fused_attnres`, imported on first use (fla imports Triton: seconds, and only where it is installed)."""
+    try:
+        from fla.ops.attnres import fused_attnres
+    except ImportError as error:
+        raise ImportError("attnres_implementation='fla' needs flash-linear-attention and Triton: "
+                          'pip install "attnres-hf[fla]"') from error
+    return fused_attnres
+
+
+def require_fla(config) -> None:
+    """At model construction: refuse a config fla cannot compute (`ValueError`), or fla not importable
+    (`ImportError`), rather than at the first forward."""
+    check_fla_config(config, config.attnres_implementation)
+    _fused_attnres()
+
+
+def _on_cuda(tensor: torch.Tensor) -> bool:
+    """Whether fla's Triton kernel can read `tensor` (the one device predicate of this path)."""
+    return tensor.is_cuda
+
+
+def _serves(router, state) -> bool:
+    """Whether this read goes to fla; else the torch path (the same numbers): depth weights asked for (fla returns
+    none), tracing (`torch.compile` fuses the torch path; fla's dispatch is a graph break), a hook between the key
+    norm and its weight (accelerate's offload: read in its own forward, `AttnResRouter._fold_key_norm`), or sources
+    fla's pointer table cannot take (a partial sum in another dtype, addresses not 16-byte aligned)."""
+    buffer, partial = state.buffer, state.partial
+    return (not state.keep_weights and not torch.compiler.is_compiling()
+            and _key_norm_reads_directly(router._modules["key_norm"]) and not _global_pre_hooks()
+            and buffer.data_ptr() % 16 == 0 and buffer.stride(0) * buffer.element_size() % 16 == 0
+            and (partial is None or (partial.dtype == buffer.dtype and partial.data_ptr() % 16 == 0)))
+
+
+def fla_read(router, state) -> tuple[torch.Tensor, None] | None:
+    """`AttnResRouter._direct` by fla's `fused_attnres` over the completed sources (views of the source buffer) and
+    the partial sum: `h (batch, seq_len, hidden_size)` in the sources' dtype and no depth weights, or `None` where
+    the torch path serves this read (`_serves`).
+
+    Raises:
+        ValueError: on sources that are not CUDA tensors.
+    """
+    buffer, partial, n = state.buffer, state.partial, len(state.sources)
+    if not _on_cuda(buffer):
+        device = buffer.device.type
+        raise ValueError(f"attnres_implementation='fla' needs CUDA tensors (fla's fused_attnres is Triton on CUDA), "
+                         f"got {device} tensors; use attnres_implementation='torch' on {device}")
+    if not _serves(router, state):
+        return None
+    fused, query, weight = _fused_attnres(), router.query, router._modules["key_norm"].weight
+    # AttnRes: the next sub-layer's pre-norm is not folded in (`output_rms_weight`): it is the backbone family's own
+    # module (Gemma's `1 + w`, its own epsilon and casts, hooks), and the final router's output is also the last
+    # hidden state; fla's folded norm is a Llama RMSNorm with the router's epsilon.
+    inputs = state.handles + (query, weight) + (() if partial is None else (partial,))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        hidden = _FusedRead.apply(fused, state.buffer, state.grads, n, query, weight, state.eps, partial,
+                                  *state.handles)
+    else:
+        sources = list(buffer[:n].unbind(0))  # (B, T, D) views of the buffer
+        hidden = fused(query, sources if partial is None else [*sources, partial], weight, rms_eps=state.eps)
+    if router.rescale_output:  # softmax: uniform weights times the number of sources give the sum
+        hidden = hidden * float(n + (partial is not None))
+    return hidden, None
+
+
+class _FusedRead(torch.autograd.Function):
+    """`fused(query, [buffer[0], ..., buffer[n-1], partial], weight)` with gradients, reading the source buffer.
+
+    fla saves the sources it is given for backward, so it is given views of the buffer (which the forward keeps
+    anyway): given the original source tensors, it would keep them too, a second copy of every source in Full
+    AttnRes training. fla's own autograd runs inside (its graph recorded in `forward`, run in `backward`), and the
+    sources' gradients go to the slots' handles as the buffer's readers hand them (`_SourceMix`): added to `grads`
+    (`_SourceGrads`, eager training) or one per source. `inputs`: the handles of the `n` slots (`_store`).
+    """
+
+    @staticmethod
+    def forward(ctx, fused, buffer, grads, n, query, weight, eps, partial, *inputs):
+        needs = ctx.needs_input_grad
+        # `.data`: an alias of the buffer with its own version counter, so the slots written after this read (never
+        # these `n`, see `_SourceScores`) do not invalidate the views fla saves.
+        slots = buffer.data[:n].unbind(0)
+        with torch.enable_grad():
+            sources = [slot.detach().requires_grad_(need) for slot, need in zip(slots, needs[8:])]
+            query_, weight_ = query.detach().requires_grad_(needs[4]), weight.detach().requires_grad_(needs[5])
+            partial_ = None if partial is None else partial.detach().requires_grad_(needs[7])
+            hidden = fused(query_, sources if partial_ is None else [*sources, partial_], weight_, rms_eps=eps)
+        ctx.grads, ctx.graph = grads, (hidden, sources, query_, weight_, partial_)
+        return hidden.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # grad (B, T, D)
+        hidden, sources, query, weight, partial = ctx.graph
+        leaves = [*sources, query, weight, partial]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        # (`retain_graph`: a later pass over the same graph, `retain_graph=True` outside, runs it again)
+        found = iter(torch.autograd.grad(hidden, wanted, grad, retain_graph=True))
+        got = [next(found) if t is not None and t.requires_grad else None for t in leaves]
+        slot_grads = got[: len(sources)]
+        if ctx.grads is not None:  # summed in place with the other readers' (the handles get them from there)
+            for slot, slot_grad in enumerate(slot_grads):
+                if slot_grad is not None:
+                    ctx.grads.add_mix(slot + 1, slot_grad.unsqueeze(0), slot)
+            slot_grads = [None] * len(sources)
+        return None, None, None, None, got[-3], got[-2], None, got[-1], *slot_grads
