@@ -473,3 +473,18 @@ def test_our_ordering_ranks_finite_losses_and_names_diverged_variants_apart(abla
                                               "a loss is not finite: Full AttnRes)")
     results["Full AttnRes"] = [{"val_loss": 1.8}]
     assert ablation.our_ordering(results) == "Full AttnRes < Block AttnRes (S=2) < baseline < mHC (n=4) < DenseFormer"
+
+
+@pytest.mark.slow  # about 7 s
+def test_fla_interop_measures_a_case_and_its_round_trip(tmp_path):
+    """benchmarks/fla_interop.py on one case (Full AttnRes): fp32 delta within the report's bound, the round trip bit
+    for bit, and the table's verdict line."""
+    pytest.importorskip("fla")
+    sys.path.insert(0, str(BENCHMARKS))
+    import fla_interop
+
+    row = fla_interop.measure(*fla_interop.CASES[0], tmp_path, seed=0)
+    assert row["exact"] and row["relative"] <= 1e-4 and row["round_trip"] is True
+    assert row["ours_bf16"] > 0 and row["fla_bf16"] > 0
+    text = fla_interop.table([row])
+    assert "| Full | 3 | 1 |" in text and "bit for bit" in text and "Worst fp32 case" in text

@@ -7,10 +7,10 @@ reference functions and torch (`attnres_hf.conversion.fla_cpu.REPLACED_KERNELS`:
 the Triton rotary -> `rotary_embedding_ref`, the Triton RMSNorm -> `rms_norm_ref`, Triton SwiGLU -> torch, flash-attn
 -> torch SDPA with flash-attn's mask). Everything else is fla's code as installed.
 
-Tolerances (measured here, fp32, logits of size ~0.5): fla's model and the converted one differ by at most ~3e-7 of
-the logits' scale on these tiny models (different kernels for the same function), so 1e-4 of the scale (the issue's
-bound, `EXACT_TOLERANCE`) leaves two orders of margin and still catches a wrong tensor or option (a swapped norm
-moves logits by ~1e-1, the naive K3-style block size by far more).
+Tolerances (measured, fp32, logits of size ~0.5; docs/results/fla_interop.md): fla's model and the converted one
+differ by at most ~3e-6 of the logits' scale on these tiny models (different kernels for the same function), so 1e-4
+of the scale (`EXACT_TOLERANCE`) leaves more than an order of margin and still catches a wrong tensor or option
+(zeroed routers move the logits by more than 1e-2 of their scale: `test_the_trained_routers_matter`).
 """
 
 import json
