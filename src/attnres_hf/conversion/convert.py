@@ -218,7 +218,11 @@ def convert(
     """Retrofit `source` into AttnRes, verify it against the source, and write a complete folder to `output_dir`.
 
     Args:
-        source: an HF folder, a `.gguf` file (or folder + `gguf_file`), or an in-memory `PreTrainedModel`.
+        source: an HF folder, a `.gguf` file (or folder + `gguf_file`), an in-memory `PreTrainedModel`, or a
+            flash-linear-attention `TransformerForCausalLM` folder (`model_type: "transformer"`; `fla_source`): with
+            `attnres_block_size` in its config its trained routers are imported as they are (no option may change
+            them), and the report compares the result with fla's own model (`verify_against_fla`: `compared_with`,
+            `exact`).
         attnres_block_size: sub-layers per block (1 = Full AttnRes; default about 8 blocks).
         depth_mixing: one of `DEPTH_MIXING_METHODS` (`"attnres"`, `"residual"`, `"denseformer"`, `"muddformer"`,
             `"dca"`, `"mhc"`); every one starts exactly as the source.
@@ -240,7 +244,9 @@ def convert(
             whose tensors do not cover the model its config builds is a `ValueError` naming them; the config keys its
             family does not use are a warning and the report's `source.unused_config_keys`). From a GGUF file,
             a tensor of the file that the model would drop, or a converted weight that is not the file's tensor
-            (compared in fp32 after dequantisation) is a `ValueError` naming it.
+            (compared in fp32 after dequantisation) is a `ValueError` naming it. From an fla folder: every fla option
+            without an exact counterpart, a tensor with no place, of another shape or missing (`ValueError`), an
+            option that would change its trained routers (`ValueError`), fla not installed (`ImportError`).
     """
     _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
                      source_name, max_shard_size)
