@@ -25,7 +25,7 @@ RUNNING_FIELDS = ("partial",)
 POSITION_FIELD = "sublayer"
 """The field holding the index of the next sub-layer: set from the stage's first decoder layer."""
 STATE_FIELDS = ("sources", "inv_rms", "partial", "eps", "block_size", "sublayer", "buffer", "stacked", "phase1",
-                "keep_weights", "handles", "grads", "constants")
+                "keep_weights", "handles", "grads", "constants", "implementation")
 """The fields of `AttnResState` this module knows how to send and rebuild (see `StateCodec`)."""
 
 
@@ -48,7 +48,9 @@ class StateCodec:
                 f"{self.state_type.__name__} has fields {template._fields}, the pipeline knows {STATE_FIELDS}: update "
                 f"STATE_FIELDS and StateCodec in {__name__}"
             )
-        self.constants = {"eps": template.eps, "block_size": template.block_size}
+        # (`implementation`: the direct reads' kernel; a rebuilt state takes the stacked path, where it plays no part)
+        self.constants = {"eps": template.eps, "block_size": template.block_size,
+                          "implementation": template.implementation}
 
     def start(self, embeddings: torch.Tensor):
         return self.state_type.start(embeddings, self.config)
