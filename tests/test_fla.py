@@ -362,3 +362,88 @@ def test_models_fla_cannot_compute_are_refused_on_export(tmp_path, capsys, overr
 def test_export_of_a_folder_that_is_not_attnres_is_refused(tmp_path, capsys, fla_folder):
     _refused(tmp_path, capsys, ["export", "--to", "fla", str(fla_folder), str(tmp_path / "out")],
              "is not an AttnRes checkpoint (model_type 'transformer')")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints as fla writes them: mixed dtypes, shards, fields left unset, odd JSON
+# ---------------------------------------------------------------------------------------------------------------
+
+def _bf16_qk_norm_folder(tmp_path, **save_kwargs):
+    """What fla writes for a qk_norm model loaded in bf16: its q/k norms are built in fp32 (`RMSNorm(..., dtype=
+    torch.float32)` in fla.layers.attn) and stay fp32, everything else is bf16."""
+    fla_model(layers=3, block_size=2, qk_norm=True, norm_eps=1e-5).save_pretrained(tmp_path / "fp32")
+    with fla_reference_kernels():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    model.save_pretrained(tmp_path / "fla", **save_kwargs)
+    return tmp_path / "fla"
+
+
+@pytest.mark.parametrize("save", [dict(max_shard_size="7KB"), dict(safe_serialization=False)])
+def test_a_mixed_dtype_checkpoint_keeps_every_value(tmp_path, capsys, save):
+    """Every stored value reaches the model exactly (fp32), whichever tensor the files list first; `--dtype auto`
+    writes the checkpoint's dtype as transformers reads it (its config's `dtype`)."""
+    folder = _bf16_qk_norm_folder(tmp_path, **save)
+    assert main(["convert", str(folder), str(tmp_path / "out")]) == 0
+    assert "exact: True" in capsys.readouterr().out
+    report = convert(folder, tmp_path / "auto", dtype="auto")
+    assert report["dtype"] == "bfloat16" and report["verification"]["exact"]
+
+
+@pytest.mark.parametrize("fields", [dict(num_kv_heads=None), dict(max_position_embeddings=None),
+                                    dict(intermediate_size=None, hidden_ratio=2), dict(tie_word_embeddings=True)])
+def test_round_trip_gives_fla_config_back(tmp_path, fields):
+    fla_model(layers=2, block_size=2, **fields).save_pretrained(tmp_path / "fla")
+    convert(tmp_path / "fla", tmp_path / "ours")
+    export(tmp_path / "ours", tmp_path / "back")
+    before = json.loads((tmp_path / "fla" / "config.json").read_text())
+    after = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: v for k, v in before.items() if k != "transformers_version"} == \
+        {k: v for k, v in after.items() if k != "transformers_version"}
+    stored, back = load_file(tmp_path / "fla" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(stored) == sorted(back) and all(torch.equal(stored[k], back[k]) for k in stored)
+
+
+@pytest.mark.parametrize("value, expected", [(2.0, 2), (True, 1)])
+def test_block_sizes_fla_runs_are_read_as_fla_reads_them(tmp_path, value, expected):
+    folder = save_fla(tmp_path, layers=2, block_size=expected)
+    _edit_config(folder, attnres_block_size=value)
+    report = convert(folder, tmp_path / "out")
+    assert report["config"]["attnres_block_size"] == expected and report["verification"]["exact"]
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"norm_eps": "1e-6"}, "norm_eps '1e-6'"), ({"norm_eps": None}, "norm_eps None"),
+    ({"intermediate_size": "64"}, "intermediate_size '64'"),
+    ({"max_position_embeddings": "128"}, "max_position_embeddings '128'"),
+    ({"tie_word_embeddings": "true"}, "tie_word_embeddings 'true'"), ({"initializer_range": None}, "initializer_range"),
+    ({"use_cache": None}, "use_cache None"), ({"hidden_ratio": "4", "intermediate_size": None}, "hidden_ratio '4'"),
+    ({"pad_token_id": 500}, "pad_token_id 500"), ({"rope_theta": "10000"}, "rope_theta '10000'"),
+])
+def test_wrong_typed_fla_fields_are_one_line_refusals(tmp_path, capsys, fla_folder, changes, match):
+    folder = tmp_path / "src"
+    shutil.copytree(fla_folder, folder)
+    _edit_config(folder, **changes)
+    _refused(tmp_path, capsys, ["convert", str(folder), str(tmp_path / "out")], match)
+
+
+def test_fla_reference_kernels_leave_fla_as_found():
+    """After the check (an exception inside it too) fla's modules hold what they held, absent names absent."""
+    import fla.layers.attn as attn
+    import fla.models.transformer.modeling_transformer as modeling
+
+    before = (dict(vars(attn)), modeling.fused_attnres)
+    with pytest.raises(RuntimeError, match="inside"):
+        with fla_reference_kernels():
+            raise RuntimeError("inside")
+    assert dict(vars(attn)) == before[0] and modeling.fused_attnres is before[1]
+
+
+def test_overrides_equal_to_the_checkpoint_are_accepted_and_bad_shard_sizes_refused(tmp_path, capsys, fla_folder):
+    report = convert(fla_folder, tmp_path / "ours", attnres_score_fn="softmax", attnres_key_norm=True)
+    assert report["verification"]["exact"]
+    with pytest.raises(ValueError, match="unknown AttnResConfig field"):
+        convert(fla_folder, tmp_path / "x", attnres_scor_fn="softmax")
+    capsys.readouterr()  # the conversion's progress bars
+    _refused(tmp_path, capsys, ["export", "--to", "fla", str(tmp_path / "ours"), str(tmp_path / "out"),
+                                "--max-shard-size", "abc"], "max_shard_size must be a size")

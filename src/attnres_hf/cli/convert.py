@@ -46,5 +46,8 @@ def run_convert(args: argparse.Namespace) -> int:
     check = report["verification"]
     print(f"max |delta logits| vs source: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens")
     print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
+    if "exact" in check:  # an fla source: compared with fla's own model
+        print(f"against {check['compared_with']['model']}: {check['relative_max_abs_logit_delta']:.2g} of max |logits|; "
+              f"exact: {check['exact']}" + ("" if check["exact"] else " (see conversion_report.json)"))
     print(f"wrote {args.output_dir}")
     return 0

@@ -19,8 +19,8 @@ from .. import __version__
 from ..modeling.depth_mixing import DEPTH_MIXING
 from .._io import staged_folder
 from .gguf_source import check_against_gguf
-from .fla_source import (check_fla_installed, check_fla_tensors, fla_overrides, fla_report_fields, fla_source,
-                         is_fla_folder, load_fla_model, verify_against_fla)
+from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtype, fla_overrides, fla_report_fields,
+                         fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
 from .retrofit import check_dtype, check_path_argument, load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
@@ -272,9 +272,8 @@ def convert(
         names = check_fla_tensors(fla, retrofit_config(fla.backbone, **overrides))
         check_fla_installed()
         tokenizer = tokenizer or load_tokenizer(source)
-        model, name = load_fla_model(fla, overrides, names), str(source)
-        target_dtype = model.dtype if target_dtype == "auto" else target_dtype
-        model = model.float()
+        model, name = load_fla_model(fla, overrides, names), str(source)  # fp32: every stored value exactly
+        target_dtype = checkpoint_dtype(fla) if target_dtype == "auto" else target_dtype
         source_type = fla.fields["model_type"]
     else:
         if isinstance(source, PreTrainedModel):

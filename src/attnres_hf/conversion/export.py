@@ -4,8 +4,9 @@ The folder holds fla's `config.json` (its `TransformerConfig`, `model_type: "tra
 names (`fla_layout.FLA_KEY_MAP`; pseudo-queries `[hidden]` as fla's `[1, hidden]`), values and dtype unchanged, the
 tokenizer, `generation_config.json` and `export_report.json`, which compares fla's model loaded from the written
 folder with the AttnRes model (`fla_source.verify_against_fla`). Written to a temporary sibling folder and renamed.
-fla's kernel options (`fuse_norm`, `fuse_swiglu`, `fuse_cross_entropy`, ...: kernels and loss only) are those of
-the fla checkpoint the folder was converted from (its `conversion_report.json`), else fla's defaults.
+fla's config is the fla checkpoint's own where the folder was converted from one and still describes the same model
+(its `conversion_report.json`); otherwise it is derived from the AttnRes config, with that checkpoint's kernel options
+(`fuse_norm`, `fuse_swiglu`, `fuse_cross_entropy`, ...: kernels and loss only) if known, else fla's defaults.
 """
 
 import importlib
@@ -20,7 +21,7 @@ from .._io import staged_folder
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from .convert import load_tokenizer
 from .families import UnsupportedSourceError
-from .fla_layout import KERNEL_OPTIONS, fla_from_attnres, to_fla_name, to_fla_tensor
+from .fla_layout import KERNEL_OPTIONS, backbone_from_fla, fla_from_attnres, to_fla_name, to_fla_tensor
 from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
 from .hf_source import _shown, folder_tensors
 from .retrofit import _check_folder, check_path_argument
@@ -30,7 +31,7 @@ EXPORT_FORMATS = ("fla",)
 """What `export` writes: `"fla"`, flash-linear-attention 0.6's `TransformerForCausalLM`."""
 
 
-def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tuple[Path, Path]:
+def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tuple[Path, Path, int]:
     check_path_argument(model_dir, "model_dir (an AttnRes model folder)")
     check_path_argument(output_dir, "output_dir")
     if to not in EXPORT_FORMATS:
@@ -39,6 +40,13 @@ def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tupl
         raise TypeError(f"force must be True or False, got {force!r}")
     if not isinstance(max_shard_size, (str, int)) or isinstance(max_shard_size, bool):
         raise TypeError(f"max_shard_size must be a size such as '5GB' or a number of bytes, got {max_shard_size!r}")
+    if isinstance(max_shard_size, str):  # read as `save_pretrained` reads it, then handed over in bytes
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            max_shard_size = convert_file_size_to_int(max_shard_size)
+        except ValueError:
+            raise ValueError(f"max_shard_size must be a size such as '5GB' or '500MB', got {max_shard_size!r}") from None
     if not isinstance(probe_text, str) or not probe_text.strip():
         raise ValueError(f"probe_text must be a non-empty string, got {probe_text!r}")
     model_dir, output_dir = Path(model_dir), Path(output_dir)
@@ -49,18 +57,28 @@ def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tupl
     target = output_dir.resolve()
     if any(target == p or target in p.parents for p in (Path.cwd().resolve(), model_dir.resolve())):
         raise ValueError(f"{output_dir} contains the current folder or the model; choose another output folder")
-    return model_dir, output_dir
+    return model_dir, output_dir, max_shard_size
 
 
-def _kernel_options(model_dir: Path) -> dict:
-    """The fla kernel options of the checkpoint `model_dir` was converted from (its `conversion_report.json`), so that
-    a round trip gives fla's config back too; none (fla's defaults) for other models."""
+def _fla_config(model_dir: Path, fields: dict) -> dict:
+    """fla's config for the export: the fla checkpoint's own `config.json` where `model_dir` was converted from one
+    (its `conversion_report.json`) and describes the same model (the same backbone and block size: training changes
+    weights only), so that a round trip gives it back, fields fla leaves unset included; else `fields` with the kernel
+    options of that checkpoint, if any; else `fields` (fla's kernel defaults)."""
     try:
         source = json.loads((model_dir / "conversion_report.json").read_text())["source"]
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    options = source.get("kernel_options") if isinstance(source, dict) and source.get("format") == "fla" else None
-    return {name: value for name, value in (options or {}).items() if name in KERNEL_OPTIONS}
+        return fields
+    if not isinstance(source, dict) or source.get("format") != "fla":
+        return fields
+    original = source.get("fla_config")
+    if isinstance(original, dict):
+        same = backbone_from_fla(original)[0] == backbone_from_fla(fields)[0] and (
+            original.get("attnres_block_size") == fields["attnres_block_size"])
+        if same:
+            return {k: v for k, v in original.items() if k not in ("transformers_version", "model_type")}
+    options = source.get("kernel_options") or {}
+    return fields | {name: value for name, value in options.items() if name in KERNEL_OPTIONS}
 
 
 def export(
@@ -89,7 +107,10 @@ def export(
         FileNotFoundError, ValueError: missing or truncated weight files; a tensor with no fla name.
         ImportError: flash-linear-attention is not installed (the export is checked against fla's model).
     """
-    model_dir, output_dir = _check(model_dir, output_dir, to, force, max_shard_size, probe_text)
+    model_dir, output_dir, max_shard_size = _check(model_dir, output_dir, to, force, max_shard_size, probe_text)
+    if (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} is a PEFT adapter, not a model: merge it into its base first "
+                         "(attnres_hf.training.merge_lora), then export the merged folder")
     files, index = _check_folder(model_dir)
     model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
     if model_type != AttnResConfig.model_type:
@@ -104,7 +125,7 @@ def export(
     if unnamed:
         raise ValueError(f"{model_dir}: tensors with no fla counterpart: {_shown(unnamed)}")
     version = check_fla_installed()
-    fields |= _kernel_options(model_dir)
+    fields = _fla_config(model_dir, fields)
     state = {names[name]: to_fla_tensor(name, tensor).contiguous() for name, tensor in _read_tensors(files).items()}
     dtype = next(iter(state.values())).dtype
     print(f"Writing {len(state)} tensors as fla's TransformerForCausalLM ...", flush=True)
@@ -115,8 +136,8 @@ def export(
 
         with fla_reference_kernels():
             TransformerConfig = importlib.import_module("fla.models").TransformerConfig
-            fla_config = TransformerConfig(**fields, architectures=["TransformerForCausalLM"],
-                                           dtype=str(dtype).removeprefix("torch."))
+            fla_config = TransformerConfig(**({"architectures": ["TransformerForCausalLM"]} | fields
+                                              | {"dtype": str(dtype).removeprefix("torch.")}))
         fla_config.save_pretrained(staging)
         save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
         if (model_dir / "generation_config.json").is_file():

@@ -131,11 +131,15 @@ def fla_reference_kernels() -> Iterator[dict[str, str]]:
         (attn, "flash_attn_func", _attention),
         (attn, "flash_attn_varlen_func", _varlen_attention),
     ]
-    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
+    absent = object()
+    saved = [(owner, name, owner.__dict__.get(name, absent)) for owner, name, _ in replacements]
     try:
         for owner, name, function in replacements:
             setattr(owner, name, function)
         yield dict(REPLACED_KERNELS)
-    finally:
+    finally:  # as found: what was absent (fla without flash-attn has no `flash_attn_varlen_func`) is removed again
         for owner, name, original in saved:
-            setattr(owner, name, original)
+            if original is absent:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

@@ -116,13 +116,42 @@ def _positive_int(value) -> bool:
 
 
 def check_fla_block_size(value) -> list[str]:
-    """fla's own rule for `attnres_block_size`: `None`, 1 (Full) or an even number of sub-layers."""
+    """fla's rule for `attnres_block_size`: `None`, 1 (Full) or an even number of sub-layers. fla also runs `true`
+    (as 1) and integral floats (`2.0` as 2); the conversion reads them so (`fla_source.fla_source`)."""
+    if value is True or isinstance(value, float) and value.is_integer():
+        value = int(value)
     if value is None or value == 1 and not isinstance(value, bool):
         return []
     if not _positive_int(value) or value % 2:
-        return [f"attnres_block_size {value!r} (fla allows None, 1 for Full AttnRes, or an even number of "
-                "sub-layers; fla itself refuses this one)"]
+        return [f"attnres_block_size {value!r} (None, 1 for Full AttnRes, or an even number of sub-layers)"]
     return []
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _field_types(fields: dict) -> list[str]:
+    """The fields whose JSON type fla's model cannot use (fla's config checks none of them), each named."""
+    rules = {
+        "num_kv_heads": (_positive_int, "a positive integer or null"),
+        "intermediate_size": (_positive_int, "a positive integer or null"),
+        "max_position_embeddings": (_positive_int, "a positive integer or null"),
+        "window_size": (_positive_int, "a positive number of keys or null"),
+        "hidden_ratio": (lambda v: _number(v) and v > 0, "a positive number or null"),
+        "norm_eps": (lambda v: _number(v) and v > 0, "a positive number"),
+        "rope_theta": (lambda v: _number(v) and v > 0, "a positive number (fla's attention always applies its rotary)"),
+        "initializer_range": (lambda v: _number(v) and v >= 0, "a number"),
+        **{name: (lambda v: isinstance(v, bool), "true or false")
+           for name in ("qkv_bias", "qk_norm", "tie_word_embeddings", "use_cache")},
+    }
+    nullable = {"num_kv_heads", "intermediate_size", "max_position_embeddings", "window_size", "hidden_ratio"}
+    problems = [f"{name} {fields[name]!r} ({what})" for name, (ok, what) in rules.items()
+                if name in fields and not (fields[name] is None and name in nullable) and not ok(fields[name])]
+    pad = fields.get("pad_token_id")
+    if pad is not None and not (isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < fields["vocab_size"]):
+        problems.append(f"pad_token_id {pad!r} (a token id below vocab_size {fields['vocab_size']}, or null)")
+    return problems
 
 
 def backbone_from_fla(fields: dict) -> tuple[dict, list[str]]:
@@ -143,13 +172,14 @@ def backbone_from_fla(fields: dict) -> tuple[dict, list[str]]:
             problems.append(f"{name} {fields.get(name)!r} (a positive integer is needed)")
     if problems:
         return {}, problems
+    problems += _field_types(fields)
+    if problems:
+        return {}, problems
     heads, kv_heads = fields["num_heads"], fields.get("num_kv_heads") or fields["num_heads"]
     if not _positive_int(kv_heads) or heads % kv_heads:
         problems.append(f"num_kv_heads {kv_heads!r} (must divide num_heads {heads})")
     if fields.get("hidden_act", "swish") != "swish":
         problems.append(f"hidden_act {fields['hidden_act']!r} (only 'swish', fla's SwiGLU, has a counterpart: silu)")
-    if fields.get("rope_theta", 10000.0) is None:
-        problems.append("rope_theta None (fla's attention always applies its rotary; it needs a base)")
     problems += check_fla_block_size(fields.get("attnres_block_size"))
     eps = fields.get("norm_eps", 1e-6)
     qkv_bias, qk_norm, window = fields.get("qkv_bias", False), fields.get("qk_norm", False), fields.get("window_size")
@@ -159,8 +189,6 @@ def backbone_from_fla(fields: dict) -> tuple[dict, list[str]]:
     if sum(map(bool, (qkv_bias, qk_norm, window is not None))) > 1:
         chosen = [n for n, v in (("qkv_bias", qkv_bias), ("qk_norm", qk_norm), ("window_size", window is not None)) if v]
         problems.append(f"{' and '.join(chosen)} together (no transformers family has both; each alone maps)")
-    if window is not None and not _positive_int(window):
-        problems.append(f"window_size {window!r} (a positive number of keys is needed)")
     if problems:
         return {}, problems
     hidden = fields["hidden_size"]

@@ -24,7 +24,7 @@ from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
 from .fla_layout import (FLA_MODEL_TYPE, KERNEL_OPTIONS, backbone_from_fla, to_attnres_name, to_attnres_tensor)
 from .hf_source import _quiet_transformers, _shown, folder_tensors
-from .retrofit import _check_folder, retrofit, retrofit_config
+from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
 from .verify import verify_conversion
 
 EXACT_TOLERANCE = 1e-4
@@ -86,8 +86,14 @@ def fla_source(folder: str | os.PathLike) -> FlaSource:
     if problems:
         raise UnsupportedSourceError(f"{folder}: this fla transformer has no exact attnres-hf counterpart: "
                                      f"{'; '.join(problems)}")
-    config = AutoConfig.for_model(**backbone)
-    return FlaSource(folder, fields, config, fields.get("attnres_block_size"), files, index)
+    try:  # (the field checks above leave transformers' own validation little to find)
+        config = AutoConfig.for_model(**backbone)
+    except Exception as error:  # huggingface_hub's strict-dataclass validation errors are no ValueError
+        raise UnsupportedSourceError(f"{folder / 'config.json'}: the backbone config it gives is invalid "
+                                     f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
+    block_size = fields.get("attnres_block_size")
+    block_size = 1 if block_size is True else int(block_size) if isinstance(block_size, float) else block_size
+    return FlaSource(folder, fields, config, block_size, files, index)
 
 
 def fla_overrides(source: FlaSource, **overrides) -> dict:
@@ -102,15 +108,17 @@ def fla_overrides(source: FlaSource, **overrides) -> dict:
     if source.block_size is None:
         retrofit_config(source.backbone, **overrides)
         return dict(overrides)
+    _check_overrides(overrides)  # unknown fields first
     wanted = {"depth_mixing": "attnres", "attnres_block_size": source.block_size, "attnres_rescale_output": False}
     changed = [f"{name}={value!r} (the checkpoint's is {wanted[name]!r})" for name, value in overrides.items()
                if name in wanted and value != wanted[name]]
-    changed += [f"{name}={value!r}" for name, value in overrides.items() if name not in wanted]
+    imported = retrofit_config(source.backbone, **wanted)
+    changed += [f"{name}={value!r} (the checkpoint's is {getattr(imported, name, None)!r})"
+                for name, value in overrides.items() if name not in wanted and getattr(imported, name, None) != value]
     if changed:
         raise ValueError(f"{source.folder} is an fla AttnRes model (attnres_block_size {source.block_size}) with trained "
                          f"routers, imported as they are: {', '.join(changed)} would change it; convert without these "
                          "options, then fine-tune")
-    retrofit_config(source.backbone, **wanted)
     return wanted
 
 
@@ -161,20 +169,31 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_dtype(source: FlaSource) -> torch.dtype:
+    """The dtype of the fla checkpoint as transformers' `from_pretrained(dtype="auto")` reads it: its config's
+    `dtype` (or legacy `torch_dtype`), else the widest floating dtype of its tensors (fla keeps `qk_norm`'s norms in
+    fp32 in a bf16 model)."""
+    named = source.fields.get("dtype") or source.fields.get("torch_dtype")
+    if isinstance(named, str) and isinstance(getattr(torch, named.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, named.removeprefix("torch."))
+    dtypes = {tensor.dtype for tensor in _read_tensors(source.files).values() if tensor.is_floating_point()}
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits, default=torch.float32)
+
+
 def load_fla_model(source: FlaSource, overrides: dict, names: dict[str, str]) -> AttnResForCausalLM:
     """The AttnRes model of an fla checkpoint (`overrides` from `fla_overrides`, `names` from `check_fla_tensors`),
-    every tensor in the dtype stored: the backbone through a transformers model of its family (`retrofit`), then
-    fla's routers, each pseudo-query `[1, D]` as `[D]`."""
-    state = {names[name]: to_attnres_tensor(names[name], tensor) for name, tensor in _read_tensors(source.files).items()}
-    dtype = next(iter(state.values())).dtype
+    in fp32, which holds every stored value exactly (bf16, fp16 and mixed checkpoints alike): the backbone through a
+    transformers model of its family (`retrofit`), then fla's routers, each pseudo-query `[1, D]` as `[D]`."""
+    state = {names[name]: to_attnres_tensor(names[name], tensor).float()
+             for name, tensor in _read_tensors(source.files).items()}
     backbone_state = {name: tensor for name, tensor in state.items() if not is_depth_mixing_parameter(name)}
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(source.backbone)
-    plain.to_empty(device="cpu").to(dtype)
+    plain.to_empty(device="cpu").float()
     with torch.no_grad():  # rotary frequencies: in no state dict, computed by the family's own initialisation
         for module in plain.modules():
             if module._non_persistent_buffers_set:
-                plain._init_weights(module.float())
+                plain._init_weights(module)
     plain.load_state_dict(backbone_state, strict=not source.backbone.tie_word_embeddings)
     plain.tie_weights()
     if (source.folder / "generation_config.json").is_file():
@@ -218,6 +237,8 @@ def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, inp
 
 
 def fla_report_fields(source: FlaSource) -> dict:
-    """What a conversion report says of an fla source: its AttnRes layout and the kernel options it carried."""
+    """What a conversion report says of an fla source: its AttnRes layout, the kernel options it carried and its whole
+    `config.json` (which `attnres export --to fla` writes back while the model's architecture is unchanged)."""
     return {"format": "fla", "attnres_block_size": source.block_size, "imported_routers": source.block_size is not None,
-            "kernel_options": {name: source.fields[name] for name in KERNEL_OPTIONS if name in source.fields}}
+            "kernel_options": {name: source.fields[name] for name in KERNEL_OPTIONS if name in source.fields},
+            "fla_config": source.fields}
