@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import Run, results_path  # noqa: E402
 
 TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=99, intermediate_size=64,
-            max_position_embeddings=128)
+            max_position_embeddings=128, fuse_cross_entropy=False)
+"""A tiny fla transformer (hidden 32, GQA 4/2 heads, vocab 99); fla's fused norm and SwiGLU stay on (kernels only)."""
 CASES = [  # (label, decoder layers, attnres_block_size, fla options)
     ("Full", 3, 1, {}), ("blocks of 2", 3, 2, {}), ("blocks of 4", 4, 4, {}),
     ("blocks of 4, the last partial", 3, 4, {}), ("blocks of 6, the last partial", 5, 6, {}),
@@ -36,7 +37,9 @@ CASES = [  # (label, decoder layers, attnres_block_size, fla options)
 it, so no round trip) or the residual model (which goes back)."""
 
 
-def fla_model(layers, block_size, seed, **options):
+def fla_model(layers=3, block_size=2, seed=0, **options):
+    """fla's model with random non-zero pseudo-queries, key-norm and norm weights and biases (trained-like; fla
+    initialises pseudo-queries to zero and norms to one); `options`: further `TransformerConfig` fields."""
     from fla.models import TransformerConfig, TransformerForCausalLM
 
     from attnres_hf.conversion.fla_cpu import fla_reference_kernels

@@ -15,6 +15,8 @@ of the scale (`EXACT_TOLERANCE`) leaves more than an order of margin and still c
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,33 +33,10 @@ from attnres_hf.conversion.fla_cpu import fla_reference_kernels  # noqa: E402
 from attnres_hf.conversion.fla_source import EXACT_TOLERANCE  # noqa: E402
 from utils import randomize_routers, tiny_model  # noqa: E402
 
-FLA_TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=99, intermediate_size=64,
-                max_position_embeddings=128, fuse_cross_entropy=False)
-"""A tiny fla transformer (hidden 32, GQA 4/2 heads, vocab 99); fla's fused kernels stay on (`fuse_norm`,
-`fuse_swiglu`): they select kernels only."""
-
 IDS = torch.randint(3, 99, (2, 17), generator=torch.Generator().manual_seed(1))
 
-
-def fla_model(layers=3, block_size=2, seed=0, **fields):
-    """fla's model with random non-zero pseudo-queries and key-norm weights (trained-like routers), and random norm
-    weights elsewhere (fla initialises them to one)."""
-    from fla.models import TransformerConfig, TransformerForCausalLM
-
-    with fla_reference_kernels():
-        torch.manual_seed(seed)
-        model = TransformerForCausalLM(TransformerConfig(
-            **(FLA_TINY | fields), num_hidden_layers=layers, attnres_block_size=block_size)).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator))
-            elif name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
-    return model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fla_interop import fla_model  # noqa: E402  (a tiny fla model with trained-like routers; the benchmark's own)
 
 
 def save_fla(tmp_path, name="fla", **kwargs):
