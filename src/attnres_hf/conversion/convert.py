@@ -300,6 +300,8 @@ def convert(
     if tokenizer is not None:
         input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
     else:  # no tokenizer: a fixed pseudo-random probe of token ids
+        print("The source has no tokenizer: the probe is 64 random token ids, and the output will have none "
+              "(save one into it for text commands such as attnres routing)", flush=True)
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(model.config.vocab_size, (1, 64), generator=generator)
     print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
