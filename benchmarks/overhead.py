@@ -31,6 +31,7 @@ when the whole interval is at or below the target, FAIL when it is entirely abov
     python benchmarks/overhead.py                              # CPU, eager and compiled, every knob
     python benchmarks/overhead.py --device cuda --quick        # a GPU in a few minutes (no compiled train step)
     python benchmarks/overhead.py --modes eager --knobs none --profile   # plus where the time goes
+    python benchmarks/overhead.py --device cuda --modes eager --knobs none --fla   # with fla's fused read (GPU)
 
 `--profile` prints, per workload, the operators with the most self time for Llama, Block and Full (eager,
 `torch.profiler`), to explain a missed target. The tables are Markdown; `--results PATH` writes them (not the
@@ -86,12 +87,15 @@ TARGETS = {  # (model, mode) -> {workload: largest ratio to Llama}
 }
 
 
-def build_models(device, attn_implementation: str, knobs: list[str], shape: dict) -> dict[str, torch.nn.Module]:
+def build_models(device, attn_implementation: str, knobs: list[str], shape: dict,
+                 fla: bool = False) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attn_implementation))
     block_size = default_attnres_block_size(shape["num_hidden_layers"])
     variants = {"block": dict(attnres_block_size=block_size), "full": dict(attnres_block_size=1)}
     variants |= {f"block+{knob}": dict(attnres_block_size=block_size, **KNOBS[knob]) for knob in knobs}
+    if fla:  # flash-linear-attention's fused read for the direct reads (Full: every read; Block: the final one)
+        variants |= {f"{name}+fla": dict(variants[name], attnres_implementation="fla") for name in ("block", "full")}
     models = {"llama": llama}
     for name, overrides in variants.items():
         model = AttnResForCausalLM(AttnResConfig(**shape, **overrides, attn_implementation=attn_implementation))
@@ -347,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="5 repeats, 16 decoded tokens; compiled mode for Llama and Block, prefill and decode "
                         "only (compiling the 30-layer graphs takes most of a GPU run; run `--modes compiled "
                         "--workloads train` on its own for the compiled training step)")
+    parser.add_argument("--fla", action="store_true",
+                        help="also Block and Full with attnres_implementation='fla' (fla's fused read; CUDA only)")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
     parser.add_argument("--profile-rows", type=int, default=15)
     parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the tables, with how they were measured, to "
@@ -367,10 +373,12 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats, args.decode_tokens = min(args.repeats, 5), min(args.decode_tokens, 16)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fla and not args.device.startswith("cuda"):
+        parser.error("--fla needs --device cuda: fla's fused_attnres is a Triton kernel for CUDA tensors")
 
     device = torch.device(args.device)
     shape = {**SMOLLM2_135M, "num_hidden_layers": args.layers}
-    models = build_models(device, args.attn_implementation, knobs, shape)
+    models = build_models(device, args.attn_implementation, knobs, shape, fla=args.fla)
     generator = torch.Generator().manual_seed(0)
     vocab = shape["vocab_size"]
     inputs = {

@@ -49,3 +49,16 @@ def test_report_is_a_markdown_table_with_each_verdict_beside_its_ratio(overhead)
     assert "Interval coverage with 5 repeats: 93.8%." in lines
     assert "- block, eager, prefill: 1.200 [1.200, 1.200] FAIL (> 1.02)" in lines
     assert "- block, eager, memory: 1.040 (one run) PASS (<= 1.05)" in lines
+
+
+def test_fla_variants_are_the_fused_read_and_need_cuda(overhead, capsys):
+    """`--fla` adds Block and Full with `attnres_implementation="fla"` (tiny shape here, built only) and is refused
+    off CUDA before any model is built."""
+    shape = dict(overhead.SMOLLM2_135M, num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=99,
+                 num_attention_heads=4, num_key_value_heads=2)
+    models = overhead.build_models(overhead.torch.device("cpu"), "sdpa", [], shape, fla=True)
+    assert list(models) == ["llama", "block", "full", "block+fla", "full+fla"]
+    assert models["full+fla"].config.attnres_implementation == "fla" and models["full+fla"].config.attnres_block_size == 1
+    with pytest.raises(SystemExit):
+        overhead.main(["--fla", "--device", "cpu"])
+    assert "--fla needs --device cuda" in capsys.readouterr().err
