@@ -265,7 +265,7 @@ def convert(
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
-    if not isinstance(source, PreTrainedModel) and is_fla_folder(source):
+    if not isinstance(source, PreTrainedModel) and gguf_file is None and is_fla_folder(source):
         # flash-linear-attention's transformer: mapped tensor by tensor, checked against fla's own model
         fla = fla_source(source)  # refuses every fla option with no exact counterpart
         overrides = fla_overrides(fla, **overrides)
