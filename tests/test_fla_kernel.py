@@ -226,6 +226,9 @@ def test_depth_weights_take_the_torch_path(stand_in, input_ids):
     assert len(fla_weights) == len(weights) == len(routers(model))
     for ours, theirs in zip(fla_weights, weights, strict=True):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    assert fla_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(fla_grads[name], grad, atol=0, rtol=0, msg=name)
 
 
 def test_two_phase_reads_keep_their_own_path(stand_in, input_ids, monkeypatch):
