@@ -145,17 +145,18 @@ class _SourceScores(torch.autograd.Function):
     def backward(ctx, grad):  # grad (B, T, S, n)
         (queries,) = ctx.saved_tensors
         values, n = ctx.buffer[: ctx.n], ctx.n
-        grad_queries = None
-        if ctx.needs_input_grad[3]:
-            flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
-            grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
         needs = ctx.needs_input_grad[4:]
+        per_source = any(needs) and ctx.grads is None
+        grad_queries = flat_grad = None
+        if ctx.needs_input_grad[3] or per_source:  # (one permuted copy for both products)
+            flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
+        if ctx.needs_input_grad[3]:
+            grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
         if not any(needs):
             return None, None, None, grad_queries, *_nones(needs)
         if ctx.grads is not None:
             ctx.grads.add_scores(grad, queries)
             return None, None, None, grad_queries, *_nones(needs)
-        flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)
         grad_values = (flat_grad @ queries).view(values.shape)
         return None, None, None, grad_queries, *_per_source(grad_values, ctx, n)
 
