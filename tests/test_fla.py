@@ -3,7 +3,8 @@ into AttnRes models that compute fla's logits, and go back to fla bit for bit (`
 --to fla`), with every fla option that has no exact counterpart refused by name before anything loads.
 
 fla's model runs here on CPU tensors with its CUDA-only kernels replaced for the duration of a check by fla's own
-reference functions and torch (`attnres_hf.conversion.fla_cpu.REPLACED_KERNELS`: `fused_attnres` -> `naive_attnres`,
+reference functions and torch (`attnres_hf.conversion.fla_cpu.fla_reference_kernels`: `fused_attnres` ->
+`naive_attnres`,
 the Triton rotary -> `rotary_embedding_ref`, the Triton RMSNorm -> `rms_norm_ref`, Triton SwiGLU -> torch, flash-attn
 -> torch SDPA with flash-attn's mask). Everything else is fla's code as installed.
 
@@ -77,7 +78,7 @@ def test_fla_attnres_checkpoint_converts_with_its_trained_routers(tmp_path, laye
     assert check["exact"] and check["relative_max_abs_logit_delta"] <= EXACT_TOLERANCE
     assert check["greedy_match"] and check["compared_with"]["kernels_replaced"]
     assert report["source"]["format"] == "fla" and report["source"]["imported_routers"]
-    assert report["config"] | {} == report["config"] and report["config"]["attnres_block_size"] == block_size
+    assert report["config"]["attnres_block_size"] == block_size
     assert report["config"]["attnres_rescale_output"] is False
     assert relative(our_logits(tmp_path / "out"), fla_logits(folder)) <= EXACT_TOLERANCE
     out = capsys.readouterr().out
@@ -146,7 +147,8 @@ def test_round_trip_fla_attnres_fla_is_bit_for_bit(tmp_path, dtype):
     model.save_pretrained(tmp_path / "fla")
     convert(tmp_path / "fla", tmp_path / "ours", dtype="auto")
     assert main(["export", "--to", "fla", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
-    before, after = load_file(tmp_path / "fla" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    before = load_file(tmp_path / "fla" / "model.safetensors")
+    after = load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(before) == sorted(after)
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
@@ -427,3 +429,14 @@ def test_overrides_equal_to_the_checkpoint_are_accepted_and_bad_shard_sizes_refu
     capsys.readouterr()  # the conversion's progress bars
     _refused(tmp_path, capsys, ["export", "--to", "fla", str(tmp_path / "ours"), str(tmp_path / "out"),
                                 "--max-shard-size", "abc"], "max_shard_size must be a size")
+
+
+def test_the_map_knows_every_field_of_fla_config():
+    """`FLA_FIELDS` is fla 0.6's `TransformerConfig` signature: a field fla adds fails here, not silently."""
+    import inspect
+
+    from fla.models import TransformerConfig
+
+    from attnres_hf.conversion.fla_layout import FLA_FIELDS
+
+    assert set(FLA_FIELDS) == set(inspect.signature(TransformerConfig.__init__).parameters) - {"self", "kwargs"}

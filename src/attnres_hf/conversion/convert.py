@@ -23,7 +23,8 @@ from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtyp
                          fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
-from .retrofit import check_dtype, check_path_argument, load_source, load_source_config, retrofit, retrofit_config, split_gguf_path
+from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, load_source,
+                       load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion
 
 CITATION = """@article{kimi2026attnres,
@@ -190,15 +191,7 @@ def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mi
         raise TypeError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}")
     if source_name is not None and not isinstance(source_name, str):
         raise TypeError(f"source_name must be a str or None, got {source_name!r}")
-    if not isinstance(max_shard_size, (str, int)) or isinstance(max_shard_size, bool):
-        raise TypeError(f"max_shard_size must be a size such as '5GB' or a number of bytes, got {max_shard_size!r}")
-    if isinstance(max_shard_size, str):
-        from transformers.utils.hub import convert_file_size_to_int
-
-        try:
-            convert_file_size_to_int(max_shard_size)
-        except ValueError:
-            raise ValueError(f"max_shard_size must be a size such as '5GB' or '500MB', got {max_shard_size!r}") from None
+    check_max_shard_size(max_shard_size)
 
 
 def convert(
@@ -250,15 +243,7 @@ def convert(
     """
     _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
                      source_name, max_shard_size)
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not force:
-        raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"{output_dir} is a file, not a folder; choose another output folder")
-    target = output_dir.resolve()
-    protected = [Path.cwd().resolve()] + ([Path(source).resolve()] if not isinstance(source, PreTrainedModel) else [])
-    if any(target == p or target in p.parents for p in protected):
-        raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
+    output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
     target_dtype = check_dtype(dtype, auto=True)
 
     unused, fla = [], None  # config.json keys the source family's config class does not use (HF folders)

@@ -21,10 +21,10 @@ from .._io import staged_folder
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from .convert import load_tokenizer
 from .families import UnsupportedSourceError
-from .fla_layout import KERNEL_OPTIONS, backbone_from_fla, fla_from_attnres, to_fla_name, to_fla_tensor
+from .fla_layout import KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, to_fla_name, to_fla_tensor
 from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
 from .hf_source import _shown, folder_tensors
-from .retrofit import _check_folder, check_path_argument
+from .retrofit import _check_folder, check_max_shard_size, check_output_folder, check_path_argument
 from .verify import PROBE_TEXT
 
 EXPORT_FORMATS = ("fla",)
@@ -38,26 +38,10 @@ def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tupl
         raise ValueError(f"to must be one of {', '.join(EXPORT_FORMATS)}, got {to!r}")
     if not isinstance(force, bool):
         raise TypeError(f"force must be True or False, got {force!r}")
-    if not isinstance(max_shard_size, (str, int)) or isinstance(max_shard_size, bool):
-        raise TypeError(f"max_shard_size must be a size such as '5GB' or a number of bytes, got {max_shard_size!r}")
-    if isinstance(max_shard_size, str):  # read as `save_pretrained` reads it, then handed over in bytes
-        from transformers.utils.hub import convert_file_size_to_int
-
-        try:
-            max_shard_size = convert_file_size_to_int(max_shard_size)
-        except ValueError:
-            raise ValueError(f"max_shard_size must be a size such as '5GB' or '500MB', got {max_shard_size!r}") from None
+    max_shard_size = check_max_shard_size(max_shard_size)  # in bytes, as save_pretrained reads a size
     if not isinstance(probe_text, str) or not probe_text.strip():
         raise ValueError(f"probe_text must be a non-empty string, got {probe_text!r}")
-    model_dir, output_dir = Path(model_dir), Path(output_dir)
-    if output_dir.exists() and not force:
-        raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"{output_dir} is a file, not a folder; choose another output folder")
-    target = output_dir.resolve()
-    if any(target == p or target in p.parents for p in (Path.cwd().resolve(), model_dir.resolve())):
-        raise ValueError(f"{output_dir} contains the current folder or the model; choose another output folder")
-    return model_dir, output_dir, max_shard_size
+    return Path(model_dir), check_output_folder(output_dir, force, model_dir), max_shard_size
 
 
 def _fla_config(model_dir: Path, fields: dict) -> dict:
@@ -72,13 +56,13 @@ def _fla_config(model_dir: Path, fields: dict) -> dict:
     if not isinstance(source, dict) or source.get("format") != "fla":
         return fields
     original = source.get("fla_config")
-    if isinstance(original, dict):
-        same = backbone_from_fla(original)[0] == backbone_from_fla(fields)[0] and (
-            original.get("attnres_block_size") == fields["attnres_block_size"])
-        if same:
-            return {k: v for k, v in original.items() if k not in ("transformers_version", "model_type")}
-    options = source.get("kernel_options") or {}
-    return fields | {name: value for name, value in options.items() if name in KERNEL_OPTIONS}
+    if not isinstance(original, dict):
+        return fields
+    same = backbone_from_fla(original)[0] == backbone_from_fla(fields)[0] and (
+        fla_block_size(original.get("attnres_block_size")) == fields["attnres_block_size"])
+    if same:
+        return {k: v for k, v in original.items() if k not in ("transformers_version", "model_type")}
+    return fields | {name: original[name] for name in KERNEL_OPTIONS if name in original}
 
 
 def export(

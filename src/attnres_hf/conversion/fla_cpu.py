@@ -25,18 +25,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-REPLACED_KERNELS = {
-    "fla.ops.attnres.fused_attnres": "fla.ops.attnres.naive_attnres",
-    "fla.modules.rotary.ops.rotary_embedding": "fla.modules.rotary.ops.rotary_embedding_ref",
-    "fla.modules.RMSNorm.forward": "fla.modules.norm.layernorm.rms_norm_ref",
-    "fla.modules.mlp.swiglu": "torch: silu(gate) * up",
-    "fla.modules.mlp.swiglu_linear": "torch: linear(silu(gate) * up)",
-    "flash_attn.flash_attn_func": "torch: scaled_dot_product_attention with flash-attn's causal/window mask",
-    "flash_attn.flash_attn_varlen_func": "torch: scaled_dot_product_attention per sequence, the same mask",
-}
-"""What `fla_reference_kernels` replaces (fla's kernel -> what runs instead); conversion reports quote it."""
-
-
 def _flash_mask(q_len: int, k_len: int, window: tuple[int, int], device) -> torch.Tensor:
     """flash-attn's causal mask `(q_len, k_len)`, True = attend: query `i` sits at key position `i + k_len - q_len`
     (aligned to the end, as flash-attn does with a cache), and sees keys no more than `window[0]` before it."""
@@ -90,8 +78,8 @@ def _rotary(rotary_embedding_ref):
 
 @contextlib.contextmanager
 def fla_reference_kernels() -> Iterator[dict[str, str]]:
-    """Run fla 0.6's transformer model on CPU tensors while active (see the module docstring); yields
-    `REPLACED_KERNELS`.
+    """Run fla 0.6's transformer model on CPU tensors while active (see the module docstring); yields what it
+    replaced, `{"module.name": what runs instead}`, which conversion reports quote.
 
     Raises:
         ImportError: fla is not installed (`pip install "attnres-hf[fla]"`).
@@ -122,21 +110,26 @@ def fla_reference_kernels() -> Iterator[dict[str, str]]:
     def swiglu_linear(gate, up, weight, bias):
         return F.linear(swiglu(gate, up), weight, bias)
 
-    replacements = [
-        (modeling, "fused_attnres", attnres_ops.naive_attnres),
-        (rotary_ops, "rotary_embedding", _rotary(rotary_ops.rotary_embedding_ref)),
-        (layernorm.RMSNorm, "forward", rms_norm_forward),
-        (mlp, "swiglu", swiglu),
-        (mlp, "swiglu_linear", swiglu_linear),
-        (attn, "flash_attn_func", _attention),
-        (attn, "flash_attn_varlen_func", _varlen_attention),
+    replacements = [  # (owner, name, replacement, what runs instead)
+        (modeling, "fused_attnres", attnres_ops.naive_attnres, "fla.ops.attnres.naive_attnres"),
+        (rotary_ops, "rotary_embedding", _rotary(rotary_ops.rotary_embedding_ref),
+         "fla.modules.rotary.ops.rotary_embedding_ref"),
+        (layernorm.RMSNorm, "forward", rms_norm_forward, "fla.modules.norm.layernorm.rms_norm_ref"),
+        (mlp, "swiglu", swiglu, "torch: silu(gate) * up"),
+        (mlp, "swiglu_linear", swiglu_linear, "torch: linear(silu(gate) * up)"),
+        (attn, "flash_attn_func", _attention,
+         "torch: scaled_dot_product_attention with flash-attn's causal/window mask"),
+        (attn, "flash_attn_varlen_func", _varlen_attention,
+         "torch: scaled_dot_product_attention per sequence, the same mask"),
     ]
+    replaced = {f"{getattr(owner, '__module__', '') + '.' if isinstance(owner, type) else ''}"
+                f"{owner.__name__}.{name}": what for owner, name, _, what in replacements}
     absent = object()
-    saved = [(owner, name, owner.__dict__.get(name, absent)) for owner, name, _ in replacements]
+    saved = [(owner, name, owner.__dict__.get(name, absent)) for owner, name, _, _ in replacements]
     try:
-        for owner, name, function in replacements:
+        for owner, name, function, _ in replacements:
             setattr(owner, name, function)
-        yield dict(REPLACED_KERNELS)
+        yield replaced
     finally:  # as found: what was absent (fla without flash-attn has no `flash_attn_varlen_func`) is removed again
         for owner, name, original in saved:
             if original is absent:

@@ -115,11 +115,16 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def fla_block_size(value):
+    """`attnres_block_size` as fla runs it: `true` is 1 (Full) and an integral float (`2.0`) its integer; anything
+    else as written."""
+    return int(value) if value is True or isinstance(value, float) and value.is_integer() else value
+
+
 def check_fla_block_size(value) -> list[str]:
-    """fla's rule for `attnres_block_size`: `None`, 1 (Full) or an even number of sub-layers. fla also runs `true`
-    (as 1) and integral floats (`2.0` as 2); the conversion reads them so (`fla_source.fla_source`)."""
-    if value is True or isinstance(value, float) and value.is_integer():
-        value = int(value)
+    """fla's rule for `attnres_block_size` (read by `fla_block_size`): `None`, 1 (Full) or an even number of
+    sub-layers."""
+    value = fla_block_size(value)
     if value is None or value == 1 and not isinstance(value, bool):
         return []
     if not _positive_int(value) or value % 2:
@@ -184,10 +189,11 @@ def backbone_from_fla(fields: dict) -> tuple[dict, list[str]]:
     eps = fields.get("norm_eps", 1e-6)
     qkv_bias, qk_norm, window = fields.get("qkv_bias", False), fields.get("qk_norm", False), fields.get("window_size")
     if qk_norm and eps != FLA_QK_NORM_EPS:
-        problems.append(f"qk_norm with norm_eps {eps} (fla's q/k norms use eps {FLA_QK_NORM_EPS} whatever norm_eps says, "
-                        "Qwen3's use rms_norm_eps: they agree only with norm_eps 1e-5)")
+        problems.append(f"qk_norm with norm_eps {eps} (fla's q/k norms use eps {FLA_QK_NORM_EPS} whatever norm_eps "
+                        "says, Qwen3's use rms_norm_eps: they agree only with norm_eps 1e-5)")
     if sum(map(bool, (qkv_bias, qk_norm, window is not None))) > 1:
-        chosen = [n for n, v in (("qkv_bias", qkv_bias), ("qk_norm", qk_norm), ("window_size", window is not None)) if v]
+        options = (("qkv_bias", qkv_bias), ("qk_norm", qk_norm), ("window_size", window is not None))
+        chosen = [name for name, value in options if value]
         problems.append(f"{' and '.join(chosen)} together (no transformers family has both; each alone maps)")
     if problems:
         return {}, problems

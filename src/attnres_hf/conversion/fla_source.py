@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
-from .fla_layout import (FLA_MODEL_TYPE, KERNEL_OPTIONS, backbone_from_fla, to_attnres_name, to_attnres_tensor)
+from .fla_layout import FLA_MODEL_TYPE, backbone_from_fla, fla_block_size, to_attnres_name, to_attnres_tensor
 from .hf_source import _quiet_transformers, _shown, folder_tensors
 from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
 from .verify import verify_conversion
@@ -91,9 +91,7 @@ def fla_source(folder: str | os.PathLike) -> FlaSource:
     except Exception as error:  # huggingface_hub's strict-dataclass validation errors are no ValueError
         raise UnsupportedSourceError(f"{folder / 'config.json'}: the backbone config it gives is invalid "
                                      f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
-    block_size = fields.get("attnres_block_size")
-    block_size = 1 if block_size is True else int(block_size) if isinstance(block_size, float) else block_size
-    return FlaSource(folder, fields, config, block_size, files, index)
+    return FlaSource(folder, fields, config, fla_block_size(fields.get("attnres_block_size")), files, index)
 
 
 def fla_overrides(source: FlaSource, **overrides) -> dict:
@@ -116,9 +114,9 @@ def fla_overrides(source: FlaSource, **overrides) -> dict:
     changed += [f"{name}={value!r} (the checkpoint's is {getattr(imported, name, None)!r})"
                 for name, value in overrides.items() if name not in wanted and getattr(imported, name, None) != value]
     if changed:
-        raise ValueError(f"{source.folder} is an fla AttnRes model (attnres_block_size {source.block_size}) with trained "
-                         f"routers, imported as they are: {', '.join(changed)} would change it; convert without these "
-                         "options, then fine-tune")
+        raise ValueError(f"{source.folder} is an fla AttnRes model (attnres_block_size {source.block_size}) with "
+                         f"trained routers, imported as they are: {', '.join(changed)} would change it; convert "
+                         "without these options, then fine-tune")
     return wanted
 
 
@@ -208,7 +206,7 @@ def load_fla_model(source: FlaSource, overrides: dict, names: dict[str, str]) ->
 @torch.no_grad()
 def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, input_ids: torch.Tensor) -> dict:
     """Compare `model` (fp32) with fla's own `TransformerForCausalLM` loaded from `folder` in fp32 on the CPU, its
-    CUDA-only kernels replaced by fla's reference functions (`fla_cpu.REPLACED_KERNELS`): `verify_conversion`'s
+    CUDA-only kernels replaced by fla's reference functions (`fla_cpu.fla_reference_kernels`): `verify_conversion`'s
     numbers, plus `compared_with`, `relative_max_abs_logit_delta` (over max |logits|) and `exact`
     (`EXACT_TOLERANCE`)."""
     from .fla_cpu import fla_reference_kernels
@@ -223,8 +221,7 @@ def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, inp
         # over as `cache=`, which fla's forward ignores, so each step sees its new token alone. Its uncached
         # continuation equals a greedy loop of full forwards (measured), and is the reference here.
         result = verify_conversion(reference, model, input_ids, source_use_cache=False)
-        scale = reference(input_ids).logits.float().abs().max().item()
-    relative = result["max_abs_logit_delta"] / max(scale, 1e-12)
+    relative = result["max_abs_logit_delta"] / max(result["source_max_abs_logit"], 1e-12)
     result |= {
         "compared_with": {"model": f"fla {type(reference).__name__} (flash-linear-attention {version})",
                           "device": "cpu", "dtype": "float32", "kernels_replaced": replaced,
@@ -237,8 +234,6 @@ def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, inp
 
 
 def fla_report_fields(source: FlaSource) -> dict:
-    """What a conversion report says of an fla source: its AttnRes layout, the kernel options it carried and its whole
-    `config.json` (which `attnres export --to fla` writes back while the model's architecture is unchanged)."""
-    return {"format": "fla", "attnres_block_size": source.block_size, "imported_routers": source.block_size is not None,
-            "kernel_options": {name: source.fields[name] for name in KERNEL_OPTIONS if name in source.fields},
-            "fla_config": source.fields}
+    """What a conversion report says of an fla source: whether its routers were imported, and its whole `config.json`
+    (its kernel options too; `attnres export --to fla` writes it back while the model's architecture is unchanged)."""
+    return {"format": "fla", "imported_routers": source.block_size is not None, "fla_config": source.fields}

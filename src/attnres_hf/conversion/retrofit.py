@@ -74,6 +74,42 @@ def check_path_argument(value, name: str, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a non-empty path (str or os.PathLike), got {value!r}")
 
 
+def check_max_shard_size(value) -> int:
+    """`value` (a size such as `"5GB"`, read as `save_pretrained` reads it, or a number of bytes) in bytes.
+
+    Raises:
+        TypeError, ValueError: neither a size nor a number of bytes (one line).
+    """
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise TypeError(f"max_shard_size must be a size such as '5GB' or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        return value
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        return convert_file_size_to_int(value)
+    except ValueError:
+        raise ValueError(f"max_shard_size must be a size such as '5GB' or '500MB', got {value!r}") from None
+
+
+def check_output_folder(output_dir: str | os.PathLike, force: bool, *inputs: str | os.PathLike) -> Path:
+    """The folder a command writes (`staged_folder`), checked before any work: it may exist only with `force` and
+    only as a folder, and may not hold the current folder or any of `inputs` (replacing it would delete them).
+
+    Raises:
+        FileExistsError: it exists without `force`, or is a file. ValueError: it holds the current folder or an input.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not force:
+        raise FileExistsError(f"{output_dir} already exists; pass --force to replace it")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file, not a folder; choose another output folder")
+    target = output_dir.resolve()
+    if any(target == p or target in p.parents for p in (Path.cwd().resolve(), *(Path(i).resolve() for i in inputs))):
+        raise ValueError(f"{output_dir} contains the current folder or the source; choose another output folder")
+    return output_dir
+
+
 def split_gguf_path(source: str | os.PathLike, gguf_file: str | None = None) -> tuple[Path, str | None]:
     """`(folder, gguf_file)` for transformers' loaders: a `.gguf` path is split into its folder and file name."""
     check_path_argument(source, "source")

@@ -21,7 +21,8 @@ def verify_conversion(
     the source's continuation without a KV cache (the converted model's always uses one).
 
     Returns a dict with `max_abs_logit_delta` and `mean_abs_logit_delta` (over all positions and the vocabulary,
-    in logit units, computed in fp32), `argmax_agreement` (fraction of positions whose top token agrees),
+    in logit units, computed in fp32), `source_max_abs_logit` (their scale), `argmax_agreement` (fraction of
+    positions whose top token agrees),
     `greedy_match` (whether `new_tokens` greedy tokens are identical), both continuations' token ids, and
     `num_probe_tokens`.
     """
@@ -34,6 +35,7 @@ def verify_conversion(
     return {
         "num_probe_tokens": int(input_ids.shape[1]),
         "max_abs_logit_delta": delta.max().item(),
+        "source_max_abs_logit": source_logits.abs().max().item(),
         "mean_abs_logit_delta": delta.mean().item(),
         "argmax_agreement": (source_logits.argmax(-1) == converted_logits.argmax(-1)).float().mean().item(),
         "greedy_new_tokens": new_tokens,
