@@ -22,6 +22,7 @@ from transformers import (AutoModelForCausalLM, KimiLinearConfig, KimiLinearForC
 from attnres_hf import AttnResForCausalLM
 from attnres_hf.conversion import retrofit
 from attnres_hf.conversion.retrofit import retrofit_config
+from attnres_hf.modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM
 from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter
 from utils import perturb_mixing
 
@@ -36,8 +37,15 @@ KIMI = dict(
     layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
 )
 
+K3 = KIMI | dict(  # every piece Kimi K3 adds to Kimi Linear switched on (`backbones_k3.py`)
+    hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0, routed_expert_hidden_size=24,
+    latent_moe_use_norm=True, mla_use_output_gate=True, q_lora_rank=12, linear_use_full_rank_gate=True,
+    linear_lower_bound=-5.0, n_shared_experts=2, routed_scaling_factor=1.5,
+)
+
 SOURCES = {
     "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM, KIMI),
+    "kimi_k3": (KimiK3Config, KimiK3ForCausalLM, K3),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                   dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                        head_dim=8, mlp_only_layers=[0])),
@@ -51,13 +59,14 @@ SOURCES = {
 """`model_type -> (config class, transformers causal LM, tiny config)`: 2 layers, hidden 32, 4 experts (top 2)."""
 
 FAMILIES = list(SOURCES)
-AUX_LOSS_FAMILIES = [f for f in FAMILIES if f != "kimi_linear"]  # Kimi Linear's own model computes no aux loss
+KIMI_FAMILIES = ("kimi_linear", "kimi_k3")
+AUX_LOSS_FAMILIES = [f for f in FAMILIES if f not in KIMI_FAMILIES]  # Kimi Linear's (and K3's) model adds no aux loss
 
 METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name == "attnres" else {})
            for name in DEPTH_MIXING}
 METHODS["full-attnres"] = {"depth_mixing": "attnres", "attnres_block_size": 1}
 
-REFUSED = {("kimi_linear", "muddformer"), ("kimi_linear", "dca")}
+REFUSED = {(family, method) for family in KIMI_FAMILIES for method in ("muddformer", "dca")}
 """(family, method) pairs refused: Kimi Linear's MLA derives keys and values from one latent of one input, so the
 separate key and value inputs of MUDDFormer and DCA do not exist for it."""
 
@@ -103,7 +112,7 @@ def test_retrofit_computes_the_source_logits_with_every_method(family, method, s
     parameters; logits agree to fp32 round-off on a padded batch."""
     source = sources[family]
     if (family, METHODS[method]["depth_mixing"]) in REFUSED:
-        with pytest.raises(ValueError, match="separate key and value inputs .* kimi_linear"):
+        with pytest.raises(ValueError, match=f"separate key and value inputs .* {family}"):
             retrofitted(source, **METHODS[method])
         return
     model = retrofitted(source, **METHODS[method])
@@ -164,7 +173,7 @@ def test_cached_decoding_equals_full_recompute(family, sources):
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
     assert cache.get_seq_length() == 10
-    if family == "kimi_linear":
+    if family in KIMI_FAMILIES:
         assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "DynamicLayer"]
     greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     with torch.no_grad():
@@ -192,7 +201,7 @@ def test_router_logits_and_aux_loss_match_the_source(family, sources):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     torch.testing.assert_close(got.loss, expected.loss, atol=ATOL, rtol=0)
     assert plain.router_logits is None and plain.aux_loss is None
-    if family == "kimi_linear":  # aux-loss-free balancing (score-correction bias): the source adds no aux loss
+    if family in KIMI_FAMILIES:  # aux-loss-free balancing (score-correction bias): the source adds no aux loss
         assert expected.aux_loss is None and got.aux_loss is None
         torch.testing.assert_close(got.loss, plain.loss, atol=0, rtol=0)
     else:
@@ -245,7 +254,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, sources):
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "qwen2_moe"])  # the others: every method in the retrofit test
+@pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3", "qwen2_moe"])  # the others: every method in the retrofit test
 def test_from_scratch_config_builds_every_method(family):
     """`retrofit_config` of the source config is the AttnRes config of that backbone: a model trains from it (the
     gradient reaches every mixing parameter)."""

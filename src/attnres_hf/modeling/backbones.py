@@ -87,6 +87,7 @@ from transformers.models.smollm3 import modeling_smollm3 as smollm3
 from transformers.models.smollm3.configuration_smollm3 import SmolLM3Config
 
 from .backbones_base import BackboneAdapter, KeyValueInputs, SubLayer, default_attention_masks, default_layer_types
+from .backbones_k3 import K3_BACKBONES  # Kimi K3's text model
 from .backbones_moe import MOE_BACKBONES  # mixture-of-experts families and Kimi Linear
 
 
@@ -194,7 +195,7 @@ _DENSE = (
     ),
 )
 
-BACKBONES: dict[str, BackboneAdapter] = {adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES)}
+BACKBONES: dict[str, BackboneAdapter] = {adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES, *K3_BACKBONES)}
 """`model_type` of a backbone config -> its adapter: the one list of backbone families."""
 
 DEFAULT_BACKBONE = "llama"
@@ -234,8 +235,19 @@ def recorded_outputs() -> dict:
         for key, recorder in adapter.can_record_outputs().items():
             recorders = recorder if isinstance(recorder, list) else [recorder]
             table.setdefault(key, [])
-            table[key] += [r for r in recorders if r not in table[key]]
+            table[key] += [r for r in recorders if not any(_records(known, r) for known in table[key])]
     return table
+
+
+def _records(known, recorder) -> bool:
+    """Whether `known` already records what `recorder` records: the same recorder, or one of a base class (modules
+    are matched with `isinstance`: Kimi K3's attention and router subclass Kimi Linear's, and would be recorded
+    twice). A recorder is a module class or an `OutputRecorder`."""
+    def fields(r):
+        return (r, 0, None) if isinstance(r, type) else (r.target_class, r.index, r.layer_name)
+
+    (known_class, *known_rest), (new_class, *new_rest) = fields(known), fields(recorder)
+    return known == recorder or (known_rest == new_rest and issubclass(new_class, known_class))
 
 
 __all__ = ["BACKBONES", "BackboneAdapter", "DEFAULT_BACKBONE", "KEY_VALUE_METHODS", "KeyValueInputs", "SubLayer",

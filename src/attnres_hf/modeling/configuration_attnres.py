@@ -396,7 +396,7 @@ def _validate_backbone(backbone) -> None:
         raise ValueError(f"head_dim must be a positive even integer (rotary pairs), got {head_dim!r}")
     for name in ("hidden_act", "hidden_activation"):
         act = getattr(backbone, name, None)
-        if act is not None and act not in ACT2FN:
+        if act is not None and act not in ACT2FN and act not in getattr(type(backbone), "own_activations", ()):
             raise ValueError(f"{name} must be one of transformers' activations (e.g. 'silu'), got {act!r}")
     eps = getattr(backbone, "rms_norm_eps", None)
     if eps is not None and not eps >= 0:

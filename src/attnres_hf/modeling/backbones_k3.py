@@ -1,0 +1,411 @@
+"""Kimi K3's text model (Moonshot AI, July 2026) as a backbone family: `kimi_k3`.
+
+Kimi K3 is the first production model trained with Block AttnRes. Its text model is Kimi Linear (KDA / MLA hybrid,
+DeepSeek-V3-style sigmoid router; transformers' `kimi_linear`) with five pieces transformers does not have. Each is
+written here, on top of transformers' own Kimi Linear modules, and nothing else is:
+
+| piece (K3 config field)                         | what it computes (K3 technical report; K3's released code)         |
+|-------------------------------------------------|---------------------------------------------------------------------|
+| SiTU-GLU (`hidden_act: "situ"`,                 | `down(b tanh(g / b) sigmoid(g) * c tanh(u / c))`, `g`, `u` the gate  |
+| `activation_situ_beta` b,                       | and up projections, in fp32 (`situ_glu`); `c = None` leaves `u`     |
+| `activation_situ_linear_beta` c)                | as it is; a missing `b` is 1. Dense MLP, shared and routed experts  |
+| latent MoE (`routed_expert_hidden_size` R,      | the router reads `x`; the experts run on `down(x)` (width R); their |
+| `latent_moe_use_norm`)                          | weighted sum is RMS-normalised and projected back: `up(norm(sum))`  |
+| MLA output gate (`mla_use_output_gate`)         | `o_proj(attention(x) * sigmoid(g_proj(x)))`, per channel            |
+| KDA full-rank output gate                       | the gated output norm's gate is `g_proj(x)` instead of the low-rank |
+| (`linear_attn_config.use_full_rank_gate`)       | `g_b_proj(g_a_proj(x))`                                             |
+| KDA safe forget gate                            | `g = lower_bound * sigmoid(exp(A_log) (f(x) + dt_bias))`: transformers' |
+| (`linear_attn_config.gate_lower_bound`)         | GLM-5-Next forget gate, which has it (`Glm5NextTextForgetGate`)     |
+
+The rest is Kimi Linear's, reused as it is: KDA (`KimiLinearDeltaAttention`: short convolutions, which stay SiLU
+whatever `hidden_act` says, the delta rule, the gated output norm), MLA without rotary embedding
+(`KimiLinearAttention`; K3's `mla_use_nope: true`), the router (`KimiLinearTopkRouter`: sigmoid scores, the
+score-correction bias for the choice only, grouped top-k, renormalised, times `routed_scaling_factor`; K3 skips the
+renormalisation when one expert is chosen), the hybrid cache and the masks.
+
+K3's AttnRes itself is attnres-hf's Block AttnRes (`depth_mixing="attnres"`): K3 seals a block every
+`attn_res_block_size` decoder layers, attnres-hf counts sub-layers, so `attnres_block_size = 2 * attn_res_block_size`,
+with the plain mean (`attnres_rescale_output=False`). `KimiK3Config` describes the backbone only; K3's
+`attn_res_block_size` belongs to the AttnRes config (the conversion maps one to the other,
+`conversion/k3_layout.py`), and the residual `KimiK3ForCausalLM` here (K3 without AttnRes) is the family's source
+model, as every family's is.
+
+Parameter names are transformers' Kimi Linear names (`mlp.experts.gate_up_proj`, one `conv1d` for q/k/v); K3's
+released names (`block_sparse_moe.experts.{e}.w1`, `q_conv1d`, ...) are mapped by `conversion/k3_layout.py`.
+
+Travels with checkpoints as remote code (a sibling of `backbones.py`, which imports it): imports only torch,
+transformers and its sibling `backbones_moe.py` (never `backbones.py`).
+"""
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from torch import nn
+
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.integrations.moe import use_experts_implementation
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+from transformers.utils.output_capturing import OutputRecorder
+
+from .backbones_base import BackboneAdapter, SubLayer
+with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's import-time warning without a GPU
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
+
+from .backbones_moe import (EXPERT_ROUTING, ExpertRouting, check_kimi_linear, kimi, kimi_attention_masks, kimi_cache,
+                            called_as_kimi_linear_calls_it)  # `kimi`: transformers' module, KDA dispatched by device
+
+SITU = "situ"
+
+_LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers",
+                               "use_full_rank_gate", "gate_lower_bound"})
+"""The keys of K3's `linear_attn_config` (Kimi Linear's five, K3's two gate options)."""
+
+
+@strict
+class KimiK3Config(KimiLinearConfig):
+    r"""
+    Kimi K3's text model (`text_config` of the released `config.json`, whose own `model_type` is `kimi_linear`),
+    without its AttnRes field: [`KimiLinearConfig`] plus the fields below. Defaults are those K3's released code
+    reads for a missing field, so a field left out means what it means there.
+
+    Args:
+        hidden_act (`str`, defaults to `"silu"`): `"situ"` (SiTU-GLU, K3's) or a transformers activation.
+        activation_situ_beta (`float`, *optional*): SiTU's gate scale `b` (K3: 4.0); `None` is 1.
+        activation_situ_linear_beta (`float`, *optional*): SiTU's up-projection bound `c` (K3: 25.0); `None` leaves
+            the up projection unbounded.
+        routed_expert_hidden_size (`int`, *optional*): width R of the latent MoE (K3: 3584); `None` runs the
+            experts at `hidden_size`.
+        latent_moe_use_norm (`bool`, defaults to `False`): RMSNorm of the experts' weighted sum, in the latent space.
+        mla_use_nope (`bool`, defaults to `True`): MLA without rotary embedding (the only form implemented).
+        mla_use_output_gate (`bool`, defaults to `False`): MLA's per-channel sigmoid output gate `g_proj`.
+        linear_use_full_rank_gate (`bool`, defaults to `False`): KDA's output gate is one full-rank `g_proj`
+            (K3's `linear_attn_config.use_full_rank_gate`).
+        linear_lower_bound (`float`, *optional*): KDA's safe forget gate bound (K3's
+            `linear_attn_config.gate_lower_bound`, -5.0; named as transformers' GLM-5-Next names it).
+        moe_router_activation_func (`str`, defaults to `"sigmoid"`): the router's score (the only one K3 uses).
+
+    `linear_attn_config` (K3's nested form) is read into the flat fields and not kept. Raises `ValueError` for a
+    value no module here implements (naming the field).
+    """
+
+    model_type = "kimi_k3"
+    own_activations = (SITU,)  # `hidden_act` values beside transformers' `ACT2FN` (`situ_glu`)
+
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = False
+    linear_use_full_rank_gate: bool = False
+    linear_lower_bound: float | None = None
+    moe_router_activation_func: str = "sigmoid"
+
+    def __post_init__(self, **kwargs):
+        linear = kwargs.get("linear_attn_config") or {}
+        if not isinstance(linear, dict):
+            raise ValueError(f"linear_attn_config must be a dict, got {type(linear).__name__}")
+        unknown = sorted(set(linear) - _LINEAR_ATTN_KEYS)
+        if unknown:
+            raise ValueError(f"linear_attn_config has keys kimi_k3 does not implement: {', '.join(unknown)}")
+        self.linear_use_full_rank_gate = linear.get("use_full_rank_gate", self.linear_use_full_rank_gate)
+        self.linear_lower_bound = linear.get("gate_lower_bound", self.linear_lower_bound)
+        if self.mlp_layer_types is None and "moe_layer_freq" in kwargs:  # K3's MoE rule, with its layer frequency
+            first, freq = kwargs.get("first_k_dense_replace", 1), kwargs.pop("moe_layer_freq")
+            self.mlp_layer_types = ["sparse" if i >= first and i % freq == 0 else "dense"
+                                    for i in range(self.num_hidden_layers)]
+        super().__post_init__(**kwargs)
+        self.__dict__.pop("linear_attn_config", None)  # its values are the flat fields now (one home each)
+        check_kimi_k3(self)
+
+
+def check_kimi_k3(config) -> None:
+    """Refuse the K3 settings no module here implements; raises `ValueError` naming the field."""
+    if not config.mla_use_nope:
+        raise ValueError("kimi_k3 with mla_use_nope=False (rotary MLA) is not implemented: K3's MLA has no rotary "
+                         "embedding")
+    if config.moe_router_activation_func != "sigmoid":
+        raise ValueError(f"kimi_k3 moe_router_activation_func={config.moe_router_activation_func!r} is not "
+                         "implemented (K3's router scores with 'sigmoid')")
+    if config.hidden_act != SITU and config.hidden_act not in ACT2FN:
+        raise ValueError(f"kimi_k3 hidden_act must be 'situ' or a transformers activation, got {config.hidden_act!r}")
+    for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+    bound = config.linear_lower_bound
+    if bound is not None and not bound < 0:
+        raise ValueError(f"linear_attn_config.gate_lower_bound must be negative (a log-decay bound), got {bound!r}")
+    width = config.routed_expert_hidden_size
+    if width is not None and not width > 0:
+        raise ValueError(f"routed_expert_hidden_size must be a positive integer or None, got {width!r}")
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU (K3 report, the MLP activation): `beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up /
+    linear_beta)`, computed in fp32 and returned in `gate`'s dtype; `beta=None` is 1, `linear_beta=None` leaves `up`
+    unbounded. `gate`, `up`: `(..., intermediate)`."""
+    beta = 1.0 if beta is None else beta
+    g, u = gate.float(), up.float()
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * u).to(gate.dtype)
+
+
+class KimiK3MLP(kimi.KimiLinearMLP):
+    """Kimi Linear's gated MLP (`gate_proj`, `up_proj`, `down_proj`), with SiTU-GLU when `hidden_act` is `"situ"`."""
+
+    def __init__(self, config, intermediate_size=None):
+        nn.Module.__init__(self)  # KimiLinearMLP's own __init__ looks `hidden_act` up in ACT2FN, which has no SiTU
+        self.config, self.hidden_size = config, config.hidden_size
+        self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.act_fn = None if config.hidden_act == SITU else ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        if self.act_fn is not None:
+            return super().forward(x)
+        config = self.config
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), config.activation_situ_beta,
+                                       config.activation_situ_linear_beta))
+
+
+@use_experts_implementation
+class KimiK3Experts(nn.Module):
+    """The routed experts as 3D tensors (transformers' layout: `gate_up_proj` `(E, 2 I, R)`, `down_proj`
+    `(E, R, I)`, R the latent width), with SiTU-GLU; every experts implementation of transformers (eager, batched,
+    grouped) applies it through `_apply_gate`."""
+
+    def __init__(self, config):
+        super().__init__()
+        width = config.routed_expert_hidden_size or config.hidden_size
+        self.num_experts, self.intermediate_dim = config.num_local_experts, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, width))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, width, self.intermediate_dim))
+        self.act_fn = None if config.hidden_act == SITU else ACT2FN[config.hidden_act]
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.act_fn is not None:
+            return self.act_fn(gate) * up
+        return situ_glu(gate, up, self.config.activation_situ_beta, self.config.activation_situ_linear_beta)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """`hidden_states` `(tokens, R)`, `top_k_index` / `top_k_weights` `(tokens, k)` -> `(tokens, R)`: the
+        experts' outputs weighted by the router, summed per token (the eager implementation)."""
+        output = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            hidden = self._apply_gate(F.linear(hidden_states[token], self.gate_up_proj[expert]))
+            hidden = F.linear(hidden, self.down_proj[expert]) * top_k_weights[token, slot, None]
+            output.index_add_(0, token, hidden.to(output.dtype))
+        return output
+
+
+class KimiK3TopkRouter(kimi.KimiLinearTopkRouter):
+    """Kimi Linear's router (DeepSeek-V3's `noaux_tc`), renormalising the chosen weights only when more than one
+    expert is chosen, as K3 does (`moe_renormalize` with `num_experts_per_token > 1`)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.norm_topk_prob = config.norm_topk_prob and config.num_experts_per_tok > 1
+
+
+class KimiK3MoE(nn.Module):
+    """K3's latent MoE: the router (`gate`) reads `x`; the routed experts run on `routed_expert_down_proj(x)`, their
+    weighted sum is RMS-normalised (`routed_expert_norm`, with `latent_moe_use_norm`) and projected back
+    (`routed_expert_up_proj`); the shared experts (one MLP `num_shared_experts` experts wide) read `x`. Without
+    `routed_expert_hidden_size` it is Kimi Linear's MoE. `(batch, seq_len, hidden)` -> the same."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = KimiK3TopkRouter(config)
+        self.experts = KimiK3Experts(config)
+        latent = config.routed_expert_hidden_size
+        self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False) if latent else None
+        self.routed_expert_norm = (kimi.KimiLinearRMSNorm(latent, eps=config.rms_norm_eps)
+                                   if latent and config.latent_moe_use_norm else None)
+        self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False) if latent else None
+        shared = config.n_shared_experts
+        self.shared_experts = (KimiK3MLP(config, intermediate_size=config.moe_intermediate_size * shared)
+                               if shared else None)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        _, weights, indices = self.gate(hidden_states)
+        routed = hidden_states.reshape(-1, shape[-1])
+        if self.routed_expert_down_proj is not None:
+            routed = self.routed_expert_down_proj(routed)
+        routed = self.experts(routed, indices, weights)
+        if self.routed_expert_norm is not None:
+            routed = self.routed_expert_norm(routed)
+        if self.routed_expert_up_proj is not None:
+            routed = self.routed_expert_up_proj(routed)
+        routed = routed.view(shape)
+        return routed if self.shared_experts is None else routed + self.shared_experts(hidden_states)
+
+
+class KimiK3DeltaAttention(kimi.KimiLinearDeltaAttention):
+    """Kimi Linear's KDA with K3's two options: the safe forget gate (`linear_lower_bound`: transformers'
+    GLM-5-Next gate, whose `A_log` is `(heads,)`) and the full-rank output gate `g_proj` (`linear_use_full_rank_gate`).
+    The short convolutions use SiLU whatever `hidden_act` is (SiTU is the MLPs')."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.activation = "silu"
+        self.forget_gate = Glm5NextTextForgetGate(config)  # reads `linear_lower_bound`; None is Kimi Linear's gate
+        if config.linear_use_full_rank_gate:
+            del self.g_a_proj, self.g_b_proj
+            self.g_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
+
+    # transformers' forward computes the output gate as `g_b_proj(g_a_proj(x))`: with the full-rank gate that is
+    # `g_proj(x)` followed by the identity.
+    @property
+    def g_a_proj(self):
+        return self._modules.get("g_proj") or self._modules["g_a_proj"]
+
+    @property
+    def g_b_proj(self):
+        return nn.Identity() if "g_proj" in self._modules else self._modules["g_b_proj"]
+
+
+class KimiK3Attention(kimi.KimiLinearAttention):
+    """Kimi Linear's MLA (no rotary embedding) with K3's per-channel sigmoid output gate before `o_proj`
+    (`mla_use_output_gate`): `o_proj(attention(x) * sigmoid(g_proj(x)))`, `g_proj` `(heads * v_head_dim, hidden)`."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        gated = config.mla_use_output_gate
+        self.g_proj = nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False) if gated else None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache=None, **kwargs):
+        if self.g_proj is None:
+            return super().forward(hidden_states, attention_mask, cache=cache, **kwargs)
+        # Kimi Linear's MLA up to `o_proj` (its forward applies `o_proj` inside), then the gate
+        batch_size, seq_length = hidden_states.shape[:-1]
+        if self.q_lora_rank is None:
+            query = self.q_proj(hidden_states)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query = query.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
+        kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
+                                     dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, self.kv_lora_rank)
+        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+        if cache is not None:  # the compressed latents are cached, as Kimi Linear caches them
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
+        key, value = self.expand_kv(kv_nope, k_rot)
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    kimi.eager_attention_forward)
+        output, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling,
+                                    dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
+        output = output.reshape(batch_size, seq_length, -1) * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(output), weights
+
+
+class KimiK3DecoderLayer(kimi.KimiLinearDecoderLayer):
+    """Kimi Linear's decoder layer (its residual forward) with K3's modules: KDA or gated MLA by `layer_types`, the
+    latent MoE or the SiTU MLP by `mlp_layer_types`."""
+
+    def __init__(self, config, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)  # Kimi Linear's own __init__ builds its own modules
+        self.hidden_size = config.hidden_size
+        self.block_type = config.layer_types[layer_idx]
+        self.self_attn = (KimiK3Attention(config, layer_idx) if self.block_type == "full_attention"
+                          else KimiK3DeltaAttention(config, layer_idx))
+        self.mlp = KimiK3MoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiK3MLP(config)
+        self.input_layernorm = kimi.KimiLinearRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = kimi.KimiLinearRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class KimiK3PreTrainedModel(kimi.KimiLinearPreTrainedModel):
+    """Kimi Linear's, initialising K3's modules too (the safe forget gate's `A_log` at 0, as GLM-5-Next's)."""
+
+    config_class = KimiK3Config
+    config: KimiK3Config
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _keep_in_fp32_modules_strict = [*kimi.KimiLinearPreTrainedModel._keep_in_fp32_modules_strict, "A_log"]
+    _can_record_outputs = {"router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
+                           "hidden_states": KimiK3DecoderLayer, "attentions": KimiK3Attention}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Glm5NextTextForgetGate):
+            if module.safe_gate_lower_bound is not None:
+                init.zeros_(module.A_log)
+            else:
+                init.copy_(module.A_log, init.uniform_(module.A_log, a=1.0, b=16.0).log())
+            init.uniform_(module.dt_bias, a=math.log(1e-3), b=math.log(1e-1))
+            dt = module.dt_bias.exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus, as Kimi Linear
+        elif isinstance(module, KimiK3Experts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+class KimiK3Model(KimiK3PreTrainedModel, kimi.KimiLinearModel):
+    """Kimi Linear's model (its forward) over K3's decoder layers: K3 without AttnRes."""
+
+    def __init__(self, config: KimiK3Config):
+        KimiK3PreTrainedModel.__init__(self, config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = kimi.KimiLinearRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, kimi.KimiLinearForCausalLM):
+    """K3's text model without AttnRes (the `kimi_k3` family's source model; K3 itself is the AttnRes model of this
+    backbone): Kimi Linear's causal LM over `KimiK3Model`."""
+
+    def __init__(self, config: KimiK3Config):
+        KimiK3PreTrainedModel.__init__(self, config)
+        self.model = KimiK3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+def k3_decoder_layer(config, layer_idx: int) -> nn.Module:
+    """`KimiK3DecoderLayer`, its attention module called with the arguments Kimi Linear's own layer gives it."""
+    layer = KimiK3DecoderLayer(config, layer_idx)
+    layer.self_attn.register_forward_pre_hook(called_as_kimi_linear_calls_it, with_kwargs=True)
+    return layer
+
+
+def check_kimi_k3_backbone(config) -> None:
+    """Kimi Linear's refusals (grouped key/value heads, layer types) and K3's own (`check_kimi_k3`)."""
+    check_kimi_linear(config)
+    check_kimi_k3(config)
+
+
+EXPERT_ROUTING["kimi_k3"] = ExpertRouting(KimiK3TopkRouter, None, num_experts="num_local_experts")  # no aux loss
+
+K3_BACKBONES = (
+    BackboneAdapter(
+        "kimi_k3", KimiK3Config, KimiK3ForCausalLM, KimiK3PreTrainedModel, k3_decoder_layer,
+        attention=SubLayer("self_attn", "input_layernorm"), mlp=SubLayer("mlp", "post_attention_layernorm"),
+        norm=kimi.KimiLinearRMSNorm, rotary=None, attention_class=KimiK3Attention,
+        key_value_inputs=None,  # MLA: keys and values come from one latent of one input (as Kimi Linear)
+        make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_k3_backbone,
+        **EXPERT_ROUTING["kimi_k3"].adapter_fields(),
+    ),
+)
+"""The adapter of this module, joined into `backbones.BACKBONES`."""
+
+
+__all__ = ["K3_BACKBONES", "KimiK3Attention", "KimiK3Config", "KimiK3DecoderLayer", "KimiK3DeltaAttention", "KimiK3Experts",
+           "KimiK3ForCausalLM", "KimiK3MLP", "KimiK3MoE", "KimiK3Model", "KimiK3PreTrainedModel", "KimiK3TopkRouter",
+           "check_kimi_k3", "situ_glu"]
