@@ -206,8 +206,9 @@ def write_k3_checkpoint(folder, text_config: dict, *, seed: int = 0, layout: str
     `layout="multimodal"`: `language_model.model.*` / `language_model.lm_head.weight`, the release's top-level config
     (L §1.1) and, with `with_vision`, a few `vision_tower.*`/`mm_projector.*` tensors. `layout="text"`: `model.*` /
     `lm_head.weight`, config.json = the text config. `mxfp4_experts` stores routed experts as `weight_packed` +
-    `weight_scale` (L §3.3). Returns `{name: tensor}` as written, except quantised experts, which appear dequantised
-    (fp32) under their `.weight` names.
+    `weight_scale` (L §3.3; expert input dims must divide by 32: see `MXFP4_OVERRIDES`). Seeded weights: projections
+    std 0.2, norms 1 + 0.1 noise, `*_res_proj` std 0.5. Returns `{name: tensor}` as written, except quantised experts,
+    which appear dequantised (fp32) under their `.weight` names.
     """
     if layout not in ("multimodal", "text"):
         raise ValueError(f"unknown layout {layout!r}")

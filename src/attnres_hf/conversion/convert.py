@@ -23,6 +23,8 @@ from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtyp
                          fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
+from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
+                        verify_k3_tensors)
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, load_source,
                        load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion
@@ -66,7 +68,16 @@ def model_card(report: dict) -> ModelCard:
             f"Block Attention Residuals, {config['attnres_block_size']} sub-layers per block "
             f"({config['num_attnres_blocks']} blocks over {config['num_sublayers']} sub-layers)"
         )
-    if source.get("imported_routers"):
+    if source.get("imported_routers") and source.get("format") == "k3":
+        start = (
+            "Imported from a Kimi K3 checkpoint: every text tensor, its trained routers included, copied unchanged "
+            "(K3's\n  `[1, hidden]` pseudo-queries as `[hidden]`, its q/k/v convolutions as one, its experts "
+            "stacked), with `attnres_block_size`\n  twice K3's `attn_res_block_size` (K3 counts decoder layers, "
+            "attnres-hf sub-layers) and the plain mean\n  (`attnres_rescale_output=False`). Layer 0's attention "
+            "router reads one source, so its weights never act;\n  they are kept so that `attnres export --to "
+            "k3-layout` gives them back."
+        )
+    elif source.get("imported_routers"):
         start = (
             "Imported from a flash-linear-attention checkpoint with AttnRes: every tensor, its trained routers "
             "included, copied\n  unchanged (fla's `[1, hidden]` pseudo-queries stored as `[hidden]`), with fla's "
@@ -98,6 +109,16 @@ def model_card(report: dict) -> ModelCard:
         if "gguf_tensors_checked" in verification
         else ""
     )
+    if "max_abs_logit_delta" in verification:
+        rows = (f"| max abs logit delta vs source | {verification['max_abs_logit_delta']:.3g} |\n"
+                f"| mean abs logit delta | {verification['mean_abs_logit_delta']:.3g} |\n"
+                f"| top-1 agreement | {verification['argmax_agreement']:.4f} |\n"
+                f"| {verification['greedy_new_tokens']}-token greedy continuation identical | "
+                f"{verification['greedy_match']} |\n")
+    else:  # a Kimi K3 AttnRes checkpoint: no K3 runtime to compare logits with; the mapping is checked
+        rows = (f"| K3 tensors written back identical (of {verification['tensors_checked']}) | "
+                f"{verification['tensors_identical']} |\n| logits compared with K3's own code | no (none runs here; "
+                "the forward is tested against an independent reference of K3's equations) |\n")
     made = "imported" if source.get("imported_routers") else "retrofitted"
     body = f"""
 # {Path(report["output_dir"]).name}
@@ -114,11 +135,7 @@ An [Attention Residuals](https://arxiv.org/abs/2603.15031) (AttnRes) model {made
 | check | value |
 |---|---|
 | probe tokens | {verification["num_probe_tokens"]} |
-| max abs logit delta vs source | {verification["max_abs_logit_delta"]:.3g} |
-| mean abs logit delta | {verification["mean_abs_logit_delta"]:.3g} |
-| top-1 agreement | {verification["argmax_agreement"]:.4f} |
-| {verification["greedy_new_tokens"]}-token greedy continuation identical | {verification["greedy_match"]} |
-{compared_row}{gguf_row}
+{rows}{compared_row}{gguf_row}
 ## Use
 
 ```python
@@ -161,6 +178,26 @@ attnres train {Path(report["output_dir"]).name} --data train.txt --method lora -
 ```
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def _stored_dtype(config: dict, tensors: dict) -> torch.dtype:
+    """The dtype `"auto"` writes for a K3 source: the one its config names (`dtype`, or in its `text_config`), else
+    the widest floating dtype of its tensors."""
+    for fields in (config, config.get("text_config") or {}):
+        named = fields.get("dtype") or fields.get("torch_dtype")
+        if isinstance(named, str) and isinstance(getattr(torch, named.removeprefix("torch."), None), torch.dtype):
+            return getattr(torch, named.removeprefix("torch."))
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits, default=torch.float32)
+
+
+@torch.no_grad()
+def _continuation(model, input_ids: torch.Tensor, new_tokens: int = 32) -> dict:
+    """The converted model's probe size and greedy continuation (for a source whose own code does not run here)."""
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    tokens = model.generate(input_ids, **greedy)[0, input_ids.shape[1]:]
+    return {"num_probe_tokens": int(input_ids.shape[1]), "greedy_new_tokens": new_tokens,
+            "converted_continuation_ids": tokens.tolist()}
 
 
 def _write_folder(folder: Path, model, tokenizer, report: dict, max_shard_size: str) -> None:
@@ -246,7 +283,7 @@ def convert(
     output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
     target_dtype = check_dtype(dtype, auto=True)
 
-    unused, fla = [], None  # config.json keys the source family's config class does not use (HF folders)
+    unused, fla, k3 = [], None, None  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
@@ -260,6 +297,15 @@ def convert(
         model, name = load_fla_model(fla, overrides, names), str(source)  # fp32: every stored value exactly
         target_dtype = checkpoint_dtype(fla) if target_dtype == "auto" else target_dtype
         source_type = fla.fields["model_type"]
+    elif not isinstance(source, PreTrainedModel) and gguf_file is None and is_k3_folder(source):
+        # Kimi K3's layout: mapped tensor by tensor (MXFP4 experts dequantised), its trained routers imported
+        k3 = k3_source(source)  # refuses every K3 field or value with no exact counterpart
+        overrides = k3_overrides(k3, **overrides)
+        check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
+        tokenizer = tokenizer or load_tokenizer(source)
+        model, source_model, k3_tensors = load_k3_model(k3, overrides)  # fp32: every stored value exactly
+        target_dtype = _stored_dtype(k3.fields, k3_tensors) if target_dtype == "auto" else target_dtype
+        name, source_type = str(source), f"{k3.fields.get('model_type')} ({k3.layout} layout)"
     else:
         if isinstance(source, PreTrainedModel):
             target_dtype = source.dtype if target_dtype == "auto" else target_dtype
@@ -292,6 +338,11 @@ def convert(
     print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
     if fla is not None:
         verification = verify_against_fla(source, model, input_ids)
+    elif k3 is not None and k3.block_size is not None:  # K3's own AttnRes: its code does not run here
+        verification = verify_k3_tensors(model, k3_tensors, k3.layout) | _continuation(model, input_ids)
+    elif k3 is not None:  # K3's architecture without AttnRes: a retrofit of the K3 model read from the folder
+        verification = verify_conversion(source_model, model, input_ids) | verify_k3_tensors(model, k3_tensors,
+                                                                                             k3.layout)
     else:
         verification = verify_conversion(source_model, model, input_ids)
     if gguf_file is not None or (not isinstance(source, PreTrainedModel) and Path(source).suffix == ".gguf"):
@@ -299,14 +350,16 @@ def convert(
         print(f"Checking every weight against the tensors of {file_name} ...", flush=True)
         verification |= check_against_gguf(model, folder / file_name, source_config=source_model.config)
     if tokenizer is not None:
-        verification["source_continuation"] = tokenizer.decode(verification["source_continuation_ids"])
-        verification["converted_continuation"] = tokenizer.decode(verification["converted_continuation_ids"])
+        for which in ("source", "converted"):
+            if f"{which}_continuation_ids" in verification:
+                verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
     model = model.to(target_dtype)
     config = model.config
     report = {
         "attnres_hf_version": __version__,
         "source": {"name": name, "gguf_file": gguf_file, "model_type": source_type, "unused_config_keys": unused,
-                   **(fla_report_fields(fla) if fla is not None else {})},
+                   **(fla_report_fields(fla) if fla is not None else {}),
+                   **(k3_report_fields(k3) if k3 is not None else {})},
         "output_dir": str(output_dir),
         "dtype": str(target_dtype).removeprefix("torch."),
         "config": {

@@ -1,0 +1,317 @@
+"""Kimi K3's checkpoint layout and config, in both directions: K3's tensor names and config fields against the
+`kimi_k3` backbone's (`modeling/backbones_k3.py`) and the AttnRes config's.
+
+K3's released checkpoint (`moonshotai/Kimi-K3`) is multimodal: `config.json` is `model_type: "kimi_k3"` with the text
+model's fields under `text_config` (whose own `model_type` is `kimi_linear`), text tensors under
+`language_model.model.` and `language_model.lm_head.weight`, and `vision_tower.` / `mm_projector.` tensors, which the
+text model does not read. A text-only K3 folder (`config.json` the text config itself, tensors under `model.` /
+`lm_head.weight`, as K3's `KimiLinearForCausalLM` and vLLM read it) is the other layout; `export` writes it.
+
+Names (K3 -> attnres-hf, `{i}` the decoder layer):
+- one to one (`ONE_TO_ONE`): norms, projections, the router, the latent MoE and shared-expert projections under the
+  same names (`block_sparse_moe.` is `mlp.`), KDA's forget-gate tensors under `self_attn.forget_gate.`, and K3's
+  AttnRes: `self_attention_res_{proj,norm}` -> `attn_res.{query,key_norm}`, `mlp_res_*` -> `mlp_res.*`,
+  `output_attn_res_*` -> `model.final_res.*`; pseudo-queries `[1, hidden]` -> `[hidden]`.
+- grouped: K3's three short convolutions `q_conv1d`, `k_conv1d`, `v_conv1d` (`[P, 1, W]` each) are the one
+  depthwise `conv1d` `[3 P, 1, W]`, concatenated in that order; each routed expert's `w1` (gate), `w3` (up) and `w2`
+  (down) `[I, R]`, `[I, R]`, `[R, I]` are row `e` of `experts.gate_up_proj` `[E, 2 I, R]` (gate first) and
+  `experts.down_proj` `[E, R, I]`.
+- `A_log`: K3 stores it zero-padded to `max(heads, head_dim)` entries (the release: 128 for 96 heads); the model keeps
+  the first `heads` and the export pads again. A non-zero padding entry is refused.
+
+Config: K3's `attn_res_block_size` (decoder layers per block) is `attnres_block_size = 2 * attn_res_block_size`
+(sub-layers), with `attnres_rescale_output=False` (K3 mixes with the plain softmax); without it the folder is K3's
+architecture without AttnRes, a plain residual model.
+"""
+
+import re
+
+import torch
+
+from ..modeling.backbones_k3 import KimiK3Config
+
+K3_MODEL_TYPE = "kimi_k3"
+TEXT_MODEL_TYPE = "kimi_linear"  # the `model_type` of K3's text config
+
+PREFIXES = {"multimodal": ("language_model.model.", "language_model.lm_head.weight"),
+            "text": ("model.", "lm_head.weight")}
+"""`layout -> (prefix of the text model's tensors, name of the head)`."""
+
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
+"""Tensors of the multimodal checkpoint the text model does not read (the vision tower and its projector)."""
+
+_KDA = ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj", "o_norm", "g_a_proj", "g_b_proj")
+_MLA = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
+_MOE = ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj", "shared_experts.gate_proj",
+        "shared_experts.up_proj", "shared_experts.down_proj")
+
+ONE_TO_ONE = (
+    # (K3 name under the text prefix, attnres-hf name); `{i}` is the decoder layer
+    ("embed_tokens.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output_attn_res_proj.weight", "model.final_res.query"),
+    ("output_attn_res_norm.weight", "model.final_res.key_norm.weight"),
+    ("layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.post_attention_layernorm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.self_attention_res_proj.weight", "model.layers.{i}.attn_res.query"),
+    ("layers.{i}.self_attention_res_norm.weight", "model.layers.{i}.attn_res.key_norm.weight"),
+    ("layers.{i}.mlp_res_proj.weight", "model.layers.{i}.mlp_res.query"),
+    ("layers.{i}.mlp_res_norm.weight", "model.layers.{i}.mlp_res.key_norm.weight"),
+    *((f"layers.{{i}}.self_attn.{name}.weight", f"model.layers.{{i}}.self_attn.{name}.weight")
+      for name in dict.fromkeys((*_KDA, *_MLA, "g_proj"))),  # `g_proj`: KDA's full-rank output gate, MLA's gate
+    ("layers.{i}.self_attn.f_a_proj.weight", "model.layers.{i}.self_attn.forget_gate.f_a_proj.weight"),
+    ("layers.{i}.self_attn.f_b_proj.weight", "model.layers.{i}.self_attn.forget_gate.f_b_proj.weight"),
+    ("layers.{i}.self_attn.dt_bias", "model.layers.{i}.self_attn.forget_gate.dt_bias"),
+    ("layers.{i}.self_attn.A_log", "model.layers.{i}.self_attn.forget_gate.A_log"),
+    *((f"layers.{{i}}.mlp.{name}.weight", f"model.layers.{{i}}.mlp.{name}.weight")
+      for name in ("gate_proj", "up_proj", "down_proj")),
+    ("layers.{i}.block_sparse_moe.gate.weight", "model.layers.{i}.mlp.gate.weight"),
+    ("layers.{i}.block_sparse_moe.gate.e_score_correction_bias", "model.layers.{i}.mlp.gate.e_score_correction_bias"),
+    *((f"layers.{{i}}.block_sparse_moe.{name}.weight", f"model.layers.{{i}}.mlp.{name}.weight") for name in _MOE),
+)
+"""The names that map one tensor to one tensor (the grouped ones are `CONV` and `EXPERT`)."""
+
+CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
+"""K3's short convolutions of KDA, in the order of the model's one `self_attn.conv1d.weight`."""
+
+EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+"""A routed expert's weight under the text prefix: layer, expert, and `w1` (gate) / `w3` (up) / `w2` (down)."""
+
+_CONV = re.compile(r"layers\.(\d+)\.self_attn\.([qkv]_conv1d)\.weight$")
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_TO_OURS = [(_pattern(k3), ours) for k3, ours in ONE_TO_ONE]
+_TO_K3 = [(_pattern(ours), k3) for k3, ours in ONE_TO_ONE]
+
+
+def _rename(name: str, table) -> str | None:
+    for pattern, template in table:
+        match = pattern.match(name)
+        if match:
+            return template.replace("{i}", match.group(1)) if match.groups() else template
+    return None
+
+
+def _is_query(name: str) -> bool:
+    return name.endswith(".query")
+
+
+def to_attnres_state_dict(tensors: dict, config: KimiK3Config, layout: str) -> tuple[dict, list[str]]:
+    """attnres-hf's state dict of K3's `tensors` (real or meta; MXFP4 experts already dequantised to `.weight`),
+    under `layout`'s prefix; returns it and the names with no place (vision tensors are skipped, not listed).
+
+    Raises:
+        ValueError: a convolution or an expert with some of its parts missing; a non-zero `A_log` padding entry.
+    """
+    prefix, head = PREFIXES[layout]
+    state, unplaced, convs, experts = {}, [], {}, {}
+    for full_name, tensor in tensors.items():
+        if full_name.startswith(SKIPPED_PREFIXES) and layout == "multimodal":
+            continue
+        if full_name == head:
+            state["lm_head.weight"] = tensor
+            continue
+        name = full_name.removeprefix(prefix) if full_name.startswith(prefix) else None
+        ours = _rename(name, _TO_OURS) if name is not None else None
+        if ours is not None:
+            state[ours] = _to_attnres_tensor(ours, tensor, config, full_name)
+        elif name is not None and (match := _CONV.match(name)):
+            convs.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+        elif name is not None and (match := EXPERT.match(name)):
+            experts.setdefault(int(match.group(1)), {})[(int(match.group(2)), match.group(3))] = tensor
+        else:
+            unplaced.append(full_name)
+    for layer, parts in sorted(convs.items()):
+        missing = [part for part in CONV if part not in parts]
+        if missing:
+            raise ValueError(f"layer {layer}'s short convolutions lack {', '.join(missing)} ({prefix}layers.{layer}."
+                             "self_attn.*_conv1d.weight)")
+        state[f"model.layers.{layer}.self_attn.conv1d.weight"] = torch.cat([parts[part] for part in CONV])
+    for layer, parts in sorted(experts.items()):
+        state |= _stacked_experts(layer, parts, config, prefix)
+    return state, unplaced
+
+
+def _to_attnres_tensor(ours: str, tensor: torch.Tensor, config: KimiK3Config, k3_name: str) -> torch.Tensor:
+    if _is_query(ours):  # K3's `[1, hidden]` pseudo-query is ours `[hidden]`
+        return tensor.reshape(-1)
+    if ours.endswith("forget_gate.A_log"):
+        heads = config.linear_num_heads
+        if tensor.dim() != 1 or tensor.shape[0] < heads:
+            raise ValueError(f"{k3_name} has shape {tuple(tensor.shape)}: K3 stores A_log as one vector of at least "
+                             f"linear_attn_config.num_heads ({heads}) entries")
+        if tensor.device.type != "meta" and tensor[heads:].count_nonzero():
+            raise ValueError(f"{k3_name} has non-zero entries past its {heads} heads: K3 pads A_log with zeros, so "
+                             "this checkpoint is not K3's layout")
+        return tensor[:heads]
+    return tensor
+
+
+def _stacked_experts(layer: int, parts: dict, config: KimiK3Config, prefix: str) -> dict:
+    count = config.num_local_experts
+    missing = [f"{e}.{w}" for e in range(count) for w in ("w1", "w2", "w3") if (e, w) not in parts]
+    extra = sorted(f"{e}.{w}" for e, w in parts if e >= count)
+    if missing or extra:
+        what = "; ".join(f"{label} {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+                         for label, names in (("missing", missing), ("beyond num_experts", extra)) if names)
+        raise ValueError(f"layer {layer}'s routed experts ({prefix}layers.{layer}.block_sparse_moe.experts.E.wN."
+                         f"weight, num_experts {count}) are incomplete: {what}")
+    base = f"model.layers.{layer}.mlp.experts"
+    gate_up = torch.stack([torch.cat([parts[(e, "w1")], parts[(e, "w3")]]) for e in range(count)])
+    return {f"{base}.gate_up_proj": gate_up, f"{base}.down_proj": torch.stack([parts[(e, "w2")] for e in range(count)])}
+
+
+def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text") -> dict:
+    """K3's tensors (`layout`'s names) of an attnres-hf `kimi_k3` state dict; values and dtypes unchanged
+    (pseudo-queries as `[1, hidden]`, `A_log` zero-padded to `max(heads, head_dim)` as K3 stores it).
+
+    Raises:
+        ValueError: naming the tensors K3's layout has no name for.
+    """
+    prefix, head = PREFIXES[layout]
+    out, unnamed = {}, []
+    for name, tensor in state.items():
+        if name == "lm_head.weight":
+            out[head] = tensor
+        elif (k3 := _rename(name, _TO_K3)) is not None:
+            if _is_query(name):
+                tensor = tensor.reshape(1, -1)
+            elif name.endswith("forget_gate.A_log"):
+                width = max(config.linear_num_heads, config.linear_head_dim)
+                tensor = torch.cat([tensor, tensor.new_zeros(width - tensor.shape[0])])
+            out[prefix + k3] = tensor
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
+            for part, piece in zip(CONV, tensor.chunk(3)):
+                out[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = piece
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
+            base = f"{prefix}layers.{match.group(1)}.block_sparse_moe.experts"
+            for e, expert in enumerate(tensor):
+                if match.group(2) == "down_proj":
+                    out[f"{base}.{e}.w2.weight"] = expert
+                else:
+                    gate, up = expert.chunk(2)
+                    out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
+        else:
+            unnamed.append(name)
+    if unnamed:
+        raise ValueError(f"tensors with no name in K3's layout: {', '.join(sorted(unnamed)[:6])}")
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------
+
+READ_AS_IS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token", "num_expert_group", "topk_group",
+    "num_shared_experts", "moe_renormalize", "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq",
+    "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "routed_expert_hidden_size",
+    "latent_moe_use_norm", "mla_use_nope", "mla_use_output_gate", "moe_router_activation_func", "linear_attn_config",
+    "rms_norm_eps", "max_position_embeddings", "initializer_range", "tie_word_embeddings", "bos_token_id",
+    "eos_token_id", "pad_token_id", "use_cache", "attention_dropout",
+})
+"""K3 text-config fields `KimiK3Config` takes as they are (`linear_attn_config` is read into its flat fields)."""
+
+CHECKED = {
+    "topk_method": ("noaux_tc",),  # DeepSeek-V3's bias-corrected top-k, what the router computes
+    "use_grouped_topk": (True, False),  # not read by K3's code: its router groups whenever num_expert_group > 1
+    "num_nextn_predict_layers": (0, None),  # multi-token-prediction layers are not implemented
+}
+"""K3 fields with nothing to configure: the values accepted (others are refused, naming the field)."""
+
+NOT_ARCHITECTURE = frozenset({
+    "model_type", "architectures", "auto_map", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+    "quantization_config", "attn_res_block_size", "use_bfloat16", "return_dict", "output_attentions",
+    "output_hidden_states", "torchscript", "pruned_heads", "tie_encoder_decoder", "is_decoder", "is_encoder_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "chunk_size_feed_forward", "id2label", "label2id",
+    "problem_type", "finetuning_task", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "tf_legacy_loss", "output_scores", "return_dict_in_generate", "remove_invalid_values",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "forced_bos_token_id",
+    "forced_eos_token_id", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+})
+"""Fields that are not the architecture: bookkeeping and the generation defaults transformers 4.x wrote into every
+config (`attn_res_block_size` and `quantization_config` are read separately)."""
+
+
+def backbone_from_k3(text_config: dict) -> tuple[KimiK3Config | None, list[str]]:
+    """`KimiK3Config` of K3's text config, and the reasons it has none (every field not implemented, by name).
+
+    Raises nothing for a bad field: every problem is in the list (a `ValueError` of `KimiK3Config` included)."""
+    problems = [f"{name} (not a field of K3's text model attnres-hf knows)" for name in text_config
+                if name not in READ_AS_IS | NOT_ARCHITECTURE | set(CHECKED)]
+    problems += [f"{name}={text_config[name]!r} (implemented: {', '.join(map(repr, accepted))})"
+                 for name, accepted in CHECKED.items() if name in text_config and text_config[name] not in accepted]
+    if problems:
+        return None, problems
+    try:
+        config = KimiK3Config(**{name: value for name, value in text_config.items() if name in READ_AS_IS})
+    except Exception as error:  # huggingface_hub's strict-dataclass errors are no ValueError
+        return None, [f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"]
+    return config, []
+
+
+def k3_block_size(value) -> int | None:
+    """attnres-hf's `attnres_block_size` of K3's `attn_res_block_size` (decoder layers per block): twice it; `None`
+    (absent) for K3's architecture without AttnRes.
+
+    Raises:
+        ValueError: anything but a positive integer or `None`.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"attn_res_block_size must be a positive number of decoder layers, got {value!r}")
+    return 2 * value
+
+
+def _dense_rule(mlp_layer_types: list[str]) -> tuple[int, int] | None:
+    """`(first_k_dense_replace, moe_layer_freq)` that give `mlp_layer_types` by K3's rule, if any."""
+    for first in range(len(mlp_layer_types) + 1):
+        for freq in range(1, len(mlp_layer_types) + 1):
+            if mlp_layer_types == ["sparse" if i >= first and i % freq == 0 else "dense"
+                                   for i in range(len(mlp_layer_types))]:
+                return first, freq
+    return None
+
+
+def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tuple[dict, list[str]]:
+    """K3's text config (`config.json` of the text layout) of a `kimi_k3` backbone and block size (`None`: no
+    AttnRes), and the reasons there is none."""
+    rule = _dense_rule(list(config.mlp_layer_types))
+    problems = [] if rule else [f"mlp_layer_types {config.mlp_layer_types} (K3 makes layer i an MoE layer when "
+                                "i >= first_k_dense_replace and i % moe_layer_freq == 0)"]
+    if attnres_block_size is not None and attnres_block_size % 2:
+        problems.append(f"attnres_block_size {attnres_block_size} (K3 seals blocks of whole decoder layers: an even "
+                        "number of sub-layers)")
+    if problems:
+        return {}, problems
+    fields = {name: getattr(config, name) for name in sorted(READ_AS_IS - {"linear_attn_config", "first_k_dense_replace",
+                                                                        "moe_layer_freq"})}
+    fields |= {
+        "model_type": TEXT_MODEL_TYPE, "architectures": ["KimiLinearForCausalLM"],
+        "first_k_dense_replace": rule[0], "moe_layer_freq": rule[1], "topk_method": "noaux_tc",
+        "use_grouped_topk": True, "num_nextn_predict_layers": 0,
+        "linear_attn_config": {
+            "num_heads": config.linear_num_heads, "head_dim": config.linear_head_dim,
+            "short_conv_kernel_size": config.linear_conv_kernel_dim,
+            "kda_layers": [i + 1 for i, kind in enumerate(config.layer_types) if kind == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, kind in enumerate(config.layer_types) if kind == "full_attention"],
+            "use_full_rank_gate": config.linear_use_full_rank_gate, "gate_lower_bound": config.linear_lower_bound,
+        },
+    }
+    if attnres_block_size is not None:
+        fields["attn_res_block_size"] = attnres_block_size // 2
+    return fields, []
+
+
+__all__ = ["CHECKED", "CONV", "EXPERT", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE", "PREFIXES", "READ_AS_IS",
+           "SKIPPED_PREFIXES", "TEXT_MODEL_TYPE", "backbone_from_k3", "k3_block_size", "k3_from_backbone",
+           "to_attnres_state_dict", "to_k3_state_dict"]

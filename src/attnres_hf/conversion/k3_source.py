@@ -1,0 +1,292 @@
+"""Kimi K3 checkpoints as sources: a K3-layout folder (the released multimodal one, or the text-only one `export`
+writes; `k3_layout.py`) read into a `kimi_k3` AttnRes model, every tensor mapped or the folder refused before anything
+loads.
+
+With `attn_res_block_size` in the text config the checkpoint is an AttnRes model already: its trained pseudo-queries
+and key norms are imported, with `attnres_block_size = 2 * attn_res_block_size` and `attnres_rescale_output=False`,
+and nothing else may change. Without it, it is K3's architecture with plain residuals and converts as any source does.
+
+The released routed experts are MXFP4 (compressed-tensors' `mxfp4-pack-quantized`: `weight_packed` with two E2M1
+values a byte, `weight_scale` one E8M0 exponent per 32 inputs). They are dequantised on load by compressed-tensors
+(`pip install "attnres-hf[k3]"`), exactly: every MXFP4 value is a bfloat16 value, and the model holds fp32. Without the
+library such a checkpoint is refused before anything loads.
+"""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ..modeling import AttnResConfig, AttnResForCausalLM
+from ..modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM
+from ..modeling.depth_mixing import is_depth_mixing_parameter
+from .families import UnsupportedSourceError
+from .hf_source import _shown, folder_tensors
+from .k3_layout import (K3_MODEL_TYPE, PREFIXES, SKIPPED_PREFIXES, TEXT_MODEL_TYPE, backbone_from_k3, k3_block_size,
+                        to_attnres_state_dict, to_k3_state_dict)
+from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
+
+K3_ONLY_FIELDS = ("attn_res_block_size", "activation_situ_beta", "activation_situ_linear_beta",
+                  "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate")
+"""Text-config fields K3 has and Kimi Linear's does not: a `kimi_linear` config with one of them is K3's."""
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+_PACKED, _SCALE = ".weight_packed", ".weight_scale"
+
+
+class K3Source(NamedTuple):
+    folder: Path
+    layout: str  # "multimodal" (the release: text under `language_model.`) or "text"
+    fields: dict  # the whole config.json
+    text_config: dict  # K3's text config (`fields["text_config"]`, or `fields` for the text layout)
+    backbone: KimiK3Config
+    block_size: int | None  # attnres_block_size (2 * attn_res_block_size); None without AttnRes
+    files: list
+    index: Path | None
+    mxfp4: bool  # the routed experts are MXFP4
+
+
+def _config(source) -> dict | None:
+    try:
+        fields = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def is_k3_folder(source) -> bool:
+    """Whether `source` is a folder of K3's layout: `config.json` says `model_type: "kimi_k3"` (the release), or
+    `kimi_linear` with a field only K3 has (`K3_ONLY_FIELDS`, SiTU, K3's KDA gate options)."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir() or (fields := _config(source)) is None:
+        return False
+    if fields.get("model_type") == K3_MODEL_TYPE:
+        return True
+    linear = fields.get("linear_attn_config")
+    return fields.get("model_type") == TEXT_MODEL_TYPE and (
+        any(name in fields for name in K3_ONLY_FIELDS) or fields.get("hidden_act") == "situ"
+        or isinstance(linear, dict) and bool({"use_full_rank_gate", "gate_lower_bound"} & set(linear)))
+
+
+def _quantization(source_fields: dict, text: dict, folder: Path) -> bool:
+    """Whether the config declares MXFP4 experts; raises `UnsupportedSourceError` for any other quantization."""
+    declared = text.get("quantization_config") or source_fields.get("quantization_config")
+    if declared is None:
+        return False
+    groups = declared.get("config_groups", {}) if isinstance(declared, dict) else None
+    formats = {declared.get("format")} | {group.get("format") for group in (groups or {}).values()
+                                          if isinstance(group, dict)}
+    if declared.get("quant_method") != "compressed-tensors" or formats - {None} != {MXFP4_FORMAT}:
+        raise UnsupportedSourceError(f"{folder / 'config.json'}: quantization_config is not compressed-tensors' "
+                                     f"{MXFP4_FORMAT} (K3's MXFP4 experts), the only quantization read here: "
+                                     f"quant_method {declared.get('quant_method')!r}, format {sorted(map(str, formats))}")
+    return True
+
+
+def k3_source(folder: str | os.PathLike) -> K3Source:
+    """Read and check a K3 folder's config and weight files (headers only).
+
+    Raises:
+        FileNotFoundError, ValueError: a missing folder, config or weights; a truncated or corrupt weight file; a
+            multimodal config without `text_config`; an `attn_res_block_size` that is not a positive integer.
+        UnsupportedSourceError (a `ValueError`): naming every text-config field or value not implemented, and any
+            quantization other than MXFP4 experts.
+    """
+    folder = Path(folder)
+    files, index = _check_folder(folder)
+    fields = _config(folder)
+    if fields is None:
+        raise ValueError(f"{folder / 'config.json'} is not a JSON object")
+    layout = "multimodal" if fields.get("model_type") == K3_MODEL_TYPE else "text"
+    text = fields.get("text_config") if layout == "multimodal" else fields
+    if not isinstance(text, dict):
+        raise ValueError(f"{folder / 'config.json'} is Kimi K3's multimodal config without a text_config object: the "
+                         "text model's fields are what attnres-hf reads")
+    if text.get("model_type", TEXT_MODEL_TYPE) != TEXT_MODEL_TYPE:
+        raise UnsupportedSourceError(f"{folder / 'config.json'}: K3's text_config has model_type "
+                                     f"{text.get('model_type')!r}, not {TEXT_MODEL_TYPE!r}")
+    mxfp4 = _quantization(fields, text, folder)
+    try:
+        block_size = k3_block_size(text.get("attn_res_block_size"))
+    except ValueError as error:
+        raise ValueError(f"{folder / 'config.json'}: {error}") from None
+    backbone, problems = backbone_from_k3(text)
+    if problems:
+        raise UnsupportedSourceError(f"{folder}: K3 text config with no exact attnres-hf counterpart: "
+                                     f"{'; '.join(problems)}")
+    return K3Source(folder, layout, fields, text, backbone, block_size, files, index, mxfp4)
+
+
+def k3_overrides(source: K3Source, **overrides) -> dict:
+    """The retrofit options of the converted model: any for K3's architecture without AttnRes; for an AttnRes
+    checkpoint its block size with the plain mean, as it was trained, and nothing else.
+
+    Raises:
+        ValueError: an invalid option, or one that would change the imported routers (naming it).
+    """
+    if source.block_size is None:
+        retrofit_config(source.backbone, **overrides)
+        return dict(overrides)
+    _check_overrides(overrides)
+    wanted = {"depth_mixing": "attnres", "attnres_block_size": source.block_size, "attnres_rescale_output": False}
+    imported = retrofit_config(source.backbone, **wanted)
+    changed = [f"{name}={value!r} (the checkpoint's is {getattr(imported, name, None)!r})"
+               for name, value in overrides.items() if getattr(imported, name, None) != value]
+    if changed:
+        raise ValueError(f"{source.folder} is a Kimi K3 AttnRes model (attn_res_block_size {source.block_size // 2} "
+                         f"decoder layers = attnres_block_size {source.block_size}) with trained routers, imported as "
+                         f"they are: {', '.join(changed)} would change it; convert without these options, then "
+                         "fine-tune")
+    return wanted
+
+
+def _dequantised_names(tensors: dict, source: K3Source) -> dict:
+    """`tensors` with each MXFP4 `weight_packed` / `weight_scale` pair as one `.weight` of the unpacked shape (meta
+    tensors: shapes only). Raises `ValueError` for a pair with a part missing, quantised tensors outside the routed
+    experts, or packed tensors the config does not declare."""
+    packed = {name.removesuffix(_PACKED) for name in tensors if name.endswith(_PACKED)}
+    scales = {name.removesuffix(_SCALE) for name in tensors if name.endswith(_SCALE)}
+    where = f"{source.folder}:"
+    if packed and not source.mxfp4:
+        raise ValueError(f"{where} MXFP4 tensors ({_shown(sorted(packed))}) but no quantization_config declares them")
+    if packed ^ scales:
+        raise ValueError(f"{where} MXFP4 tensors without their other half (weight_packed with weight_scale): "
+                         f"{_shown(sorted(packed ^ scales))}")
+    stray = sorted(name for name in packed if ".block_sparse_moe.experts." not in name)
+    if stray:
+        raise ValueError(f"{where} MXFP4 tensors outside the routed experts (K3 quantises only those): {_shown(stray)}")
+    out = {name: tensor for name, tensor in tensors.items() if not name.endswith((_PACKED, _SCALE))}
+    for name in packed:
+        rows, half = tensors[name + _PACKED].shape
+        out[name + ".weight"] = torch.empty(rows, 2 * half, device="meta")
+    return out
+
+
+def check_k3_tensors(source: K3Source, config: AttnResConfig) -> None:
+    """Before loading: every text tensor of the folder has a place and the shape `config`'s model gives it, and the
+    files fill every weight (the AttnRes ones too when the checkpoint has AttnRes; layer 0's inert attention router
+    may be absent, and is then zero).
+
+    Raises:
+        ValueError: naming the tensors with no place, of another shape, and the weights no tensor holds.
+    """
+    tensors = _dequantised_names(folder_tensors(source.files, source.index), source)
+    state, unplaced = to_attnres_state_dict(tensors, source.backbone, source.layout)
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in AttnResForCausalLM(config).state_dict().items()
+                    if source.block_size is not None or not is_depth_mixing_parameter(name)}
+    problems = []
+    routers = sorted(name for name in state if is_depth_mixing_parameter(name) and name not in expected)
+    if routers and source.block_size is None:
+        problems.append(f"AttnRes tensors, but the config has no attn_res_block_size: {_shown(routers)}")
+    unplaced += sorted(name for name in state if name not in expected and name not in routers)
+    if unplaced:
+        problems.append(f"tensors with no place in the model: {_shown(sorted(unplaced))}")
+    shapes = sorted(f"{name} {tuple(t.shape)} (expected {expected[name]})" for name, t in state.items()
+                    if name in expected and tuple(t.shape) != expected[name])
+    if shapes:
+        problems.append(f"tensors of another shape than config.json gives (attnres-hf names): {_shown(shapes)}")
+    missing = set(expected) - set(state) - set(_INERT) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        problems.append(f"no tensor for (attnres-hf names) {_shown(sorted(missing))}")
+    if problems:
+        raise ValueError(f"{source.folder}: the weight files do not match the Kimi K3 model its config.json builds; "
+                         f"{'; '.join(problems)}")
+
+
+_INERT = ("model.layers.0.attn_res.query", "model.layers.0.attn_res.key_norm.weight")
+"""Layer 0's attention router: it reads one source (the embedding), so its weights never act (K3 keeps them)."""
+
+
+def check_compressed_tensors() -> str:
+    """compressed-tensors' version (it dequantises K3's MXFP4 experts).
+
+    Raises:
+        ImportError: it is not installed.
+    """
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise ImportError("this Kimi K3 checkpoint's routed experts are MXFP4, which compressed-tensors dequantises: "
+                          'pip install "attnres-hf[k3]"')
+    from importlib.metadata import version
+
+    return version("compressed-tensors")
+
+
+def _dequantise(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One MXFP4 weight `(out, in)`, fp32, from its `weight_packed` `(out, in / 2)` and `weight_scale`
+    `(out, in / 32)` (uint8 each), by compressed-tensors' own decompressor."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True,
+                            scale_dtype=torch.uint8)
+    state = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale},
+                                             QuantizationScheme(targets=["Linear"], weights=args))
+    return state["weight"].float()
+
+
+def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
+    """Every text tensor of the folder under K3's names, MXFP4 experts dequantised (fp32) under `.weight`; the
+    vision tensors are not read."""
+    from safetensors import safe_open
+
+    if source.mxfp4:
+        check_compressed_tensors()
+    raw = {}
+    for path in source.files:
+        with safe_open(path, "pt") as handle:
+            raw |= {name: handle.get_tensor(name) for name in handle.keys() if not name.startswith(SKIPPED_PREFIXES)}
+    packed = [name.removesuffix(_PACKED) for name in raw if name.endswith(_PACKED)]
+    for name in packed:
+        raw[name + ".weight"] = _dequantise(raw.pop(name + _PACKED), raw.pop(name + _SCALE))
+    return raw
+
+
+def load_k3_model(source: K3Source, overrides: dict) -> tuple[AttnResForCausalLM, KimiK3ForCausalLM, dict]:
+    """The AttnRes model of a K3 checkpoint (`overrides` from `k3_overrides`), in fp32, which holds every stored value
+    exactly; the K3 model without AttnRes it was built from (the source of a retrofit); and the tensors read
+    (`read_k3_tensors`, for `verify_k3_tensors`). The backbone goes through `KimiK3ForCausalLM` (`retrofit`), then
+    K3's routers, each pseudo-query `[1, D]` as `[D]`."""
+    tensors = read_k3_tensors(source)
+    state, _ = to_attnres_state_dict(tensors, source.backbone, source.layout)
+    state = {name: tensor.float() for name, tensor in state.items()}
+    with torch.device("meta"):
+        plain = KimiK3ForCausalLM(source.backbone)
+    plain.to_empty(device="cpu").float()
+    plain.load_state_dict({n: t for n, t in state.items() if not is_depth_mixing_parameter(n)},
+                          strict=not source.backbone.tie_word_embeddings)
+    plain.tie_weights()
+    model = retrofit(plain.eval(), **overrides)
+    if source.block_size is not None:
+        model.load_state_dict({n: t for n, t in state.items() if is_depth_mixing_parameter(n)}, strict=False)
+    return model.eval(), plain, tensors
+
+
+@torch.no_grad()
+def verify_k3_tensors(model: AttnResForCausalLM, tensors: dict[str, torch.Tensor], layout: str) -> dict:
+    """The imported model written back in K3's layout (`to_k3_state_dict`) against the tensors read: every one equal
+    (compared in fp32, which holds each stored value exactly). No K3 code runs here, so this checks the mapping, not
+    the forward (which `tests/test_k3.py` checks against an independent reference of K3's equations)."""
+    back = to_k3_state_dict(model.state_dict(), model.config.backbone, layout)
+    checked = [name for name in tensors if name in back]
+    delta = max((float((back[name].float() - tensors[name].float()).abs().max()) for name in checked), default=0.0)
+    absent = sorted(set(tensors) - set(back))
+    return {"tensors_checked": len(checked), "tensors_not_written_back": absent, "max_abs_tensor_delta": delta,
+            "tensors_identical": delta == 0.0 and not absent,
+            "compared_with": None, "logits_compared": "no: no Kimi K3 runtime runs here; the forward is tested "
+                                                      "against an independent reference (tests/test_k3.py)"}
+
+
+def k3_report_fields(source: K3Source) -> dict:
+    """What a conversion report says of a K3 source: its layout, whether its routers were imported, whether its
+    experts were MXFP4, and its text config (`attnres export --to k3-layout` writes it back while the model's
+    architecture is unchanged)."""
+    return {"format": "k3", "layout": source.layout, "imported_routers": source.block_size is not None,
+            "mxfp4_experts": source.mxfp4, "k3_text_config": source.text_config}
+
+
+__all__ = ["K3Source", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES", "check_compressed_tensors", "check_k3_tensors",
+           "is_k3_folder", "k3_overrides", "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors",
+           "verify_k3_tensors"]
