@@ -1,5 +1,12 @@
-"""`attnres export --to fla`: an AttnRes folder written as flash-linear-attention's own checkpoint.
+"""`attnres export --to fla|k3-layout`: an AttnRes folder written as another implementation's own checkpoint.
 
+`--to k3-layout`: a `kimi_k3` model in Kimi K3's text-only layout (`k3_layout.py`): K3's text `config.json`
+(`model_type: "kimi_linear"`, `attn_res_block_size` half the `attnres_block_size`), K3's tensor names under `model.` /
+`lm_head.weight`, values and dtype unchanged, the tokenizer, `generation_config.json` and `export_report.json`, which
+checks that `attnres convert` reads the written folder back into the same tensors. The text config is the K3
+checkpoint's own where the folder was converted from one and still describes the same model.
+
+`--to fla`:
 The folder holds fla's `config.json` (its `TransformerConfig`, `model_type: "transformer"`), the weights under fla's
 names (`fla_layout.FLA_KEY_MAP`; pseudo-queries `[hidden]` as fla's `[1, hidden]`), values and dtype unchanged, the
 tokenizer, `generation_config.json` and `export_report.json`, which compares fla's model loaded from the written
@@ -27,8 +34,9 @@ from .hf_source import _shown, folder_tensors
 from .retrofit import _check_folder, check_max_shard_size, check_output_folder, check_path_argument
 from .verify import PROBE_TEXT
 
-EXPORT_FORMATS = ("fla",)
-"""What `export` writes: `"fla"`, flash-linear-attention 0.6's `TransformerForCausalLM`."""
+EXPORT_FORMATS = ("fla", "k3-layout")
+"""What `export` writes: `"fla"`, flash-linear-attention 0.6's `TransformerForCausalLM`; `"k3-layout"`, Kimi K3's
+text model (its `KimiLinearForCausalLM` names and config)."""
 
 
 def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tuple[Path, Path, int]:
@@ -73,7 +81,8 @@ def export(
     max_shard_size: str | int = "5GB",
     probe_text: str = PROBE_TEXT,
 ) -> dict:
-    """Write the AttnRes model in `model_dir` as an fla `TransformerForCausalLM` checkpoint in `output_dir`.
+    """Write the AttnRes model in `model_dir` as an fla `TransformerForCausalLM` checkpoint in `output_dir`, or (`to=
+    "k3-layout"`) a `kimi_k3` model as Kimi K3's text checkpoint (`_export_k3`).
 
     Exports models fla computes: a Llama backbone (or Mistral's window, Qwen2's q/k/v biases, Qwen3's q/k norms with
     eps 1e-5), `depth_mixing` `"attnres"` (softmax, key norm, static query, one head, no window or scalar weights,
@@ -101,6 +110,8 @@ def export(
         raise ValueError(f"{model_dir} is not an AttnRes checkpoint (model_type {model_type!r}); `attnres convert` "
                          "makes one")
     config = AttnResConfig.from_pretrained(model_dir)
+    if to == "k3-layout":
+        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size)
     fields, problems = fla_from_attnres(config)
     if problems:
         raise UnsupportedSourceError(f"{model_dir}: fla's transformer cannot compute this model: {'; '.join(problems)}")
@@ -140,5 +151,82 @@ def export(
             "source": str(model_dir), "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."),
             "tensors": len(state), "fla_config": fields, "verification": verification,
         }
+        (staging / "export_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _k3_text_config(model_dir: Path, fields: dict) -> dict:
+    """K3's text config for the export: the K3 checkpoint's own where `model_dir` was converted from one
+    (`conversion_report.json`) and describes the same model (training changes weights only), else `fields`."""
+    from .k3_layout import backbone_from_k3, k3_block_size
+
+    try:
+        source = json.loads((model_dir / "conversion_report.json").read_text())["source"]
+        original = source["k3_text_config"] if source.get("format") == "k3" else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return fields
+    if not isinstance(original, dict):
+        return fields
+    same = backbone_from_k3(original)[0] == backbone_from_k3(fields)[0] and (
+        k3_block_size(original.get("attn_res_block_size")) == k3_block_size(fields.get("attn_res_block_size")))
+    return {k: v for k, v in original.items() if k != "quantization_config"} if same else fields
+
+
+def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: list, force: bool,
+               max_shard_size: int) -> dict:
+    """`export(..., to="k3-layout")`: see the module docstring. Raises `UnsupportedSourceError` naming every setting
+    K3's model does not have (another backbone, method or knob, a Full or odd block size, a rescaled router output)."""
+    from huggingface_hub import save_torch_state_dict
+
+    from .k3_layout import k3_from_backbone, to_k3_state_dict
+    from .k3_source import check_k3_tensors, k3_source, read_k3_tensors
+
+    problems = []
+    if config.backbone.model_type != "kimi_k3":
+        problems.append(f"backbone {config.backbone.model_type!r} (K3's layout holds the kimi_k3 backbone)")
+    if config.depth_mixing not in ("attnres", "residual"):
+        problems.append(f"depth_mixing {config.depth_mixing!r} (K3 has Block AttnRes, or plain residuals)")
+    attnres = config.depth_mixing == "attnres"
+    if attnres:
+        defaults = AttnResConfig.__dataclass_fields__
+        knobs = ("attnres_score_fn", "attnres_key_norm", "attnres_window", "attnres_query", "attnres_num_heads",
+                 "attnres_scalar_weights")
+        problems += [f"{name}={getattr(config, name)!r} (K3's router: {defaults[name].default!r})" for name in knobs
+                     if getattr(config, name) != defaults[name].default]
+        if config.attnres_rescale_output:
+            problems.append("attnres_rescale_output=True (K3 mixes with the plain softmax: a retrofit rescales; "
+                            "convert with attnres_rescale_output=False)")
+    if problems:
+        raise UnsupportedSourceError(f"{model_dir}: Kimi K3's model cannot compute this one: {'; '.join(problems)}")
+    fields, problems = k3_from_backbone(config.backbone, config.attnres_block_size if attnres else None)
+    if problems:
+        raise UnsupportedSourceError(f"{model_dir}: Kimi K3's model cannot compute this one: {'; '.join(problems)}")
+    fields = _k3_text_config(model_dir, fields)
+    state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
+    dtype = max({t.dtype for t in state.values() if t.is_floating_point()}, key=lambda d: torch.finfo(d).bits)
+    print(f"Writing {len(state)} tensors in Kimi K3's text layout ...", flush=True)
+    with staged_folder(output_dir, replace=force) as staging:
+        (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},
+                                                        indent=2) + "\n")
+        save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
+        if (model_dir / "generation_config.json").is_file():
+            (staging / "generation_config.json").write_bytes((model_dir / "generation_config.json").read_bytes())
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        written = k3_source(staging)  # the written folder, read as `attnres convert` reads it
+        check_k3_tensors(written, AttnResConfig.from_dict(config.to_dict()))
+        back = read_k3_tensors(written)
+        identical = set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+        report = {
+            "attnres_hf_version": __version__, "to": "k3-layout", "source": str(model_dir),
+            "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."), "tensors": len(state),
+            "k3_text_config": fields,
+            "verification": {"read_back_by_attnres_convert": True, "tensors_identical": identical,
+                             "logits_compared": "no: no Kimi K3 runtime runs here"},
+        }
+        if not identical:
+            raise RuntimeError(f"the K3 folder written for {model_dir} does not read back into the same tensors; "
+                               "please report this")
         (staging / "export_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

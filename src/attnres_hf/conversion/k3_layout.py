@@ -186,15 +186,15 @@ def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text") ->
             out[prefix + k3] = tensor
         elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
             for part, piece in zip(CONV, tensor.chunk(3)):
-                out[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = piece
+                out[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = piece.clone()  # its own storage
         elif match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
             base = f"{prefix}layers.{match.group(1)}.block_sparse_moe.experts"
             for e, expert in enumerate(tensor):
                 if match.group(2) == "down_proj":
-                    out[f"{base}.{e}.w2.weight"] = expert
+                    out[f"{base}.{e}.w2.weight"] = expert.clone()
                 else:
                     gate, up = expert.chunk(2)
-                    out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
+                    out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate.clone(), up.clone()
         else:
             unnamed.append(name)
     if unnamed:
