@@ -23,6 +23,7 @@ from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtyp
                          fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
+from .k3_layout import to_attnres_state_dict
 from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
                         verify_k3_tensors)
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, load_source,
@@ -283,7 +284,7 @@ def convert(
     output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
     target_dtype = check_dtype(dtype, auto=True)
 
-    unused, fla, k3 = [], None, None  # config.json keys the source family's config class does not use (HF folders)
+    unused, fla, k3, stored_dtypes = [], None, None, {}  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
@@ -304,7 +305,10 @@ def convert(
         check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
         tokenizer = tokenizer or load_tokenizer(source)
         model, source_model, k3_tensors = load_k3_model(k3, overrides)  # fp32: every stored value exactly
-        target_dtype = _stored_dtype(k3.fields, k3_tensors) if target_dtype == "auto" else target_dtype
+        if target_dtype == "auto":  # K3 keeps some tensors in fp32 inside a bf16 checkpoint: each keeps its own
+            target_dtype = _stored_dtype(k3.fields, k3_tensors)
+            stored_dtypes = {name: t.dtype for name, t in to_attnres_state_dict(k3_tensors, k3.backbone,
+                                                                                k3.layout)[0].items()}
         name, source_type = str(source), f"{k3.fields.get('model_type')} ({k3.layout} layout)"
     else:
         if isinstance(source, PreTrainedModel):
@@ -353,7 +357,12 @@ def convert(
         for which in ("source", "converted"):
             if f"{which}_continuation_ids" in verification:
                 verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
+    kept = {name: tensor.detach().to(stored_dtypes[name], copy=True) for name, tensor in model.state_dict().items()
+            if stored_dtypes.get(name, target_dtype) != target_dtype}  # fp32 tensors of a bf16 checkpoint (K3)
     model = model.to(target_dtype)
+    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
+        if name in kept:
+            tensor.data = kept[name]
     config = model.config
     report = {
         "attnres_hf_version": __version__,

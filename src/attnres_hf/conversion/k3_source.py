@@ -215,7 +215,7 @@ def check_compressed_tensors() -> str:
 
 
 def _dequantise(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """One MXFP4 weight `(out, in)`, fp32, from its `weight_packed` `(out, in / 2)` and `weight_scale`
+    """One MXFP4 weight `(out, in)`, bfloat16 (which holds every MXFP4 value exactly), from its `weight_packed` `(out, in / 2)` and `weight_scale`
     `(out, in / 32)` (uint8 each), by compressed-tensors' own decompressor."""
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -224,11 +224,11 @@ def _dequantise(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                             scale_dtype=torch.uint8)
     state = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale},
                                              QuantizationScheme(targets=["Linear"], weights=args))
-    return state["weight"].float()
+    return state["weight"].to(torch.bfloat16)
 
 
 def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
-    """Every text tensor of the folder under K3's names, MXFP4 experts dequantised (fp32) under `.weight`; the
+    """Every text tensor of the folder under K3's names, MXFP4 experts dequantised (bf16) under `.weight`; the
     vision tensors are not read."""
     from safetensors import safe_open
 
