@@ -488,3 +488,18 @@ def test_fla_interop_measures_a_case_and_its_round_trip(tmp_path):
     assert row["ours_bf16"] > 0 and row["fla_bf16"] > 0
     text = fla_interop.table([row])
     assert "| Full | 3 | 1 |" in text and "bit for bit" in text and "Worst fp32 case" in text
+
+
+@pytest.mark.slow  # about 3.5 s
+def test_k3_interop_measures_a_case_and_its_round_trip(tmp_path):
+    """benchmarks/k3_interop.py on one case (the default tiny K3, every piece on): fp32 delta from the independent
+    reference within 1e-4 of the logits' scale (measured 4e-5), the depth weights too, the round trip bit for bit,
+    and the table's verdict line."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import k3_interop
+
+    row = k3_interop.measure(*k3_interop.CASES[0], tmp_path, seed=0)
+    assert row["max"] / row["scale"] <= 1e-4 and row["weights"] <= 1e-4 and row["round_trip"] is True
+    text = k3_interop.table([row])
+    assert "| 5 layers, blocks of 2 (the last partial) | 5 | 2 |" in text and "bit for bit" in text
+    assert "Worst fp32 case" in text

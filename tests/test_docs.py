@@ -86,6 +86,7 @@ RUN_HERE = {
     ("README.md", "## Set-up"): "test_setup_commands_name_real_targets_and_extras",
     ("README.md", "## Example"): "test_readme_example_runs",
     ("README.md", "## From and to flash-linear-attention"): "test_readme_fla_commands_run",
+    ("README.md", "## Kimi K3"): "test_readme_k3_commands_run",
     ("docs/getting-started.md", "## Set-up"): "test_setup_commands_name_real_targets_and_extras",
     ("docs/getting-started.md", "## Retrofit your model and look at its routing"): "test_getting_started_retrofit_runs",
     ("docs/development.md", "## Tests"): "test_setup_commands_name_real_targets_and_extras",
@@ -251,6 +252,24 @@ def test_readme_fla_commands_run(tmp_path, monkeypatch):
     after = load_file(tmp_path / "fla-model-again/model.safetensors")
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
     assert json.loads((tmp_path / "attnres-model/conversion_report.json").read_text())["verification"]["exact"]
+
+
+def test_readme_k3_commands_run(tmp_path, monkeypatch):
+    """The K3 round trip as the README writes it, from a tiny K3 checkpoint (the released multimodal layout) at
+    `path/to/kimi-k3`: the text tensors come back bit for bit, under the text layout's names."""
+    from safetensors.torch import load_file
+
+    from k3_reference import tiny_k3_text_config, write_k3_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    written = write_k3_checkpoint(tmp_path / "path/to/kimi-k3", tiny_k3_text_config())
+    run_section("README.md", "## Kimi K3")
+    back = {}
+    for path in sorted((tmp_path / "k3-text-again").glob("*.safetensors")):
+        back |= load_file(path)
+    text = {name.removeprefix("language_model."): tensor for name, tensor in written.items()
+            if name.startswith("language_model.")}
+    assert sorted(back) == sorted(text) and all(torch.equal(back[k], text[k]) for k in text)
 
 
 def test_setup_commands_name_real_targets_and_extras():

@@ -51,8 +51,13 @@ def run_convert(args: argparse.Namespace) -> int:
               f"{check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens, "
               f"{check['relative_max_abs_logit_delta']:.2g} of max |logits|; exact: {check['exact']}"
               + ("" if check["exact"] else " (see conversion_report.json)"))
-    else:
+    elif "max_abs_logit_delta" in check:
         print(f"max |delta logits| vs source: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens")
-    print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
+    if "tensors_identical" in check:  # a Kimi K3 source: its tensors, written back, against the checkpoint's
+        print(f"K3 tensors written back identical: {check['tensors_identical']} ({check['tensors_checked']} "
+              "tensors)" + ("; logits not compared (no Kimi K3 runtime runs here)" if "logits_compared" in check
+                            else ""))
+    if "greedy_match" in check:
+        print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
     print(f"wrote {args.output_dir}")
     return 0

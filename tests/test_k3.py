@@ -1,0 +1,654 @@
+"""Kimi K3 checkpoints: `attnres convert` of K3's layout (the released multimodal folder and the text-only one),
+checked against an independent float64 forward of K3's equations (`tests/k3_reference.py`, which imports neither
+attnres_hf nor transformers' models), every K3 field, cached generation, MXFP4 experts, the exact round trip through
+`attnres export --to k3-layout`, the refusals, `attnres info` and training on the imported model.
+
+`tests/test_backbones_moe.py` already runs the `kimi_k3` backbone through the exact retrofit of every method, cached
+generation, router logits, gradient checkpointing and save/reload; this file is about K3's own checkpoints.
+
+Tolerances (measured on these tiny models, fp32 model against the float64 reference, 2 x 13 tokens, logits of
+max |.| ~4-6): max |delta logits| is 7e-6 to 4.6e-5 (1.6e-6 to 1.5e-5 of max |logits|) over every config and field
+flip here, 1.2e-4 (2e-5 of max |logits|) with MXFP4 experts (larger weights). `REL_TOL` = 1e-4 of max |logits|
+(1e-5, the fp32 noise per unit of scale, times a margin of 10) keeps at least 5x margin over the worst measured case
+and is 100x below `DIFFERENT`, the smallest change a K3 field flip must cause (the smallest measured flip moves the
+logits by 1.4e-2 of their scale: `activation_situ_linear_beta` 5 -> None).
+"""
+
+import copy
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from attnres_hf import AttnResConfig, AttnResForCausalLM
+from attnres_hf.cli import main
+from attnres_hf.conversion import convert, export
+from attnres_hf.conversion.k3_layout import backbone_from_k3
+from attnres_hf.conversion.k3_source import check_k3_tensors, k3_overrides, k3_source, load_k3_model
+from attnres_hf.conversion.retrofit import retrofit_config
+from attnres_hf.training import prepare_model
+from attnres_hf.training.recipes import is_router_parameter
+from k3_reference import (DELETE, MXFP4_OVERRIDES, k3_reference_depth_weights, k3_reference_logits,
+                          tiny_k3_text_config, write_k3_checkpoint)
+from utils import tiny_model
+
+k3_module = sys.modules["attnres_hf.conversion.k3_source"]  # the module (the package's `k3_source` is shadowed)
+
+IDS = torch.randint(3, 96, (2, 13), generator=torch.Generator().manual_seed(1))
+"""The probe tokens the tolerances were measured on. Random tiny models have ill-conditioned inputs: with the 6-layer
+config and the tokens of `randint(3, 95, ...)` one token's float64 reference logits move by up to 4.5e-3 when the
+weights move by 1e-7 of themselves (fp32's rounding), so fp32 cannot match it to 1e-4 there; these tokens are
+well-conditioned for every config here."""
+
+REL_TOL = 1e-4
+"""Max |delta logits| (fp32 model vs float64 reference) over max |reference logits|: see the module docstring."""
+
+DIFFERENT = 1e-2
+"""A flipped K3 field must move the logits by at least this fraction of their scale (100x `REL_TOL`)."""
+
+DEPTH_TOL = 1e-4
+"""Max |delta| of depth weights (probabilities): measured at most 4.8e-6 (fp32 vs float64), a margin of 20."""
+
+
+def relative(logits, reference) -> float:
+    return float((logits.double() - reference).abs().max() / reference.abs().max())
+
+
+def imported(folder) -> AttnResForCausalLM:
+    """The model `convert` builds from a K3 folder, without writing it: the same calls in the same order (read and
+    check the config, the options, every tensor's place and shape, then load in fp32)."""
+    source = k3_source(folder)
+    overrides = k3_overrides(source)
+    check_k3_tensors(source, retrofit_config(source.backbone, **overrides))
+    return load_k3_model(source, overrides)[0].eval()
+
+
+def logits_of(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def folder_state(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file in `folder`."""
+    state = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            state |= {name: handle.get_tensor(name) for name in handle.keys()}
+    return state
+
+
+def text_config_of(folder) -> dict:
+    fields = json.loads((folder / "config.json").read_text())
+    return fields["text_config"] if fields.get("model_type") == "kimi_k3" else fields
+
+
+@pytest.fixture(scope="module")
+def k3_converted(tmp_path_factory):
+    """The default tiny K3 checkpoint (multimodal layout, vision tensors, every K3 piece on, 5 layers in AttnRes
+    blocks of 2: the last block partial), its written tensors, and `convert`'s output folder."""
+    root = tmp_path_factory.mktemp("k3")
+    state = write_k3_checkpoint(root / "k3", tiny_k3_text_config(), seed=0)
+    report = convert(root / "k3", root / "out")
+    return root / "k3", state, root / "out", report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. The imported model computes K3's equations
+# ---------------------------------------------------------------------------------------------------------------
+
+CONFIGS = {
+    "default": ({}, {}),
+    "block-1": (dict(attn_res_block_size=1), {}),
+    "block-3": (dict(attn_res_block_size=3), {}),
+    "block-over-all-layers": (dict(attn_res_block_size=7), {}),
+    "3-layers": (dict(num_hidden_layers=3, linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2])), {}),
+    "6-layers": (dict(num_hidden_layers=6, linear_attn_config=dict(kda_layers=[1, 2, 4, 5], full_attn_layers=[3, 6])),
+                 {}),
+    "text-layout": ({}, dict(layout="text")),
+    "bf16-weights": ({}, dict(dtype=torch.bfloat16)),
+    "no-attnres": (dict(attn_res_block_size=DELETE), {}),  # K3's architecture, plain residuals: a retrofit
+}
+
+
+@pytest.mark.parametrize("overrides, writer", CONFIGS.values(), ids=CONFIGS.keys())
+def test_imported_k3_equals_the_reference(tmp_path, overrides, writer):
+    """The model read from a K3 folder (fp32) gives the float64 reference's logits on the stored values (bf16 ones
+    for bf16 weights), for block sizes 1, 3 and one past the last layer, 3 and 6 layers, both layouts, and K3
+    without AttnRes (converted as a retrofit of its residual model)."""
+    cfg = tiny_k3_text_config(**overrides)
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, **writer)
+    reference = k3_reference_logits(state, cfg, IDS)
+    assert relative(logits_of(imported(tmp_path / "k3")), reference) <= REL_TOL
+
+
+def test_converted_folder_equals_the_reference(k3_converted):
+    """`convert`'s written folder, loaded back, gives the reference's logits; its report says the routers were
+    imported with K3's block size (2 x attn_res_block_size sub-layers) and the plain mean."""
+    folder, state, out, report = k3_converted
+    model = AttnResForCausalLM.from_pretrained(out).eval()
+    assert relative(logits_of(model), k3_reference_logits(state, tiny_k3_text_config(), IDS)) <= REL_TOL
+    assert report["source"]["format"] == "k3" and report["source"]["layout"] == "multimodal"
+    assert report["source"]["imported_routers"] and not report["source"]["mxfp4_experts"]
+    assert report["config"] == {"depth_mixing": "attnres", "attnres_block_size": 4, "num_attnres_blocks": 3,
+                                "num_sublayers": 10, "attnres_rescale_output": False}
+    assert report["verification"]["tensors_identical"] and not report["verification"]["tensors_not_written_back"]
+
+
+@pytest.mark.parametrize("block", [2, 1, 3])
+def test_depth_weights_equal_the_reference_read_for_read(tmp_path, k3_converted, block):
+    """`output_depth_weights=True` gives one weight vector per router in depth order (layers.0.attn_res,
+    layers.0.mlp_res, ..., final_res); K3 has no read before layer 0's attention (one source, weight 1), so ours
+    minus that first one are the reference's reads, in order and source for source ([sealed blocks..., partial])."""
+    cfg = tiny_k3_text_config(attn_res_block_size=block)
+    if block == 2:
+        folder, state, out, _ = k3_converted
+        model = AttnResForCausalLM.from_pretrained(out).eval()
+    else:
+        state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0)
+        model = imported(tmp_path / "k3")
+    with torch.no_grad():
+        ours = model(IDS, output_depth_weights=True).depth_weights
+    reads = k3_reference_depth_weights(state, cfg, IDS)
+    assert [kind for kind, _, _ in reads] == ["mlp"] + ["attn", "mlp"] * 4 + ["final"]
+    assert len(ours) == len(reads) + 1
+    assert ours[0].shape == (*IDS.shape, 1) and torch.equal(ours[0], torch.ones_like(ours[0]))
+    for mine, (kind, layer, theirs) in zip(ours[1:], reads):
+        assert mine.shape == theirs.shape, (kind, layer)
+        assert float((mine.double() - theirs).abs().max()) <= DEPTH_TOL, (kind, layer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Every field K3 adds is read, not ignored
+# ---------------------------------------------------------------------------------------------------------------
+
+NO_LATENT_NORM = dict(latent_moe_use_norm=False)
+# The latent RMSNorm divides out any per-token factor of the experts' weighted sum (routed_scaling_factor, the
+# renormalisation): those two are flipped on a base without it, where they act.
+FLIPS = {
+    "hidden_act-silu": ({}, dict(hidden_act="silu")),
+    "activation_situ_beta": ({}, dict(activation_situ_beta=2.0)),
+    "activation_situ_beta-None": ({}, dict(activation_situ_beta=None)),
+    "activation_situ_linear_beta": ({}, dict(activation_situ_linear_beta=5.0)),
+    "activation_situ_linear_beta-None": (dict(activation_situ_linear_beta=5.0), dict(activation_situ_linear_beta=None)),
+    "routed_expert_hidden_size-absent": ({}, dict(routed_expert_hidden_size=DELETE)),
+    "routed_expert_hidden_size-None": ({}, dict(routed_expert_hidden_size=None)),
+    "latent_moe_use_norm": ({}, dict(latent_moe_use_norm=False)),
+    "mla_use_output_gate": ({}, dict(mla_use_output_gate=False)),
+    "use_full_rank_gate": ({}, dict(linear_attn_config=dict(use_full_rank_gate=False))),
+    "gate_lower_bound-None": ({}, dict(linear_attn_config=dict(gate_lower_bound=None))),
+    "gate_lower_bound": ({}, dict(linear_attn_config=dict(gate_lower_bound=-2.0))),
+    "num_shared_experts-0": ({}, dict(num_shared_experts=0)),
+    "num_shared_experts-1": ({}, dict(num_shared_experts=1)),
+    "routed_scaling_factor": (NO_LATENT_NORM, NO_LATENT_NORM | dict(routed_scaling_factor=1.0)),
+    "moe_renormalize": (NO_LATENT_NORM, NO_LATENT_NORM | dict(moe_renormalize=False)),
+    "num_expert_group-1": ({}, dict(num_expert_group=1, topk_group=1)),
+    "num_expert_group-4": ({}, dict(num_expert_group=4, topk_group=2)),
+    "first_k_dense_replace-0": ({}, dict(first_k_dense_replace=0)),
+    "first_k_dense_replace-2": ({}, dict(first_k_dense_replace=2)),
+}
+
+
+@pytest.mark.parametrize("base, flipped", FLIPS.values(), ids=FLIPS.keys())
+def test_every_k3_field_changes_the_model_as_k3_computes_it(tmp_path, base, flipped):
+    """Flipping a K3 field (the same seed: the same weights where the shapes stay) moves the logits by a clear
+    margin, and the imported model still equals the reference of the flipped config: none is silently ignored."""
+    base_cfg, cfg = tiny_k3_text_config(**base), tiny_k3_text_config(**flipped)
+    base_state = write_k3_checkpoint(tmp_path / "base", base_cfg, seed=0)
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0)
+    logits = logits_of(imported(tmp_path / "k3"))
+    assert relative(logits, k3_reference_logits(base_state, base_cfg, IDS)) >= DIFFERENT
+    assert relative(logits, k3_reference_logits(state, cfg, IDS)) <= REL_TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Generation with K3's hybrid cache
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_cached_generation_of_the_converted_model_equals_full_recompute(k3_converted):
+    """Prefill + one-token steps (KDA's recurrent state, MLA's cache) give the full forward's logits, and greedy
+    `generate` with the cache gives the tokens of a full recompute at every step. Measured: 2e-7 of max |logits|
+    (the chunked and recurrent KDA kernels), bounded by REL_TOL."""
+    model = AttnResForCausalLM.from_pretrained(k3_converted[2]).eval()
+    with torch.no_grad():
+        full = model(IDS).logits
+        prefill = model(IDS[:, :8], use_cache=True)
+        cache, steps = prefill.cache, [prefill.logits]
+        for i in range(8, IDS.shape[1]):
+            out = model(IDS[:, i:i + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits)
+        assert cache.get_seq_length() == IDS.shape[1]
+        assert relative(torch.cat(steps, 1), full.double()) <= REL_TOL
+        greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        cached = model.generate(IDS[:1], **greedy)
+        recomputed = IDS[:1]
+        for _ in range(6):
+            recomputed = torch.cat([recomputed, model(recomputed).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(cached, recomputed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. The exact round trip K3 -> attnres -> K3
+# ---------------------------------------------------------------------------------------------------------------
+
+def _text_name(name: str) -> str:
+    """A multimodal checkpoint's text tensor under the text layout's name (`model.*`, `lm_head.weight`)."""
+    return name.removeprefix("language_model.")
+
+
+def _round_trip(folder, state, out, tmp_path):
+    assert main(["export", "--to", "k3-layout", str(out), str(tmp_path / "back")]) == 0
+    back = folder_state(tmp_path / "back")
+    text = {_text_name(n): t for n, t in state.items() if not n.startswith(("vision_tower.", "mm_projector."))}
+    assert sorted(back) == sorted(text)
+    for name, tensor in text.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    for inert in ("model.layers.0.self_attention_res_proj.weight", "model.layers.0.self_attention_res_norm.weight"):
+        assert inert in back  # layer 0's inert attention router survives
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config == text_config_of(folder)
+    report = json.loads((tmp_path / "back" / "export_report.json").read_text())
+    assert report["verification"]["tensors_identical"]
+    convert(tmp_path / "back", tmp_path / "again")
+    first = AttnResForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    again = AttnResForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+    assert torch.equal(logits_of(again), logits_of(first))  # the same tensors, the same code
+
+
+def test_round_trip_through_the_k3_layout_is_exact(k3_converted, tmp_path):
+    """convert (multimodal) -> export --to k3-layout gives every text tensor back, value and dtype, under the text
+    layout's names; config.json is the original text config; converting the export again gives identical logits."""
+    folder, state, out, _ = k3_converted
+    _round_trip(folder, state, out, tmp_path)
+
+
+@pytest.mark.slow
+def test_round_trip_through_the_k3_layout_is_exact_in_bf16(tmp_path):
+    """The same with bf16 weights (K3's fp32 tensors, A_log, dt_bias, convolutions, KDA's output norm and the
+    score-correction bias, stay fp32), converted with `dtype="auto"`: the export is the original, its config's
+    `dtype` included."""
+    cfg = tiny_k3_text_config(dtype="bfloat16")
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, dtype=torch.bfloat16)
+    report = convert(tmp_path / "k3", tmp_path / "out", dtype="auto")
+    assert report["dtype"] == "bfloat16"
+    _round_trip(tmp_path / "k3", state, tmp_path / "out", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. MXFP4 experts
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_mxfp4_experts_convert_exactly(tmp_path):
+    """K3's MXFP4 routed experts (compressed-tensors' mxfp4-pack-quantized) dequantise by compressed-tensors to the
+    fixture's own decoding exactly (every MXFP4 value is an fp32 value), and the model equals the reference."""
+    pytest.importorskip("compressed_tensors")
+    cfg = tiny_k3_text_config(**MXFP4_OVERRIDES)
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, mxfp4_experts=True)
+    report = convert(tmp_path / "k3", tmp_path / "out")
+    assert report["source"]["mxfp4_experts"]
+    model = AttnResForCausalLM.from_pretrained(tmp_path / "out").eval()
+    weights = model.state_dict()
+    layers = [i for i in range(cfg["num_hidden_layers"]) if i >= cfg["first_k_dense_replace"]]
+    for i in layers:
+        gate_up, down = weights[f"model.layers.{i}.mlp.experts.gate_up_proj"], weights[f"model.layers.{i}.mlp.experts.down_proj"]
+        for e in range(cfg["num_experts"]):
+            expert = f"language_model.model.layers.{i}.block_sparse_moe.experts.{e}."
+            assert torch.equal(gate_up[e], torch.cat([state[expert + "w1.weight"], state[expert + "w3.weight"]]))
+            assert torch.equal(down[e], state[expert + "w2.weight"])
+    assert relative(logits_of(model), k3_reference_logits(state, cfg, IDS)) <= REL_TOL
+
+
+def test_mxfp4_experts_import_as_the_reference(tmp_path):
+    """The fast form of the check above: the imported MXFP4 model equals the reference (experts decoded by the
+    fixture's own MXFP4 decoder there, by compressed-tensors here)."""
+    pytest.importorskip("compressed_tensors")
+    cfg = tiny_k3_text_config(**MXFP4_OVERRIDES)
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, mxfp4_experts=True)
+    assert relative(logits_of(imported(tmp_path / "k3")), k3_reference_logits(state, cfg, IDS)) <= REL_TOL
+
+
+def _refused(tmp_path, capsys, argv, match):
+    """`attnres ARGV` exits 2 with one line naming `match` on stderr, and writes nothing."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("attnres ") and match in err, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_mxfp4_without_compressed_tensors_names_the_extra(tmp_path, capsys, monkeypatch):
+    """Without compressed-tensors an MXFP4 checkpoint is refused naming `attnres-hf[k3]`, nothing written."""
+    import importlib.util
+
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(**MXFP4_OVERRIDES), seed=0, mxfp4_experts=True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "compressed_tensors" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r'pip install "attnres-hf\[k3\]"'):
+        convert(tmp_path / "k3", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out")],
+             'pip install "attnres-hf[k3]"')
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Bad input: one line, before anything loads, nothing written
+# ---------------------------------------------------------------------------------------------------------------
+
+def _edit_config(folder, text=None, top=None):
+    """Change config.json: `text` in the text config, `top` at the top level (`DELETE` removes a key)."""
+    fields = json.loads((folder / "config.json").read_text())
+    for target, changes in ((fields.get("text_config", fields), text), (fields, top)):
+        for key, value in (changes or {}).items():
+            if value is DELETE:
+                target.pop(key, None)
+            elif key == "linear_attn_config":
+                target[key] |= value
+            else:
+                target[key] = value
+    (folder / "config.json").write_text(json.dumps(fields))
+
+
+def _edit_tensors(folder, drop=(), change=None):
+    """Drop tensors from, or replace tensors in, the shards (the index kept consistent)."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        path = folder / file
+        with safe_open(path, "pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        tensors = {name: (change or {}).get(name, tensor) for name, tensor in tensors.items() if name not in drop}
+        save_file(tensors, path, metadata={"format": "pt"})
+    index["weight_map"] = {name: file for name, file in index["weight_map"].items() if name not in drop}
+    index_file.write_text(json.dumps(index))
+
+
+def _truncate(folder):
+    path = folder / "model-00002-of-00002.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _non_zero_a_log_padding(folder):
+    name = "language_model.model.layers.0.self_attn.A_log"
+    with safe_open(folder / "model-00001-of-00002.safetensors", "pt") as handle:
+        a_log = handle.get_tensor(name).clone()
+    a_log[-1] = 0.5
+    _edit_tensors(folder, change={name: a_log})
+
+
+EXPERT = "language_model.model.layers.2.block_sparse_moe.experts.3."
+BAD_INPUT = {
+    "unknown-field": (lambda f: _edit_config(f, text={"use_mtp_router": True}),
+                      "use_mtp_router (not a field of K3's text model attnres-hf knows)"),
+    "block-size-0": (lambda f: _edit_config(f, text={"attn_res_block_size": 0}),
+                     "attn_res_block_size must be a positive number of decoder layers, got 0"),
+    "block-size-negative": (lambda f: _edit_config(f, text={"attn_res_block_size": -1}), "got -1"),
+    "block-size-string": (lambda f: _edit_config(f, text={"attn_res_block_size": "2"}), "got '2'"),
+    "block-size-bool": (lambda f: _edit_config(f, text={"attn_res_block_size": True}), "got True"),
+    "attnres-tensors-without-block-size": (lambda f: _edit_config(f, text={"attn_res_block_size": DELETE}),
+                                           "AttnRes tensors, but the config has no attn_res_block_size"),
+    "no-text-config": (lambda f: _edit_config(f, top={"text_config": DELETE}), "without a text_config object"),
+    "topk_method": (lambda f: _edit_config(f, text={"topk_method": "greedy"}), "topk_method='greedy'"),
+    "nextn-layers": (lambda f: _edit_config(f, text={"num_nextn_predict_layers": 1}), "num_nextn_predict_layers=1"),
+    "rotary-mla": (lambda f: _edit_config(f, text={"mla_use_nope": False}), "mla_use_nope=False"),
+    "linear_attn_config-key": (lambda f: _edit_config(f, text={"linear_attn_config": {"gate_upper_bound": 1.0}}),
+                               "linear_attn_config has keys kimi_k3 does not implement: gate_upper_bound"),
+    "missing-expert": (lambda f: _edit_tensors(f, drop=[EXPERT + "w2.weight"]), "incomplete: missing 3.w2"),
+    "truncated-shard": (_truncate, "truncated or corrupt"),
+    "other-quantization": (lambda f: _edit_config(f, top={"quantization_config": {"quant_method": "fp8",
+                                                                                  "fmt": "e4m3"}}),
+                           "quantization_config is not compressed-tensors' mxfp4-pack-quantized"),
+}
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if a model is built or (`reads=True` aside) a tensor's data is read."""
+    def patch(reads=False):
+        def loaded(*args, **kwargs):
+            raise AssertionError("the refusal came after loading")
+
+        monkeypatch.setattr(k3_module, "KimiK3ForCausalLM", loaded)
+        if not reads:
+            monkeypatch.setattr(k3_module, "read_k3_tensors", loaded)
+    return patch
+
+
+@pytest.mark.parametrize("edit, match", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_k3_folders_are_one_line_refusals(tmp_path, capsys, no_loading, edit, match):
+    """Each problem is one line from `attnres convert` (exit 2) naming it, before any tensor's data is read or any
+    model built, with nothing written; `convert` raises it as a ValueError (UnsupportedSourceError is one)."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(), seed=0)
+    edit(tmp_path / "k3")
+    no_loading()
+    with pytest.raises(ValueError, match=None) as error:
+        convert(tmp_path / "k3", tmp_path / "out")
+    assert match in str(error.value) and "\n" not in str(error.value)
+    _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out")], match)
+
+
+def test_a_non_zero_a_log_padding_is_refused_before_the_model_is_built(tmp_path, capsys, no_loading):
+    """K3 pads A_log with zeros past its heads: a non-zero entry there (a value, so read, not a header) is refused
+    before any model is built, nothing written."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(), seed=0)
+    _non_zero_a_log_padding(tmp_path / "k3")
+    no_loading(reads=True)
+    _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out")],
+             "language_model.model.layers.0.self_attn.A_log has non-zero entries past its 2 heads")
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda f: _edit_tensors(f, drop=[EXPERT + "w1.weight_scale"]), "without their other half"),
+    (lambda f: _edit_config(f, text={"quantization_config": DELETE}, top={"quantization_config": DELETE}),
+     "no quantization_config declares them"),
+    (lambda f: _edit_config(f, text={"quantization_config": DELETE}, top={"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}), "nvfp4-pack-quantized"),
+], ids=["packed-without-scale", "undeclared", "nvfp4"])
+def test_bad_mxfp4_checkpoints_are_refused(tmp_path, capsys, no_loading, damage, match):
+    """An MXFP4 packed tensor without its scale, packed tensors no quantization_config declares, or another
+    compressed-tensors format: one line before loading, nothing written."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(**MXFP4_OVERRIDES), seed=0, mxfp4_experts=True)
+    damage(tmp_path / "k3")
+    no_loading()
+    _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out")], match)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--block-size", "2"], "attnres_block_size=2 (the checkpoint's is 4)"),
+    (["--block-size", "6"], "attnres_block_size=6 (the checkpoint's is 4)"),
+    (["--full"], "attnres_block_size=1 (the checkpoint's is 4)"),
+    (["--depth-mixing", "denseformer"], "depth_mixing='denseformer' (the checkpoint's is 'attnres')"),
+    (["--depth-mixing", "residual"], "depth_mixing='residual' (the checkpoint's is 'attnres')"),
+])
+def test_options_that_would_change_an_imported_k3_model_are_refused(tmp_path, capsys, no_loading, argv, match):
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(), seed=0)
+    no_loading()
+    _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out"), *argv], match)
+
+
+def test_python_overrides_that_would_change_an_imported_k3_model_are_refused(tmp_path, no_loading):
+    """The same from Python, the rescaled mean and a block size given as `attnres_block_size` included; the
+    checkpoint's own values are accepted."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(), seed=0)
+    no_loading()
+    for overrides, match in ((dict(attnres_rescale_output=True), "attnres_rescale_output=True (the checkpoint's is "
+                                                                 "False)"),
+                             (dict(attnres_block_size=8), "attnres_block_size=8 (the checkpoint's is 4)"),
+                             (dict(depth_mixing="mhc"), "depth_mixing='mhc'")):
+        with pytest.raises(ValueError, match=None) as error:
+            convert(tmp_path / "k3", tmp_path / "out", **overrides)
+        assert match in str(error.value)
+        assert not (tmp_path / "out").exists()
+    source = k3_source(tmp_path / "k3")
+    assert k3_overrides(source, attnres_block_size=4, attnres_rescale_output=False, depth_mixing="attnres") == \
+        {"depth_mixing": "attnres", "attnres_block_size": 4, "attnres_rescale_output": False}
+
+
+@pytest.mark.slow
+def test_cli_converts_a_k3_folder(tmp_path, capsys):
+    """`attnres convert` on a K3 AttnRes folder succeeds and says what it checked (the mapping, tensor for tensor:
+    no K3 runtime runs here)."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(), seed=0)
+    assert main(["convert", str(tmp_path / "k3"), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert f"wrote {tmp_path / 'out'}" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. `attnres info`: layer 0's attention router
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_layer0_attention_router_is_inert_kept_and_reported(k3_converted, capsys):
+    """K3 stores layer 0's `self_attention_res_*` pair; its router reads one source (the embedding), so it never
+    acts: imported as stored, changing it changes nothing, and `attnres info` says so."""
+    folder, state, out, _ = k3_converted
+    model = AttnResForCausalLM.from_pretrained(out).eval()
+    router = model.model.layers[0].attn_res
+    stored = state["language_model.model.layers.0.self_attention_res_proj.weight"]
+    assert torch.equal(router.query, stored.reshape(-1))
+    assert torch.equal(router.key_norm.weight, state["language_model.model.layers.0.self_attention_res_norm.weight"])
+    before = logits_of(model)
+    with torch.no_grad():
+        router.query.mul_(-7)
+        router.key_norm.weight.add_(3)
+    assert torch.equal(logits_of(model), before)
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "inert               layer 0's attn_res" in text and "backbone            kimi_k3" in text
+    assert "block size          4 sub-layers (Block AttnRes, 3 blocks, the last of 2)" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. Training the imported model
+# ---------------------------------------------------------------------------------------------------------------
+
+def _train_steps(model, steps=2, lr=1e-2):
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return losses, parameters
+
+
+def test_router_training_on_the_imported_k3_model(k3_converted):
+    """`prepare_model(..., "routers")` trains only K3's imported pseudo-queries and key norms: the loss is finite,
+    every `attn_res.query` but layer 0's (inert) gets a gradient and moves, nothing else does."""
+    model = AttnResForCausalLM.from_pretrained(k3_converted[2])
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model = prepare_model(model, "routers")
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n in before if is_router_parameter(n)}
+    model.train()
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    queries = {n: p for n, p in model.named_parameters() if n.endswith("attn_res.query")}
+    assert len(queries) == 5
+    for name, param in queries.items():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert (param.grad.count_nonzero() == 0) == (name == "model.layers.0.attn_res.query"), name
+    model.zero_grad()
+    losses, _ = _train_steps(model)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(is_router_parameter(n) for n in changed)
+    assert "model.layers.1.attn_res.query" in changed and "model.final_res.query" in changed
+
+
+def test_lora_training_on_the_imported_k3_model(k3_converted):
+    """`prepare_model(..., "lora")` on the K3 model: adapters on its linear layers (KDA, MLA, MoE projections) and
+    the routers train; two steps, finite loss, the adapters' B matrices leave zero."""
+    torch.manual_seed(0)
+    model = prepare_model(AttnResForCausalLM.from_pretrained(k3_converted[2]), "lora", lora_r=4)
+    losses, parameters = _train_steps(model)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    lora_b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert lora_b and all(p.count_nonzero() > 0 for p in lora_b.values())
+    assert any("self_attn.f_a_proj" in n for n in lora_b) and any("kv_b_proj" in n for n in lora_b)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.endswith("mlp_res.query") or ".mlp_res.modules_to_save" in n for n in trainable), sorted(trainable)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. What K3's layout cannot hold is refused on export
+# ---------------------------------------------------------------------------------------------------------------
+
+def _k3_backbone(**overrides):
+    backbone, problems = backbone_from_k3({k: v for k, v in tiny_k3_text_config(**overrides).items()
+                                           if k != "attn_res_block_size"})
+    assert not problems
+    return backbone
+
+
+EXPORT_REFUSALS = {
+    "non-k3-backbone": (lambda: tiny_model(attnres_block_size=2, attnres_rescale_output=False), "backbone 'llama'"),
+    "full-attnres": (lambda: dict(depth_mixing="attnres", attnres_block_size=1, attnres_rescale_output=False),
+                     "attnres_block_size 1"),
+    "odd-block-size": (lambda: dict(depth_mixing="attnres", attnres_block_size=3, attnres_rescale_output=False),
+                       "attnres_block_size 3"),
+    "rescaled": (lambda: dict(depth_mixing="attnres", attnres_block_size=4, attnres_rescale_output=True),
+                 "attnres_rescale_output=True"),
+    "denseformer": (lambda: dict(depth_mixing="denseformer"), "depth_mixing 'denseformer'"),
+}
+
+
+@pytest.mark.parametrize("make, match", EXPORT_REFUSALS.values(), ids=EXPORT_REFUSALS.keys())
+def test_models_k3_cannot_hold_are_refused_on_export(tmp_path, capsys, make, match):
+    """`export(..., to="k3-layout")` refuses, naming the setting, a non-K3 backbone, Full AttnRes or an odd block
+    size (K3 seals whole decoder layers), a rescaled router output and another method; nothing written."""
+    made = make()
+    if isinstance(made, dict):
+        made = AttnResForCausalLM(AttnResConfig(backbone=_k3_backbone(), **made))
+    made.save_pretrained(tmp_path / "ours")
+    with pytest.raises(ValueError, match=None) as error:
+        export(tmp_path / "ours", tmp_path / "out", to="k3-layout")
+    assert match in str(error.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    _refused(tmp_path, capsys, ["export", "--to", "k3-layout", str(tmp_path / "ours"), str(tmp_path / "out")], match)
+
+
+def test_a_native_k3_attnres_model_exports_and_converts_back(tmp_path):
+    """A kimi_k3 AttnRes model made here (not converted) exports to K3's layout, whose text config K3's fields
+    describe (attn_res_block_size half the block size) and which converts back to the same model."""
+    config = AttnResConfig(backbone=_k3_backbone(), depth_mixing="attnres", attnres_block_size=4,
+                           attnres_rescale_output=False)
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".query"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "ours")
+    export(tmp_path / "ours", tmp_path / "k3", to="k3-layout")
+    fields = json.loads((tmp_path / "k3" / "config.json").read_text())
+    assert fields["attn_res_block_size"] == 2 and fields["model_type"] == "kimi_linear"
+    assert fields["linear_attn_config"]["kda_layers"] == [1, 3, 4]
+    back = imported(tmp_path / "k3")
+    assert torch.equal(logits_of(back), logits_of(model))
+    state = folder_state(tmp_path / "k3")
+    cfg = copy.deepcopy(fields)
+    assert relative(logits_of(model), k3_reference_logits(state, cfg, IDS)) <= REL_TOL
+
+
+def test_an_existing_output_folder_is_kept(k3_converted, tmp_path, capsys):
+    """Neither convert nor export replaces an existing folder without --force."""
+    folder, _, out, _ = k3_converted
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert main(["convert", str(folder), str(tmp_path / "out")]) == 2
+    assert main(["export", "--to", "k3-layout", str(out), str(tmp_path / "out")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    shutil.rmtree(tmp_path / "out")
