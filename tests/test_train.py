@@ -392,3 +392,13 @@ def test_an_incomplete_checkpoint_is_refused_before_loading(damage, says, finish
     _no_loading(monkeypatch)
     assert run_train(finished_run, out, "--method", "routers", "--resume", "--max-steps", "4") == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling", ["--model X", "--model=X"])
+def test_the_model_goes_as_the_help_spells_it_too(tiny_model_dir, spelling):
+    """`attnres train --model FOLDER ...` (the option the help lists) trains as the positional form does."""
+    out, folder = tiny_model_dir / f"out-{spelling[7]}", str(tiny_model_dir / "model")
+    model = ["--model", folder] if spelling == "--model X" else [f"--model={folder}"]
+    assert main(["train", *model, "--data", str(tiny_model_dir / "train.txt"), "--output-dir", str(out), *COMMON,
+                 "--max-steps", "1"]) == 0
+    assert (out / "model.safetensors").is_file()

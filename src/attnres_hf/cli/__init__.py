@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "pass_through", False):
         args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
+    args.rest, args.argv = rest, argv  # `argv`: for a pass-through command that parses its own arguments in order
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly

@@ -40,6 +40,20 @@ def run_train(args: argparse.Namespace) -> int:
     from ..training import DEFAULT_LEARNING_RATES, train
 
     parser = train_parser()
+    # the arguments after `train`, in order: MODEL first, or `--model MODEL` / `--model=MODEL` anywhere (an option
+    # argparse does not know makes it take the next value, e.g. --data's, for MODEL)
+    rest = list(args.argv[args.argv.index("train") + 1:])
+    args.model = None if not rest or rest[0].startswith("-") else rest.pop(0)
+    for index, arg in enumerate(rest):
+        if arg == "--model" and index + 1 < len(rest):
+            args.model = rest[index + 1]
+            del rest[index:index + 2]
+            break
+        if arg.startswith("--model="):
+            args.model = arg.split("=", 1)[1]
+            del rest[index]
+            break
+    args.rest = rest
     if args.model is None or args.model in ("-h", "--help") or {"-h", "--help"} & set(args.rest):
         parser.print_help()  # the Trainer options live in TrainingArguments, not in the argparse tree
         return 0
