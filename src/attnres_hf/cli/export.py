@@ -29,6 +29,9 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"read back by attnres convert: every tensor identical ({check['tensors_identical']}); logits not "
               "compared (no Kimi K3 runtime runs here)")
         print(f"wrote {args.output_dir} ({report['tensors']} tensors, {report['dtype']})")
+        if report["k3_remote_code_files"]:
+            print(f"K3's own code loads it with trust_remote_code=True once its {', '.join(report['k3_remote_code_files'])} "
+                  "(Moonshot's, in the K3 release; not shipped by attnres-hf) are copied into the folder")
         return 0
     print(f"max |delta logits| vs fla's model: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} "
           f"tokens ({check['relative_max_abs_logit_delta']:.2g} of max |logits|; exact: {check['exact']})")

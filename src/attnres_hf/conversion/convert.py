@@ -24,7 +24,7 @@ from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtyp
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
 from .k3_layout import to_attnres_state_dict
-from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
+from .k3_source import (check_k3_tensors, is_family_folder, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
                         verify_k3_tensors)
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, load_source,
                        load_source_config, retrofit, retrofit_config, split_gguf_path)
@@ -284,6 +284,12 @@ def convert(
     output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
     target_dtype = check_dtype(dtype, auto=True)
 
+    if not isinstance(source, PreTrainedModel) and gguf_file is None and is_family_folder(source):
+        # `KimiK3ForCausalLM.save_pretrained`'s folder: the kimi_k3 family's model, which no Auto class knows
+        from ..modeling.backbones_k3 import KimiK3ForCausalLM
+
+        tokenizer, source_name = tokenizer or load_tokenizer(source), source_name or str(source)
+        source = KimiK3ForCausalLM.from_pretrained(source, dtype=torch.float32)
     unused, fla, k3, stored_dtypes = [], None, None, {}  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:

@@ -178,7 +178,7 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
     K3's model does not have (another backbone, method or knob, a Full or odd block size, a rescaled router output)."""
     from huggingface_hub import save_torch_state_dict
 
-    from .k3_layout import k3_from_backbone, to_k3_state_dict
+    from .k3_layout import k3_from_backbone, remote_code_files, to_k3_state_dict
     from .k3_source import check_k3_tensors, k3_source, read_k3_tensors
 
     problems = []
@@ -203,7 +203,8 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         raise UnsupportedSourceError(f"{model_dir}: Kimi K3's model cannot compute this one: {'; '.join(problems)}")
     fields = _k3_text_config(model_dir, fields)
     state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
-    dtype = max({t.dtype for t in state.values() if t.is_floating_point()}, key=lambda d: torch.finfo(d).bits)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else max(  # the model's (K3 keeps some fp32 tensors)
+        {t.dtype for t in state.values() if t.is_floating_point()}, key=lambda d: torch.finfo(d).bits)
     print(f"Writing {len(state)} tensors in Kimi K3's text layout ...", flush=True)
     with staged_folder(output_dir, replace=force) as staging:
         (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},
@@ -221,7 +222,7 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         report = {
             "attnres_hf_version": __version__, "to": "k3-layout", "source": str(model_dir),
             "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."), "tensors": len(state),
-            "k3_text_config": fields,
+            "k3_text_config": fields, "k3_remote_code_files": remote_code_files(fields),
             "verification": {"read_back_by_attnres_convert": True, "tensors_identical": identical,
                              "logits_compared": "no: no Kimi K3 runtime runs here"},
         }

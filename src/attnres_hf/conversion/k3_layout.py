@@ -27,6 +27,7 @@ architecture without AttnRes, a plain residual model.
 import re
 
 import torch
+from transformers.configuration_utils import PreTrainedConfig
 
 from ..modeling.backbones_k3 import KimiK3Config
 
@@ -218,6 +219,13 @@ READ_AS_IS = frozenset({
 })
 """K3 text-config fields `KimiK3Config` takes as they are (`linear_attn_config` is read into its flat fields)."""
 
+SAVED_BY_TRANSFORMERS = frozenset((set(KimiK3Config.__dataclass_fields__) - set(PreTrainedConfig.__dataclass_fields__))
+                                  | set(KimiK3Config.attribute_map.values()))
+"""Fields of a K3 text config re-saved through transformers' `KimiLinearConfig` (or `KimiK3Config`): its own
+dataclass fields (`layer_types`, `linear_num_heads`, ...) and the names its `attribute_map` stores
+(`model_max_length` for `max_position_embeddings`, ...), read as they are; `head_dim` and `qk_head_dim`, which it
+derives, are recomputed (`NOT_ARCHITECTURE`)."""
+
 CHECKED = {
     "topk_method": ("noaux_tc",),  # DeepSeek-V3's bias-corrected top-k, what the router computes
     "use_grouped_topk": (True, False),  # not read by K3's code: its router groups whenever num_expert_group > 1
@@ -236,26 +244,48 @@ NOT_ARCHITECTURE = frozenset({
     "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
     "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "forced_bos_token_id",
     "forced_eos_token_id", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "head_dim", "qk_head_dim",
 })
 """Fields that are not the architecture: bookkeeping and the generation defaults transformers 4.x wrote into every
 config (`attn_res_block_size` and `quantization_config` are read separately)."""
+
+
+RELEASE_AUTO_MAP = {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
+                    "AutoModel": "modeling_kimi_linear.KimiLinearModel",
+                    "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM"}
+"""The `auto_map` of the released K3 text config: K3's own code (Moonshot's files, in the K3 release; not shipped
+here), which the exported text layout names so that `trust_remote_code=True` finds it once the files are copied in."""
+
+
+def remote_code_files(text_config: dict) -> list[str]:
+    """The Python files a text config's `auto_map` names (`configuration_kimi_k3.py`, ...)."""
+    auto_map = text_config.get("auto_map") or {}
+    return sorted({reference.split(".")[0] + ".py" for reference in auto_map.values() if isinstance(reference, str)})
 
 
 def backbone_from_k3(text_config: dict) -> tuple[KimiK3Config | None, list[str]]:
     """`KimiK3Config` of K3's text config, and the reasons it has none (every field not implemented, by name).
 
     Raises nothing for a bad field: every problem is in the list (a `ValueError` of `KimiK3Config` included)."""
+    known = READ_AS_IS | SAVED_BY_TRANSFORMERS
     problems = [f"{name} (not a field of K3's text model attnres-hf knows)" for name in text_config
-                if name not in READ_AS_IS | NOT_ARCHITECTURE | set(CHECKED)]
+                if name not in known | NOT_ARCHITECTURE | set(CHECKED)]
     problems += [f"{name}={text_config[name]!r} (implemented: {', '.join(map(repr, accepted))})"
                  for name, accepted in CHECKED.items() if name in text_config and text_config[name] not in accepted]
     if problems:
         return None, problems
+    fields = {name: float(value) if name in _FLOAT_FIELDS and type(value) is int else value
+              for name, value in text_config.items() if name in known}  # JSON writers drop `.0` (jq: 4.0 -> 4)
     try:
-        config = KimiK3Config(**{name: value for name, value in text_config.items() if name in READ_AS_IS})
-    except Exception as error:  # huggingface_hub's strict-dataclass errors are no ValueError
-        return None, [f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"]
+        config = KimiK3Config(**fields)
+    except Exception as error:  # huggingface_hub's strict-dataclass errors are no ValueError: one line, every reason
+        return None, [" ".join(str(error).split())]
     return config, []
+
+
+_FLOAT_FIELDS = frozenset(name for name, field in KimiK3Config.__dataclass_fields__.items()
+                          if "float" in str(field.type))
+"""`KimiK3Config` fields of type float (possibly None), which take a JSON integer as its float."""
 
 
 def k3_block_size(value) -> int | None:
@@ -296,7 +326,7 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
     fields = {name: getattr(config, name) for name in sorted(READ_AS_IS - {"linear_attn_config", "first_k_dense_replace",
                                                                         "moe_layer_freq"})}
     fields |= {
-        "model_type": TEXT_MODEL_TYPE, "architectures": ["KimiLinearForCausalLM"],
+        "model_type": TEXT_MODEL_TYPE, "architectures": ["KimiLinearForCausalLM"], "auto_map": RELEASE_AUTO_MAP,
         "first_k_dense_replace": rule[0], "moe_layer_freq": rule[1], "topk_method": "noaux_tc",
         "use_grouped_topk": True, "num_nextn_predict_layers": 0,
         "linear_attn_config": {
@@ -313,5 +343,5 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
 
 
 __all__ = ["CHECKED", "CONV", "EXPERT", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE", "PREFIXES", "READ_AS_IS",
-           "SKIPPED_PREFIXES", "TEXT_MODEL_TYPE", "backbone_from_k3", "k3_block_size", "k3_from_backbone",
-           "to_attnres_state_dict", "to_k3_state_dict"]
+           "RELEASE_AUTO_MAP", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES", "TEXT_MODEL_TYPE", "backbone_from_k3",
+           "k3_block_size", "k3_from_backbone", "remote_code_files", "to_attnres_state_dict", "to_k3_state_dict"]

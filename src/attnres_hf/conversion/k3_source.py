@@ -57,13 +57,21 @@ def _config(source) -> dict | None:
     return fields if isinstance(fields, dict) else None
 
 
+def is_family_folder(source) -> bool:
+    """Whether `source` is a folder `KimiK3ForCausalLM.save_pretrained` wrote (the `kimi_k3` family's own source
+    model: `model_type: "kimi_k3"` with the flat fields of `KimiK3Config`, not K3's nested `text_config`)."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir() or (fields := _config(source)) is None:
+        return False
+    return fields.get("model_type") == K3_MODEL_TYPE and "text_config" not in fields and "linear_num_heads" in fields
+
+
 def is_k3_folder(source) -> bool:
     """Whether `source` is a folder of K3's layout: `config.json` says `model_type: "kimi_k3"` (the release), or
     `kimi_linear` with a field only K3 has (`K3_ONLY_FIELDS`, SiTU, K3's KDA gate options)."""
     if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir() or (fields := _config(source)) is None:
         return False
     if fields.get("model_type") == K3_MODEL_TYPE:
-        return True
+        return not is_family_folder(source)
     linear = fields.get("linear_attn_config")
     return fields.get("model_type") == TEXT_MODEL_TYPE and (
         any(name in fields for name in K3_ONLY_FIELDS) or fields.get("hidden_act") == "situ"
@@ -181,9 +189,11 @@ def check_k3_tensors(source: K3Source, config: AttnResConfig) -> None:
     routers = sorted(name for name in state if is_depth_mixing_parameter(name) and name not in expected)
     if routers and source.block_size is None:
         problems.append(f"AttnRes tensors, but the config has no attn_res_block_size: {_shown(routers)}")
-    unplaced += sorted(name for name in state if name not in expected and name not in routers)
     if unplaced:
-        problems.append(f"tensors with no place in the model: {_shown(sorted(unplaced))}")
+        problems.append(f"tensors with no place in K3's text model (K3 names): {_shown(sorted(unplaced))}")
+    extra = sorted(name for name in state if name not in expected and name not in routers)
+    if extra:  # e.g. layers past num_hidden_layers (multi-token-prediction layers) or another config's modules
+        problems.append(f"tensors the model config.json builds does not have (attnres-hf names): {_shown(extra)}")
     shapes = sorted(f"{name} {tuple(t.shape)} (expected {expected[name]})" for name, t in state.items()
                     if name in expected and tuple(t.shape) != expected[name])
     if shapes:
@@ -270,7 +280,9 @@ def verify_k3_tensors(model: AttnResForCausalLM, tensors: dict[str, torch.Tensor
     (compared in fp32, which holds each stored value exactly): `tensors_checked`, `tensors_not_written_back`,
     `max_abs_tensor_delta`, `tensors_identical`. No K3 code runs here, so this checks the mapping, not the forward
     (which `tests/test_k3.py` checks against an independent reference of K3's equations)."""
-    back = to_k3_state_dict(model.state_dict(), model.config.backbone, layout)
+    keep = model.config.depth_mixing == "attnres"  # other methods' parameters have no place in K3's layout
+    back = to_k3_state_dict({name: tensor for name, tensor in model.state_dict().items()
+                             if keep or not is_depth_mixing_parameter(name)}, model.config.backbone, layout)
     checked = [name for name in tensors if name in back]
     delta = max((float((back[name].float() - tensors[name].float()).abs().max()) for name in checked), default=0.0)
     absent = sorted(set(tensors) - set(back))
@@ -287,5 +299,5 @@ def k3_report_fields(source: K3Source) -> dict:
 
 
 __all__ = ["K3Source", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES", "check_compressed_tensors", "check_k3_tensors",
-           "is_k3_folder", "k3_overrides", "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors",
+           "is_family_folder", "is_k3_folder", "k3_overrides", "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors",
            "verify_k3_tensors"]

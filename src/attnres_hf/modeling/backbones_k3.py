@@ -116,6 +116,7 @@ class KimiK3Config(KimiLinearConfig):
         unknown = sorted(set(linear) - _LINEAR_ATTN_KEYS)
         if unknown:
             raise ValueError(f"linear_attn_config has keys kimi_k3 does not implement: {', '.join(unknown)}")
+        _check_layer_lists(linear, self.num_hidden_layers)
         self.linear_use_full_rank_gate = linear.get("use_full_rank_gate", self.linear_use_full_rank_gate)
         self.linear_lower_bound = linear.get("gate_lower_bound", self.linear_lower_bound)
         if self.mlp_layer_types is None and "moe_layer_freq" in kwargs:  # K3's MoE rule, with its layer frequency
@@ -127,8 +128,25 @@ class KimiK3Config(KimiLinearConfig):
         check_kimi_k3(self)
 
 
+def _check_layer_lists(linear: dict, num_hidden_layers: int) -> None:
+    """K3's 1-based `kda_layers` / `full_attn_layers` name each decoder layer once (checked before Kimi Linear's
+    config builds `layer_types` from them, which fails on a bad list with a bare IndexError)."""
+    if "kda_layers" not in linear and "full_attn_layers" not in linear:
+        return
+    lists = {name: linear.get(name, []) for name in ("kda_layers", "full_attn_layers")}
+    for name, layers in lists.items():
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError(f"linear_attn_config.{name} must be a list of 1-based layer numbers, got {layers!r}")
+    named = sorted(lists["kda_layers"] + lists["full_attn_layers"])
+    if named != list(range(1, num_hidden_layers + 1)):
+        raise ValueError(f"linear_attn_config.kda_layers and full_attn_layers must name each of the "
+                         f"{num_hidden_layers} layers once, 1-based, got {lists['kda_layers']} and "
+                         f"{lists['full_attn_layers']}")
+
+
 def check_kimi_k3(config) -> None:
-    """Refuse the K3 settings no module here implements; raises `ValueError` naming the field."""
+    """Refuse the K3 settings no module here implements, or that its router cannot choose from; raises `ValueError`
+    naming the field."""
     if not config.mla_use_nope:
         raise ValueError("kimi_k3 with mla_use_nope=False (rotary MLA) is not implemented: K3's MLA has no rotary "
                          "embedding")
@@ -147,6 +165,22 @@ def check_kimi_k3(config) -> None:
     width = config.routed_expert_hidden_size
     if width is not None and not width > 0:
         raise ValueError(f"routed_expert_hidden_size must be a positive integer or None, got {width!r}")
+    if "sparse" in config.mlp_layer_types:
+        experts, groups, top_groups, top_k = (config.num_local_experts, config.n_group, config.topk_group,
+                                              config.num_experts_per_tok)
+        if not experts >= 2:  # the router's group score sums each group's top two
+            raise ValueError(f"num_experts must be at least 2 on MoE layers, got {experts!r}")
+        if not groups >= 1 or experts % groups or experts // groups < 2:
+            raise ValueError(f"num_expert_group ({groups!r}) must divide num_experts ({experts}) into groups of at "
+                             "least 2 experts")
+        if not 1 <= top_groups <= groups:
+            raise ValueError(f"topk_group must be between 1 and num_expert_group ({groups}), got {top_groups!r}")
+        if not 1 <= top_k <= top_groups * experts // groups:
+            raise ValueError(f"num_experts_per_token must be between 1 and the {top_groups * experts // groups} "
+                             f"experts of the topk_group groups chosen, got {top_k!r}")
+    if "full_attention" not in config.layer_types:
+        raise ValueError("kimi_k3 needs at least one MLA (full_attention) layer: transformers' hybrid cache counts "
+                         "the tokens seen on its attention layers")
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
@@ -368,7 +402,10 @@ class KimiK3Model(KimiK3PreTrainedModel, kimi.KimiLinearModel):
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, kimi.KimiLinearForCausalLM):
     """K3's text model without AttnRes (the `kimi_k3` family's source model; K3 itself is the AttnRes model of this
-    backbone): Kimi Linear's causal LM over `KimiK3Model`."""
+    backbone): Kimi Linear's causal LM over `KimiK3Model`, whose head is the embedding with `tie_word_embeddings`
+    (Kimi Linear's declares no tied weights, so its head stays untied whatever the config says)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: KimiK3Config):
         KimiK3PreTrainedModel.__init__(self, config)
