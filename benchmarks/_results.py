@@ -205,3 +205,20 @@ def write_fragment(path: str | os.PathLike, provenance: str, text: str) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+def run_cases(doc: str, script: str, argv: list[str] | None, cases, measure, table) -> int:
+    """`main()` of a benchmark that measures each of its `cases` in a temporary folder (`measure(*case, root, seed)`,
+    the seed its position) and prints `table(rows)`; `--results PATH` also writes it with how it was measured."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--results", metavar="PATH", type=results_path,
+                        help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
+    args = parser.parse_args(argv)
+    measured = Run(script, sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory() as root:
+        rows = [measure(*case, Path(root), seed) for seed, case in enumerate(cases)]
+    text = table(rows)
+    print(text)
+    if args.results:
+        measured.write(args.results, text)
+    return 0

@@ -11,16 +11,14 @@ fla's originals bit for bit. `--results PATH` writes the table, with how it was 
     python benchmarks/fla_interop.py --results docs/results/fla_interop.md   # about a minute on 2 cores
 """
 
-import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import Run, results_path  # noqa: E402
+from _results import run_cases  # noqa: E402
 
 TINY = dict(hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=99, intermediate_size=64,
             max_position_embeddings=128, fuse_cross_entropy=False)
@@ -123,18 +121,7 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", metavar="PATH", type=results_path,
-                        help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
-    args = parser.parse_args(argv)
-    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
-    with tempfile.TemporaryDirectory() as root:
-        rows = [measure(*case, Path(root), seed) for seed, case in enumerate(CASES)]
-    text = table(rows)
-    print(text)
-    if args.results:
-        measured.write(args.results, text)
-    return 0
+    return run_cases(__doc__, __file__, argv, CASES, measure, table)
 
 
 if __name__ == "__main__":

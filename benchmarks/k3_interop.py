@@ -12,17 +12,15 @@ same for the depth weights of every read, and whether the exported text tensors 
     python benchmarks/k3_interop.py --results docs/results/k3_interop.md   # under a minute on 2 cores
 """
 
-import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
-from _results import Run, results_path  # noqa: E402
+from _results import run_cases  # noqa: E402
 
 CASES = [  # (label, K3 text-config overrides, write_k3_checkpoint options; "convert": convert's options)
     ("5 layers, blocks of 2 (the last partial)", {}, {}),
@@ -91,18 +89,7 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", metavar="PATH", type=results_path,
-                        help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
-    args = parser.parse_args(argv)
-    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
-    with tempfile.TemporaryDirectory() as root:
-        rows = [measure(*case, Path(root), seed) for seed, case in enumerate(CASES)]
-    text = table(rows)
-    print(text)
-    if args.results:
-        measured.write(args.results, text)
-    return 0
+    return run_cases(__doc__, __file__, argv, CASES, measure, table)
 
 
 if __name__ == "__main__":

@@ -176,8 +176,6 @@ def evaluation_step(state: DemoState) -> None:
 def router_training_step(state: DemoState) -> None:
     """Router-only training: {settings.train_steps} steps x 4 x {settings.train_seq_len} tokens of the training text
     (the held-out text is never seen) ..."""
-    from transformers import TrainingArguments
-
     from .training import AttnResArguments, train
 
     settings = state.settings

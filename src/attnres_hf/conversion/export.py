@@ -52,6 +52,17 @@ def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tupl
     return Path(model_dir), check_output_folder(output_dir, force, model_dir), max_shard_size
 
 
+def _copy_generation_config_and_tokenizer(model_dir: Path, staging: Path):
+    """The AttnRes folder's `generation_config.json` and tokenizer, written into the export; returns the tokenizer
+    (`None` when the folder has none)."""
+    if (model_dir / "generation_config.json").is_file():
+        (staging / "generation_config.json").write_bytes((model_dir / "generation_config.json").read_bytes())
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    return tokenizer
+
+
 def _fla_config(model_dir: Path, fields: dict) -> dict:
     """fla's config for the export: the fla checkpoint's own `config.json` where `model_dir` was converted from one
     (its `conversion_report.json`) and describes the same model (the same backbone and block size: training changes
@@ -135,11 +146,8 @@ def export(
                                               | {"dtype": str(dtype).removeprefix("torch.")}))
         fla_config.save_pretrained(staging)
         save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
-        if (model_dir / "generation_config.json").is_file():
-            (staging / "generation_config.json").write_bytes((model_dir / "generation_config.json").read_bytes())
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = _copy_generation_config_and_tokenizer(model_dir, staging)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
             input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
         else:
             input_ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -210,11 +218,7 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},
                                                         indent=2) + "\n")
         save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
-        if (model_dir / "generation_config.json").is_file():
-            (staging / "generation_config.json").write_bytes((model_dir / "generation_config.json").read_bytes())
-        tokenizer = load_tokenizer(model_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+        _copy_generation_config_and_tokenizer(model_dir, staging)
         written = k3_source(staging)  # the written folder, read as `attnres convert` reads it
         check_k3_tensors(written, AttnResConfig.from_dict(config.to_dict()))
         back = read_k3_tensors(written)

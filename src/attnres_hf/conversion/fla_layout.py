@@ -14,7 +14,7 @@ RMSNorm of q and k before the rotary; fla's use eps 1e-5, so only with `norm_eps
 sliding window: flash-attn's `(W-1, 0)` is W keys counting the query's own).
 """
 
-import re
+from ._names import rename, rename_tables
 
 FLA_MODEL_TYPE = "transformer"
 """`model_type` of fla's `TransformerConfig`."""
@@ -61,30 +61,17 @@ SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
 """transformers families an fla transformer is (plain, window_size, qkv_bias, qk_norm): the only ones exported."""
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
-
-
-_TO_OURS = [(_pattern(fla), ours) for fla, ours in FLA_KEY_MAP]
-_TO_FLA = [(_pattern(ours), fla) for fla, ours in FLA_KEY_MAP]
-
-
-def _rename(name: str, table) -> str | None:
-    for pattern, template in table:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group(1)) if match.groups() else template
-    return None
+_TO_OURS, _TO_FLA = rename_tables(FLA_KEY_MAP)
 
 
 def to_attnres_name(fla_name: str) -> str | None:
     """attnres-hf's name for fla's tensor `fla_name` (`FLA_KEY_MAP`), or `None` if it has none."""
-    return _rename(fla_name, _TO_OURS)
+    return rename(fla_name, _TO_OURS)
 
 
 def to_fla_name(name: str) -> str | None:
     """fla's name for attnres-hf's tensor `name` (`FLA_KEY_MAP`), or `None` if it has none."""
-    return _rename(name, _TO_FLA)
+    return rename(name, _TO_FLA)
 
 
 def is_pseudo_query(attnres_name: str) -> bool:

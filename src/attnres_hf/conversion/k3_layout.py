@@ -30,6 +30,7 @@ import torch
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..modeling.backbones_k3 import KimiK3Config
+from ._names import rename, rename_tables
 
 K3_MODEL_TYPE = "kimi_k3"
 TEXT_MODEL_TYPE = "kimi_linear"  # the `model_type` of K3's text config
@@ -81,20 +82,7 @@ EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\
 _CONV = re.compile(r"layers\.(\d+)\.self_attn\.([qkv]_conv1d)\.weight$")
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
-
-
-_TO_OURS = [(_pattern(k3), ours) for k3, ours in ONE_TO_ONE]
-_TO_K3 = [(_pattern(ours), k3) for k3, ours in ONE_TO_ONE]
-
-
-def _rename(name: str, table) -> str | None:
-    for pattern, template in table:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group(1)) if match.groups() else template
-    return None
+_TO_OURS, _TO_K3 = rename_tables(ONE_TO_ONE)
 
 
 def _is_query(name: str) -> bool:
@@ -117,7 +105,7 @@ def to_attnres_state_dict(tensors: dict, config: KimiK3Config, layout: str) -> t
             state["lm_head.weight"] = tensor
             continue
         name = full_name.removeprefix(prefix) if full_name.startswith(prefix) else None
-        ours = _rename(name, _TO_OURS) if name is not None else None
+        ours = rename(name, _TO_OURS) if name is not None else None
         if ours is not None:
             state[ours] = _to_attnres_tensor(ours, tensor, config, full_name)
         elif name is not None and (match := _CONV.match(name)):
@@ -178,7 +166,7 @@ def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text") ->
     for name, tensor in state.items():
         if name == "lm_head.weight":
             out[head] = tensor
-        elif (k3 := _rename(name, _TO_K3)) is not None:
+        elif (k3 := rename(name, _TO_K3)) is not None:
             if _is_query(name):
                 tensor = tensor.reshape(1, -1)
             elif name.endswith("forget_gate.A_log"):
