@@ -736,3 +736,21 @@ def test_k3_without_attnres_retrofits_with_other_methods(tmp_path, method):
     write_k3_checkpoint(tmp_path / "k3", cfg, seed=0)
     report = convert(tmp_path / "k3", tmp_path / "out", depth_mixing=method)
     assert report["verification"]["tensors_identical"] and report["verification"]["max_abs_logit_delta"] < 1e-4
+
+
+@pytest.mark.slow  # about 6 s
+@pytest.mark.parametrize("method", ["routers", "lora"])
+def test_attnres_train_runs_on_a_converted_k3_folder(tmp_path, method):
+    """`attnres train --method routers|lora` on a converted K3 folder (with a tokenizer: the suite's word-level one,
+    over a vocabulary of 99): two steps, finite losses, a trained folder that loads and runs."""
+    from utils import counting_text, word_tokenizer
+
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(vocab_size=99), seed=0)
+    word_tokenizer().save_pretrained(tmp_path / "k3")
+    convert(tmp_path / "k3", tmp_path / "model")
+    (tmp_path / "train.txt").write_text(counting_text(lines=40))
+    assert main(["train", str(tmp_path / "model"), "--data", str(tmp_path / "train.txt"), "--method", method,
+                 "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--seq-len", "32",
+                 "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--logging_steps", "1"]) == 0
+    summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in summary.items() if k.startswith("eval_loss"))

@@ -30,6 +30,12 @@ with the plain mean (`attnres_rescale_output=False`). `KimiK3Config` describes t
 `conversion/k3_layout.py`), and the residual `KimiK3ForCausalLM` here (K3 without AttnRes) is the family's source
 model, as every family's is.
 
+Sources: each piece's semantics were learned from K3's released code (`modeling_kimi_linear.py` of the K3 release,
+as trimmed in public reference copies), its `config.json`, torchtitan's `kimi_k3` (which numbers the report's
+equations: the safe forget gate Eq. 5, the latent MoE Eq. 11) and the sglang, vLLM and llama.cpp ports; none of their
+code is used. `tests/k3_reference.py` is the plain reference each is tested against: a float64 forward of K3's
+equations that imports neither attnres-hf nor transformers' models (`tests/test_k3.py`, every field flipped).
+
 Parameter names are transformers' Kimi Linear names (`mlp.experts.gate_up_proj`, one `conv1d` for q/k/v); K3's
 released names (`block_sparse_moe.experts.{e}.w1`, `q_conv1d`, ...) are mapped by `conversion/k3_layout.py`.
 
