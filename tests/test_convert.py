@@ -178,6 +178,8 @@ def test_hf_folder_converts_to_a_complete_folder_that_loads_and_round_trips(tmp_
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "Full Attention Residuals" in card and "arXiv:2603.15031" in card
     assert "max abs logit delta vs source" in card
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["source"]["name"] == str(tmp_path / "source") and f"`{tmp_path / 'source'}`" in card
 
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert loaded.config.attnres_block_size == 1 and loaded.config.tie_word_embeddings

@@ -133,6 +133,7 @@ def test_converted_folder_equals_the_reference(k3_converted):
     model = AttnResForCausalLM.from_pretrained(out).eval()
     assert relative(logits_of(model), k3_reference_logits(state, tiny_k3_text_config(), IDS)) <= REL_TOL
     assert report["source"]["format"] == "k3" and report["source"]["layout"] == "multimodal"
+    assert report["source"]["name"] == str(k3_converted[0]) and report["source"]["model_type"] == "kimi_k3"
     assert report["source"]["imported_routers"] and not report["source"]["mxfp4_experts"]
     assert report["config"] == {"depth_mixing": "attnres", "attnres_block_size": 4, "num_attnres_blocks": 3,
                                 "num_sublayers": 10, "attnres_rescale_output": False}
@@ -659,10 +660,12 @@ def test_a_native_k3_attnres_model_exports_and_converts_back(tmp_path):
         for name, param in model.named_parameters():
             if name.endswith(".query"):
                 param.normal_(0, 0.5)
+    model.config.use_cache = False  # as a training run saves it
     model.save_pretrained(tmp_path / "ours")
     export(tmp_path / "ours", tmp_path / "k3", to="k3-layout")
     fields = json.loads((tmp_path / "k3" / "config.json").read_text())
     assert fields["attn_res_block_size"] == 2 and fields["model_type"] == "kimi_linear"
+    assert fields["use_cache"] is True and "attention_dropout" not in fields  # the release's, not training's
     assert fields["linear_attn_config"]["kda_layers"] == [1, 3, 4]
     back = imported(tmp_path / "k3")
     assert torch.equal(logits_of(back), logits_of(model))
@@ -754,3 +757,54 @@ def test_attnres_train_runs_on_a_converted_k3_folder(tmp_path, method):
                  "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--logging_steps", "1"]) == 0
     summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
     assert all(torch.isfinite(torch.tensor(v)) for k, v in summary.items() if k.startswith("eval_loss"))
+
+
+KIMI_LIKE_TOKENIZER = '''from transformers import PreTrainedTokenizerFast
+
+
+class KimiLikeTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer that is the folder's own code, as Kimi's TikTokenTokenizer is."""
+'''
+
+
+def _with_remote_code_tokenizer(folder):
+    from utils import word_tokenizer
+
+    word_tokenizer().save_pretrained(folder)
+    (folder / "tokenization_kimi_like.py").write_text(KIMI_LIKE_TOKENIZER)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "KimiLikeTokenizer",
+               "auto_map": {"AutoTokenizer": [None, "tokenization_kimi_like.KimiLikeTokenizer"]}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_a_remote_code_tokenizer_runs_only_when_trusted(tmp_path, capsys):
+    """K3's tokenizer is its own code (`auto_map` in `tokenizer_config.json`): without `--trust-remote-code` the
+    folder is refused in one line before anything is read (never transformers' interactive prompt); with it, the
+    tokenizer converts along and the export carries it too."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(vocab_size=99), seed=0)
+    _with_remote_code_tokenizer(tmp_path / "k3")
+    _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out")],
+             "tokenizer is its own code (tokenization_kimi_like.KimiLikeTokenizer")
+    assert main(["convert", str(tmp_path / "k3"), str(tmp_path / "out"), "--trust-remote-code"]) == 0
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert "converted_continuation" in report["verification"]  # decoded by the source's own tokenizer
+    capsys.readouterr()
+    assert main(["export", "--to", "k3-layout", str(tmp_path / "out"), str(tmp_path / "back")]) == 2
+    assert "tokenizer is its own code" in capsys.readouterr().err and not (tmp_path / "back").exists()
+    assert main(["export", "--to", "k3-layout", str(tmp_path / "out"), str(tmp_path / "back"),
+                 "--trust-remote-code"]) == 0
+    assert (tmp_path / "back" / "tokenizer_config.json").is_file()
+
+
+def test_a_fine_tuned_k3_model_exports_the_original_text_config(k3_converted, tmp_path):
+    """A converted K3 model saved after training (`use_cache` off, the conversion report kept) exports K3's own text
+    config, `use_cache` included: training changes weights, not the architecture."""
+    folder, _, out, _ = k3_converted
+    model = AttnResForCausalLM.from_pretrained(out)
+    model.config.use_cache = False
+    model.save_pretrained(tmp_path / "tuned")
+    shutil.copy(out / "conversion_report.json", tmp_path / "tuned")
+    export(tmp_path / "tuned", tmp_path / "k3", to="k3-layout")
+    written = json.loads((tmp_path / "k3" / "config.json").read_text())
+    assert written == text_config_of(folder) | {"dtype": "float32"}

@@ -132,6 +132,17 @@ def test_routing_refuses_folders_without_routers_before_loading(tmp_path, capsys
         assert "must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_routing_names_a_missing_tokenizer(tmp_path, capsys):
+    """A model folder without a tokenizer (e.g. converted from a source that had none) is refused naming that, not
+    with transformers' message about sentencepiece and tiktoken."""
+    tiny_model().save_pretrained(tmp_path / "model")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"a": "w5 w6", "b": "w5 w7"}) + "\n")
+    for argv in (["routing", str(tmp_path / "model"), "--text", "w5 w6"],
+                 ["routing", "compare", str(tmp_path / "model"), "--pairs", str(tmp_path / "pairs.jsonl")]):
+        assert main(argv) == 2
+        assert "has no tokenizer (none of tokenizer.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"pairs": "pairs.jsonl"}, TypeError, "pairs must be a list of"),
     ({"pairs": [{"a": "w5"}]}, TypeError, "pairs must be a list of"),

@@ -33,10 +33,24 @@ def with_default_subcommand(commands: argparse._SubParsersAction, argv: list[str
 
 
 def load_model_and_tokenizer(path: str):
-    """`(model in eval mode, tokenizer)` from a model folder."""
+    """`(model in eval mode, tokenizer)` from a model folder (`check_tokenizer_folder` first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_tokenizer_folder(path)
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_folder(path: str) -> None:
+    """Raise `FileNotFoundError` unless the folder `path` holds a tokenizer (transformers' own message for a folder
+    without one is about sentencepiece and tiktoken)."""
+    from pathlib import Path
+
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save one into it "
+                                "(tokenizer.save_pretrained); attnres convert copies the source's when it has one")
 
 
 def positive_int(text: str) -> int:

@@ -1,5 +1,6 @@
 """`attnres convert SOURCE OUTPUT_DIR`: retrofit a checkpoint of a supported family (HF folder or GGUF file;
-`attnres_hf.conversion.SUPPORTED_MODEL_TYPES`, `conversion.families.GGUF_ARCHITECTURES`)."""
+`attnres_hf.conversion.SUPPORTED_MODEL_TYPES`, `conversion.families.GGUF_ARCHITECTURES`), or import another
+implementation's AttnRes checkpoint (flash-linear-attention, Kimi K3)."""
 
 import argparse
 
@@ -11,22 +12,28 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     parser = add_command(commands, "convert", run_convert,
                          help="retrofit a checkpoint of a supported family into AttnRes")
-    parser.add_argument("source", help="an HF model folder, a .gguf file, or a flash-linear-attention "
-                                       "TransformerForCausalLM folder (its AttnRes routers imported as trained)")
+    parser.add_argument("source", help="an HF model folder, a .gguf file, a flash-linear-attention "
+                                       "TransformerForCausalLM folder or a Kimi K3 folder (the released multimodal "
+                                       "layout or K3's text layout; AttnRes routers of both imported as trained)")
     parser.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
     parser.add_argument("--gguf-file", help="GGUF file name inside SOURCE when SOURCE is a folder")
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--block-size", type=positive_int, help="sub-layers per block (even; default about 8 blocks; an fla AttnRes "
-                                                                  "checkpoint keeps its own)")
+    size.add_argument("--block-size", type=positive_int, help="sub-layers per block (even; default about 8 blocks; an fla or K3 "
+                                                                  "AttnRes checkpoint keeps its own)")
     size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
     parser.add_argument("--depth-mixing", default="attnres", choices=list(DEPTH_MIXING_METHODS),
                         help="the method; every one starts exactly as the source (default: attnres)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                        help="dtype of the written weights; auto: the source checkpoint's own (default float32)")
+                        help="dtype of the written weights; auto: the source checkpoint's own, tensor by tensor for "
+                             "K3's fp32 tensors in a bf16 checkpoint (default float32)")
     parser.add_argument("--paper-mean", action="store_true",
                         help="routers output the plain mean of their sources (the paper) instead of the rescaled "
                              "mean that reproduces the source's logits to float noise")
-    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the source folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's "
+                             "tokenizers have); off: such a folder is refused")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
 
 
@@ -43,6 +50,7 @@ def run_convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         force=args.force,
         max_shard_size=args.max_shard_size,
+        trust_remote_code=args.trust_remote_code,
         **overrides,
     )
     check = report["verification"]

@@ -16,14 +16,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--to", required=True, choices=list(EXPORT_FORMATS),
                         help="fla: flash-linear-attention's TransformerForCausalLM (config, names, [1, hidden] "
                              "pseudo-queries); k3-layout: Kimi K3's text checkpoint (a kimi_k3 model)")
-    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model folder's own tokenizer code (copied from a source with one, as Kimi's)")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
 
 
 def run_export(args: argparse.Namespace) -> int:
     from ..conversion.export import export
 
-    report = export(args.model, args.output_dir, to=args.to, force=args.force, max_shard_size=args.max_shard_size)
+    report = export(args.model, args.output_dir, to=args.to, force=args.force, max_shard_size=args.max_shard_size,
+                    trust_remote_code=args.trust_remote_code)
     check = report["verification"]
     if args.to == "k3-layout":
         print(f"read back by attnres convert: every tensor identical ({check['tensors_identical']}); logits not "

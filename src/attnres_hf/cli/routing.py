@@ -4,7 +4,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ._common import add_command, add_family, check_model_folder, load_model_and_tokenizer, positive_int
+from ._common import (add_command, add_family, check_model_folder, check_tokenizer_folder, load_model_and_tokenizer,
+                      positive_int)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -58,6 +59,7 @@ def run_map(args: argparse.Namespace) -> int:
     from ..analysis.plots import plot_average_routing, plot_token_routing
 
     check_model_folder(args.model, attnres=True)
+    check_tokenizer_folder(args.model)
     text = args.text if args.text is not None else read_text_file(args.data)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     input_ids = encode_text(tokenizer, text, chat=args.chat, max_tokens=args.max_tokens)

@@ -24,7 +24,7 @@ from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtyp
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
 from .k3_layout import to_attnres_state_dict
-from .k3_source import (check_k3_tensors, is_family_folder, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
+from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
                         verify_k3_tensors)
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, load_source,
                        load_source_config, retrofit, retrofit_config, split_gguf_path)
@@ -38,15 +38,43 @@ CITATION = """@article{kimi2026attnres,
 }"""
 
 
-def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None):
+def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None, trust_remote_code: bool = False):
     """The source's tokenizer (from the folder, or converted from the GGUF file with the pre-tokenizer the file
-    declares, see `load_gguf_tokenizer`), or `None` if it has none."""
+    declares, see `load_gguf_tokenizer`), or `None` if it has none.
+
+    Raises:
+        ValueError: the folder's tokenizer is its own code (`auto_map` in `tokenizer_config.json`, as Kimi's) and
+            `trust_remote_code` is false (never an interactive prompt).
+    """
     folder, gguf_file = split_gguf_path(source, gguf_file)
     if gguf_file is not None:
         return load_gguf_tokenizer(folder / gguf_file)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    check_tokenizer_code(folder, trust_remote_code)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+
+
+def check_tokenizer_code(folder: str | os.PathLike, trust_remote_code: bool) -> None:
+    """Refuse (`ValueError`) a folder whose tokenizer is its own code unless `trust_remote_code` (checked before any
+    work; transformers would otherwise ask interactively)."""
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+    code = _tokenizer_code(Path(folder))
+    if code and not trust_remote_code:
+        raise ValueError(f"{folder}'s tokenizer is its own code ({code} in tokenizer_config.json's auto_map): pass "
+                         "trust_remote_code=True (attnres convert/export --trust-remote-code) to run it")
+
+
+def _tokenizer_code(folder: Path) -> str | None:
+    """The remote-code tokenizer class `tokenizer_config.json` names in its `auto_map`, if any."""
+    try:
+        auto_map = json.loads((folder / "tokenizer_config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    classes = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    named = [name for name in (classes if isinstance(classes, list) else [classes]) if isinstance(name, str)]
+    return named[0] if named else None
 
 
 def model_card(report: dict) -> ModelCard:
@@ -244,6 +272,7 @@ def convert(
     tokenizer=None,
     source_name: str | None = None,
     max_shard_size: str = "5GB",
+    trust_remote_code: bool = False,
     **config_overrides,
 ) -> dict:
     """Retrofit `source` into AttnRes, verify it against the source, and write a complete folder to `output_dir`.
@@ -263,6 +292,8 @@ def convert(
         force: replace an existing `output_dir`.
         tokenizer: for an in-memory source; loaded from the source otherwise.
         source_name: how the report and model card name the source (e.g. its Hub id); default: its path.
+        trust_remote_code: run the source folder's own tokenizer code (a `tokenizer_config.json` `auto_map`, as
+            Kimi's tokenizers have); without it such a folder is refused (`load_tokenizer`).
         **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
 
     Returns:
@@ -282,14 +313,10 @@ def convert(
     _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
                      source_name, max_shard_size)
     output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
+    if tokenizer is None and not isinstance(source, PreTrainedModel) and Path(source).is_dir():
+        check_tokenizer_code(source, trust_remote_code)
     target_dtype = check_dtype(dtype, auto=True)
 
-    if not isinstance(source, PreTrainedModel) and gguf_file is None and is_family_folder(source):
-        # `KimiK3ForCausalLM.save_pretrained`'s folder: the kimi_k3 family's model, which no Auto class knows
-        from ..modeling.backbones_k3 import KimiK3ForCausalLM
-
-        tokenizer, source_name = tokenizer or load_tokenizer(source), source_name or str(source)
-        source = KimiK3ForCausalLM.from_pretrained(source, dtype=torch.float32)
     unused, fla, k3, stored_dtypes = [], None, None, {}  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
@@ -300,7 +327,7 @@ def convert(
         overrides = fla_overrides(fla, **overrides)
         names = check_fla_tensors(fla, retrofit_config(fla.backbone, **overrides))
         check_fla_installed()
-        tokenizer = tokenizer or load_tokenizer(source)
+        tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
         model, name = load_fla_model(fla, overrides, names), str(source)  # fp32: every stored value exactly
         target_dtype = checkpoint_dtype(fla) if target_dtype == "auto" else target_dtype
         source_type = fla.fields["model_type"]
@@ -309,13 +336,13 @@ def convert(
         k3 = k3_source(source)  # refuses every K3 field or value with no exact counterpart
         overrides = k3_overrides(k3, **overrides)
         check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
-        tokenizer = tokenizer or load_tokenizer(source)
+        tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
         model, source_model, k3_tensors = load_k3_model(k3, overrides)  # fp32: every stored value exactly
         if target_dtype == "auto":  # K3 keeps some tensors in fp32 inside a bf16 checkpoint: each keeps its own
             target_dtype = _stored_dtype(k3.fields, k3_tensors)
             stored_dtypes = {name: t.dtype for name, t in to_attnres_state_dict(k3_tensors, k3.backbone,
                                                                                 k3.layout)[0].items()}
-        name, source_type = str(source), f"{k3.fields.get('model_type')} ({k3.layout} layout)"
+        name, source_type = str(source), "kimi_k3"  # the layout is the report's `source.layout`
     else:
         if isinstance(source, PreTrainedModel):
             target_dtype = source.dtype if target_dtype == "auto" else target_dtype
@@ -325,7 +352,7 @@ def convert(
         else:
             source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
             retrofit_config(source_config, **overrides)  # invalid options fail here
-            tokenizer = tokenizer or load_tokenizer(source, gguf_file)
+            tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
             source_model, name = load_source(source, gguf_file, dtype=load_dtype), str(source)
             if target_dtype == "auto":  # the checkpoint's own dtype is written; verification still runs in fp32
@@ -365,12 +392,12 @@ def convert(
         for which in ("source", "converted"):
             if f"{which}_continuation_ids" in verification:
                 verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
-    kept = {name: tensor.detach().to(stored_dtypes[name], copy=True) for name, tensor in model.state_dict().items()
-            if stored_dtypes.get(name, target_dtype) != target_dtype}  # fp32 tensors of a bf16 checkpoint (K3)
+    kept = {key: tensor.detach().to(stored_dtypes[key], copy=True) for key, tensor in model.state_dict().items()
+            if stored_dtypes.get(key, target_dtype) != target_dtype}  # fp32 tensors of a bf16 checkpoint (K3)
     model = model.to(target_dtype)
-    for name, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
-        if name in kept:
-            tensor.data = kept[name]
+    for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
+        if key in kept:
+            tensor.data = kept[key]
     config = model.config
     report = {
         "attnres_hf_version": __version__,

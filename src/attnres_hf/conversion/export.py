@@ -26,7 +26,7 @@ import torch
 from .. import __version__
 from .._io import staged_folder
 from ..modeling import AttnResConfig, AttnResForCausalLM
-from .convert import load_tokenizer
+from .convert import check_tokenizer_code, load_tokenizer
 from .families import UnsupportedSourceError
 from .fla_layout import KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, to_fla_name, to_fla_tensor
 from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
@@ -52,12 +52,12 @@ def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tupl
     return Path(model_dir), check_output_folder(output_dir, force, model_dir), max_shard_size
 
 
-def _copy_generation_config_and_tokenizer(model_dir: Path, staging: Path):
+def _copy_generation_config_and_tokenizer(model_dir: Path, staging: Path, trust_remote_code: bool):
     """The AttnRes folder's `generation_config.json` and tokenizer, written into the export; returns the tokenizer
     (`None` when the folder has none)."""
     if (model_dir / "generation_config.json").is_file():
         (staging / "generation_config.json").write_bytes((model_dir / "generation_config.json").read_bytes())
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     return tokenizer
@@ -91,6 +91,7 @@ def export(
     force: bool = False,
     max_shard_size: str | int = "5GB",
     probe_text: str = PROBE_TEXT,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Write the AttnRes model in `model_dir` as an fla `TransformerForCausalLM` checkpoint in `output_dir`, or (`to=
     "k3-layout"`) a `kimi_k3` model as Kimi K3's text checkpoint (`_export_k3`).
@@ -104,9 +105,13 @@ def export(
         The export report (also `export_report.json`): the tensors written and `verification` (max |delta logits| of
         fla's model loaded from the output against the AttnRes model on `probe_text`, fp32, CPU; `exact`).
 
+    `trust_remote_code` runs the folder's own tokenizer code (copied there from a source with one, as Kimi's);
+    without it such a folder is refused before anything is read.
+
     Raises:
         FileExistsError: `output_dir` exists and `force` is false (checked first).
-        TypeError, ValueError: a wrong-typed argument, a folder that is not an AttnRes checkpoint.
+        TypeError, ValueError: a wrong-typed argument, a folder that is not an AttnRes checkpoint, a tokenizer that
+            is its own code without `trust_remote_code`.
         UnsupportedSourceError (a `ValueError`): naming every setting fla's transformer does not have.
         FileNotFoundError, ValueError: missing or truncated weight files; a tensor with no fla name.
         ImportError: flash-linear-attention is not installed (the export is checked against fla's model).
@@ -116,13 +121,14 @@ def export(
         raise ValueError(f"{model_dir} is a PEFT adapter, not a model: merge it into its base first "
                          "(attnres_hf.training.merge_lora), then export the merged folder")
     files, index = _check_folder(model_dir)
+    check_tokenizer_code(model_dir, trust_remote_code)
     model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
     if model_type != AttnResConfig.model_type:
         raise ValueError(f"{model_dir} is not an AttnRes checkpoint (model_type {model_type!r}); `attnres convert` "
                          "makes one")
     config = AttnResConfig.from_pretrained(model_dir)
     if to == "k3-layout":
-        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size)
+        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size, trust_remote_code)
     fields, problems = fla_from_attnres(config)
     if problems:
         raise UnsupportedSourceError(f"{model_dir}: fla's transformer cannot compute this model: {'; '.join(problems)}")
@@ -146,7 +152,7 @@ def export(
                                               | {"dtype": str(dtype).removeprefix("torch.")}))
         fla_config.save_pretrained(staging)
         save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
-        tokenizer = _copy_generation_config_and_tokenizer(model_dir, staging)
+        tokenizer = _copy_generation_config_and_tokenizer(model_dir, staging, trust_remote_code)
         if tokenizer is not None:
             input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
         else:
@@ -175,13 +181,16 @@ def _k3_text_config(model_dir: Path, fields: dict) -> dict:
         return fields
     if not isinstance(original, dict):
         return fields
-    same = backbone_from_k3(original)[0] == backbone_from_k3(fields)[0] and (
-        k3_block_size(original.get("attn_res_block_size")) == k3_block_size(fields.get("attn_res_block_size")))
+    def architecture(text: dict):  # `use_cache` is off in a training run's config: not the architecture
+        return backbone_from_k3({k: v for k, v in text.items() if k != "use_cache"})[0], k3_block_size(
+            text.get("attn_res_block_size"))
+
+    same = architecture(original) == architecture(fields)
     return {k: v for k, v in original.items() if k != "quantization_config"} if same else fields
 
 
 def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: list, force: bool,
-               max_shard_size: int) -> dict:
+               max_shard_size: int, trust_remote_code: bool) -> dict:
     """`export(..., to="k3-layout")`: see the module docstring. Raises `UnsupportedSourceError` naming every setting
     K3's model does not have (another backbone, method or knob, a Full or odd block size, a rescaled router output)."""
     from huggingface_hub import save_torch_state_dict
@@ -218,7 +227,7 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},
                                                         indent=2) + "\n")
         save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
-        _copy_generation_config_and_tokenizer(model_dir, staging)
+        _copy_generation_config_and_tokenizer(model_dir, staging, trust_remote_code)
         written = k3_source(staging)  # the written folder, read as `attnres convert` reads it
         check_k3_tensors(written, AttnResConfig.from_dict(config.to_dict()))
         back = read_k3_tensors(written)

@@ -313,7 +313,10 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
         return {}, problems
     fields = {name: getattr(config, name) for name in sorted(READ_AS_IS - {"linear_attn_config", "first_k_dense_replace",
                                                                         "moe_layer_freq"})}
+    if not fields["attention_dropout"]:
+        del fields["attention_dropout"]  # K3's config has none (its attention has no dropout)
     fields |= {
+        "use_cache": True,  # the release's (a training run's config turns it off)
         "model_type": TEXT_MODEL_TYPE, "architectures": ["KimiLinearForCausalLM"], "auto_map": RELEASE_AUTO_MAP,
         "first_k_dense_replace": rule[0], "moe_layer_freq": rule[1], "topk_method": "noaux_tc",
         "use_grouped_topk": True, "num_nextn_predict_layers": 0,

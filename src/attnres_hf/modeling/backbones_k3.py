@@ -60,11 +60,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.utils.output_capturing import OutputRecorder
 
-from .backbones_base import BackboneAdapter, SubLayer
 with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's import-time warning without a GPU
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
 
+from .backbones_base import BackboneAdapter, SubLayer
 from .backbones_moe import (EXPERT_ROUTING, ExpertRouting, check_kimi_linear, kimi, kimi_attention_masks, kimi_cache,
                             called_as_kimi_linear_calls_it)  # `kimi`: transformers' module, KDA dispatched by device
 
@@ -116,6 +116,9 @@ class KimiK3Config(KimiLinearConfig):
     moe_router_activation_func: str = "sigmoid"
 
     def __post_init__(self, **kwargs):
+        if "text_config" in kwargs:  # the release's top-level config, whose model_type is this one's too
+            raise ValueError("this is Kimi K3's multimodal config (its text model under text_config): `attnres "
+                             "convert` reads K3 folders; K3's own code loads them with trust_remote_code=True")
         linear = kwargs.get("linear_attn_config") or {}
         if not isinstance(linear, dict):
             raise ValueError(f"linear_attn_config must be a dict, got {type(linear).__name__}")
@@ -190,7 +193,7 @@ def check_kimi_k3(config) -> None:
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU (K3 report, the MLP activation): `beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up /
+    """SiTU-GLU, K3's MLP activation (`hidden_act: "situ"`, its released code's `SituAndMul`): `beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up /
     linear_beta)`, computed in fp32 and returned in `gate`'s dtype; `beta=None` is 1, `linear_beta=None` leaves `up`
     unbounded. `gate`, `up`: `(..., intermediate)`."""
     beta = 1.0 if beta is None else beta
