@@ -493,13 +493,13 @@ def test_fla_interop_measures_a_case_and_its_round_trip(tmp_path):
 @pytest.mark.slow  # about 3.5 s
 def test_k3_interop_measures_a_case_and_its_round_trip(tmp_path):
     """benchmarks/k3_interop.py on one case (the default tiny K3, every piece on): fp32 delta from the independent
-    reference within 1e-4 of the logits' scale (measured 4e-5), the depth weights too, the round trip bit for bit,
-    and the table's verdict line."""
+    reference within 1e-3 of the logits' scale (measured 4e-5; tests/test_k3.py says why 1e-3), the depth weights
+    too, the round trip bit for bit, and the table's verdict line."""
     sys.path.insert(0, str(BENCHMARKS))
     import k3_interop
 
     row = k3_interop.measure(*k3_interop.CASES[0], tmp_path, seed=0)
-    assert row["max"] / row["scale"] <= 1e-4 and row["weights"] <= 1e-4 and row["round_trip"] is True
+    assert row["max"] / row["scale"] <= 1e-3 and row["weights"] <= 1e-3 and row["round_trip"] is True
     text = k3_interop.table([row])
     assert "| 5 layers, blocks of 2 (the last partial) | 5 | 2 |" in text and "bit for bit" in text
     assert "Worst fp32 case" in text

@@ -6,12 +6,13 @@ attnres_hf nor transformers' models), every K3 field, cached generation, MXFP4 e
 `tests/test_backbones_moe.py` already runs the `kimi_k3` backbone through the exact retrofit of every method, cached
 generation, router logits, gradient checkpointing and save/reload; this file is about K3's own checkpoints.
 
-Tolerances (measured on these tiny models, fp32 model against the float64 reference on `IDS`, 2 x 13 tokens,
-logits of max |.| ~3.5-6): max |delta logits| is 6.8e-6 to 4.6e-5 (1.6e-6 to 1.6e-5 of max |logits|) over every
-config and field flip here, 1.2e-4 (2.0e-5 of max |logits|) with MXFP4 experts (larger weights). `REL_TOL` = 1e-4 of
-max |logits| (1e-5, the fp32 noise per unit of scale, times a margin of 10) keeps at least 5x margin over the worst
-measured case; `DIFFERENT`, the least a K3 field flip must move the logits, is 100x `REL_TOL` (every flip here
-measured moves them by 0.69 of their scale or more).
+Tolerances (measured on these tiny random models, fp32 model against the float64 reference): max |delta logits| is
+1e-6 to 2e-4 of max |logits| over the configs, field flips and probe batches here and in `benchmarks/k3_interop.py`
+(`docs/results/k3_interop.md`); a float64 load of the model is no closer (1e-5 to 7e-5), since the model computes its
+norms, gates, router, KDA and depth mixing in fp32 whatever the dtype, and a token whose top-k experts nearly tie can
+take another expert in fp32 than in float64. `REL_TOL` = 1e-3 of max |logits| is 5x the worst measured case; every
+K3 field flip moves the logits by 0.69 of their scale or more, so `DIFFERENT` = 0.1 (100x `REL_TOL`) separates a field
+that acts from one silently ignored.
 """
 
 import copy
@@ -39,20 +40,17 @@ from utils import tiny_model
 k3_module = sys.modules["attnres_hf.conversion.k3_source"]  # the module, whose function `k3_source` shares its name
 
 IDS = torch.randint(3, 96, (2, 13), generator=torch.Generator().manual_seed(1))
-"""The probe tokens the tolerances were measured on. Random tiny models have ill-conditioned inputs: with the 6-layer
-config and the tokens of `randint(3, 95, ...)` one token's float64 reference logits move by up to 4.5e-3 when the
-weights move by 1e-7 of themselves (fp32's rounding), so fp32 cannot match it to 1e-4 there; these tokens are
-well-conditioned for every config here."""
+"""The probe tokens (any in the vocabulary but the special ones)."""
 
-REL_TOL = 1e-4
+REL_TOL = 1e-3
 """Max |delta logits| (fp32 model vs float64 reference) over max |reference logits|: see the module docstring."""
 
-DIFFERENT = 1e-2
+DIFFERENT = 0.1
 """A flipped K3 field must move the logits by at least this fraction of their scale (100x `REL_TOL`)."""
 
-DEPTH_TOL = 1e-4
-"""Max |delta| of depth weights (probabilities): measured at most 1.0e-5 (fp32 vs float64, block size 1), a
-margin of 10."""
+DEPTH_TOL = 1e-3
+"""Max |delta| of depth weights (probabilities): measured at most 1.1e-4 (MXFP4 experts, docs/results/k3_interop.md),
+a margin of 9."""
 
 
 def relative(logits, reference) -> float:
@@ -808,3 +806,33 @@ def test_a_fine_tuned_k3_model_exports_the_original_text_config(k3_converted, tm
     export(tmp_path / "tuned", tmp_path / "k3", to="k3-layout")
     written = json.loads((tmp_path / "k3" / "config.json").read_text())
     assert written == text_config_of(folder) | {"dtype": "float32"}
+
+
+def test_k3s_fp32_tensors_stay_fp32_in_a_bf16_model(k3_converted):
+    """Loaded in bfloat16, the tensors K3 keeps in fp32 inside its bf16 checkpoint (KDA's convolutions, `A_log`,
+    `dt_bias`, the gated output norm, the experts' score-correction bias) stay fp32, as do the depth routers; the
+    logits are finite and near the fp32 model's."""
+    out = k3_converted[2]
+    model = AttnResForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    state = model.state_dict()
+    kept = [name for name in state if name.endswith(("conv1d.weight", "A_log", "dt_bias", "o_norm.weight",
+                                                      "e_score_correction_bias"))]
+    assert len(kept) == 3 * 4 + 4 and all(state[name].dtype == torch.float32 for name in kept)
+    assert state["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    reference = logits_of(AttnResForCausalLM.from_pretrained(out).eval()).double()
+    delta = (logits_of(model).double() - reference).abs().mean() / reference.abs().mean()
+    # measured 0.057: bf16 rounding of every other weight and activation, with top-k expert choices that flip on
+    # this random tiny model; the bound only catches a broken bf16 path (e.g. a routed output in the wrong dtype)
+    assert torch.isfinite(logits_of(model)).all() and delta < 0.2
+
+
+def test_routing_runs_a_remote_code_tokenizer_only_when_trusted(tmp_path, capsys):
+    """`attnres routing` on a converted K3 folder whose tokenizer is its own code: refused in one line without
+    `--trust-remote-code` (never transformers' prompt), maps written with it."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(vocab_size=99), seed=0)
+    _with_remote_code_tokenizer(tmp_path / "k3")
+    assert main(["convert", str(tmp_path / "k3"), str(tmp_path / "model"), "--trust-remote-code"]) == 0
+    argv = ["routing", str(tmp_path / "model"), "--text", "w5 w6 w7", "--output-dir", str(tmp_path / "maps")]
+    capsys.readouterr()
+    assert main(argv) == 2 and "tokenizer is its own code" in capsys.readouterr().err
+    assert main([*argv, "--trust-remote-code"]) == 0 and any((tmp_path / "maps").iterdir())

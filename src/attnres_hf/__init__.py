@@ -2,9 +2,10 @@
 
 Importing the package registers `AttnResConfig` (`model_type="attnres"`), `AttnResModel` and `AttnResForCausalLM`
 with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, and marks them for `auto_map` so that a saved folder
-also loads with `trust_remote_code=True` where this package is not installed. It also registers the `kimi_k3`
-backbone's own classes (`KimiK3Config`, `KimiK3Model`, `KimiK3ForCausalLM`: Kimi K3's text model, which transformers
-does not have), so that its folders read like any family's. Registration is idempotent.
+also loads with `trust_remote_code=True` where this package is not installed. Registration is idempotent. The
+`kimi_k3` backbone's own classes are not registered: the released K3 folder's `model_type` is `kimi_k3` too, and a
+registered class would take precedence over its remote code; `attnres convert` reads the family's folders through
+its adapter (`retrofit.load_source_config`).
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -14,7 +15,6 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from . import modeling
 from .modeling import *  # noqa: F403  (the public API is the model's)
 from .modeling import AttnResConfig, AttnResForCausalLM, AttnResModel
-from .modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3Model
 
 try:
     __version__ = version("attnres-hf")
@@ -27,8 +27,5 @@ AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 AttnResConfig.register_for_auto_class("AutoConfig")
 AttnResModel.register_for_auto_class("AutoModel")
 AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
-AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
-AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
 
 __all__ = list(modeling.__all__)

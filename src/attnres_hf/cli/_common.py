@@ -32,25 +32,41 @@ def with_default_subcommand(commands: argparse._SubParsersAction, argv: list[str
     return [argv[0], default, *argv[1:]]
 
 
-def load_model_and_tokenizer(path: str):
+def load_model_and_tokenizer(path: str, trust_remote_code: bool = False):
     """`(model in eval mode, tokenizer)` from a model folder (`check_tokenizer_folder` first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_tokenizer_folder(path)
-    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    check_tokenizer_folder(path, trust_remote_code)
+    return (AutoModelForCausalLM.from_pretrained(path).eval(),
+            AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    """`--trust-remote-code`: run a model folder's own tokenizer code (Kimi's tokenizers are)."""
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's)")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_tokenizer_folder(path: str) -> None:
-    """Raise `FileNotFoundError` unless the folder `path` holds a tokenizer (transformers' own message for a folder
-    without one is about sentencepiece and tiktoken)."""
+def check_tokenizer_folder(path: str, trust_remote_code: bool = False) -> None:
+    """Raise before anything loads unless the folder `path` holds a tokenizer that loads without asking.
+
+    Raises:
+        FileNotFoundError: no tokenizer (transformers' own message for that is about sentencepiece and tiktoken).
+        ValueError: the tokenizer is the folder's own code and `trust_remote_code` is false (transformers would ask
+            interactively; `conversion.convert.check_tokenizer_code`).
+    """
     from pathlib import Path
+
+    from ..conversion.convert import check_tokenizer_code
 
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save one into it "
                                 "(tokenizer.save_pretrained); attnres convert copies the source's when it has one")
+    if Path(path).is_dir():
+        check_tokenizer_code(path, trust_remote_code)
 
 
 def positive_int(text: str) -> int:

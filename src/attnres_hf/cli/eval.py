@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import add_command, add_family, check_model_folder, load_model_and_tokenizer, positive_int
+from ._common import (add_command, add_family, add_trust_remote_code, check_model_folder, load_model_and_tokenizer,
+                      positive_int)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -79,6 +80,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens")
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--output", help="also write the result as JSON here")
+    add_trust_remote_code(parser)
 
     parser = add_command(commands, "lm-eval", run_lm_eval, add_help=False,
                          help="lm-eval's own CLI with AttnRes registered and the pack on --include_path")
@@ -184,7 +186,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     if args.stride is not None and args.window is not None and args.stride >= args.window:
         raise ValueError(f"--stride must be below --window ({args.window}), got {args.stride}")
     text = "\n\n".join(read_texts(args.data, args.text_field))
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.trust_remote_code)
     input_ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if args.max_tokens:
         input_ids = input_ids[: args.max_tokens]

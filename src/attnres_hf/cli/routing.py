@@ -4,8 +4,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ._common import (add_command, add_family, check_model_folder, check_tokenizer_folder, load_model_and_tokenizer,
-                      positive_int)
+from ._common import (add_command, add_family, add_trust_remote_code, check_model_folder, check_tokenizer_folder,
+                      load_model_and_tokenizer, positive_int)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -26,6 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--token", type=int, default=None, help="token index for the per-token map (default: last)")
     parser.add_argument("--span", default=None, help="token span START:END for the per-token map (mean over it)")
     parser.add_argument("--output-dir", default="outputs/routing")
+    add_trust_remote_code(parser)
 
     parser = add_command(family, "compare", run_compare, help="depth-weight shift after the difference in paired "
                          "inputs", description="Depth-weight shift after the difference in paired inputs.")
@@ -35,6 +36,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true", help="read each text as a user turn of the chat template")
     parser.add_argument("--bootstrap", type=positive_int, default=2000)
     parser.add_argument("--output-dir", default="outputs/routing-compare")
+    add_trust_remote_code(parser)
 
     parser = add_command(
         family, "dynamics", run_dynamics, help="train a baseline and Block AttnRes from scratch, plot depth dynamics",
@@ -59,9 +61,9 @@ def run_map(args: argparse.Namespace) -> int:
     from ..analysis.plots import plot_average_routing, plot_token_routing
 
     check_model_folder(args.model, attnres=True)
-    check_tokenizer_folder(args.model)
+    check_tokenizer_folder(args.model, args.trust_remote_code)
     text = args.text if args.text is not None else read_text_file(args.data)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     input_ids = encode_text(tokenizer, text, chat=args.chat, max_tokens=args.max_tokens)
     start, end = token_range(args.span, args.token, len(input_ids))
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
@@ -118,7 +120,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     check_model_folder(args.model, attnres=True)
     pairs = load_pairs(EXAMPLE_PAIRS if args.pairs == "example" else args.pairs)
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.trust_remote_code)
     result = compare_pairs(model, tokenizer, pairs, bootstrap=args.bootstrap, chat=args.chat)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

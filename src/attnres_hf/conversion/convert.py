@@ -211,13 +211,21 @@ attnres train {Path(report["output_dir"]).name} --data train.txt --method lora -
 
 def _stored_dtype(config: dict, tensors: dict) -> torch.dtype:
     """The dtype `"auto"` writes for a K3 source: the one its config names (`dtype`, or in its `text_config`), else
-    the widest floating dtype of its tensors."""
+    the one holding most of its values."""
     for fields in (config, config.get("text_config") or {}):
         named = fields.get("dtype") or fields.get("torch_dtype")
         if isinstance(named, str) and isinstance(getattr(torch, named.removeprefix("torch."), None), torch.dtype):
             return getattr(torch, named.removeprefix("torch."))
-    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits, default=torch.float32)
+    return most_common_dtype(tensors.values())
+
+
+def most_common_dtype(tensors) -> torch.dtype:
+    """The floating dtype holding the most values of `tensors` (a bf16 checkpoint with a few fp32 tensors is bf16)."""
+    counts = {}
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get, default=torch.float32)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ import torch
 from .. import __version__
 from .._io import staged_folder
 from ..modeling import AttnResConfig, AttnResForCausalLM
-from .convert import check_tokenizer_code, load_tokenizer
+from .convert import check_tokenizer_code, load_tokenizer, most_common_dtype
 from .families import UnsupportedSourceError
 from .fla_layout import KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, to_fla_name, to_fla_tensor
 from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
@@ -220,8 +220,8 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         raise UnsupportedSourceError(f"{model_dir}: Kimi K3's model cannot compute this one: {'; '.join(problems)}")
     fields = _k3_text_config(model_dir, fields)
     state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
-    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else max(  # the model's (K3 keeps some fp32 tensors)
-        {t.dtype for t in state.values() if t.is_floating_point()}, key=lambda d: torch.finfo(d).bits)
+    # the model's dtype (K3 keeps a few tensors fp32 in a bf16 model)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else most_common_dtype(state.values())
     print(f"Writing {len(state)} tensors in Kimi K3's text layout ...", flush=True)
     with staged_folder(output_dir, replace=force) as staging:
         (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},

@@ -121,14 +121,16 @@ def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | 
             files hold beside `num_hidden_layers`), the tensors with no weight, those of another shape, and tensors
             transformers' conversions cannot combine (e.g. an expert missing from a fused MoE weight).
     """
-    from transformers import AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
+    from ..modeling import backbones
+
     with _quiet_transformers():
         with torch.device("meta"):  # on a copy: from_config sets the attention and experts implementations in it
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+            # the family's own causal LM (what AutoModelForCausalLM maps it to; kimi_k3 has no Auto entry)
+            model = backbones.BACKBONES[config.model_type].causal_lm._from_config(copy.deepcopy(config))
         load = LoadStateDictConfig(device_map={"": "meta"}, weight_mapping=get_model_conversion_mapping(model))
         info, _ = convert_and_load_state_dict_in_model(model, dict(tensors), load)
         model._adjust_missing_and_unexpected_keys(info)  # transformers' own exceptions (e.g. legacy inv_freq buffers)

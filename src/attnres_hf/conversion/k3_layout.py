@@ -16,8 +16,9 @@ Names (K3 -> attnres-hf, `{i}` the decoder layer):
   depthwise `conv1d` `[3 P, 1, W]`, concatenated in that order; each routed expert's `w1` (gate), `w3` (up) and `w2`
   (down) `[I, R]`, `[I, R]`, `[R, I]` are row `e` of `experts.gate_up_proj` `[E, 2 I, R]` (gate first) and
   `experts.down_proj` `[E, R, I]`.
-- `A_log`: K3 stores it zero-padded to `max(heads, head_dim)` entries (the release: 128 for 96 heads); the model keeps
-  the first `heads` and the export pads again. A non-zero padding entry is refused.
+- `A_log`: K3 stores it zero-padded to `max(heads, head_dim)` entries (the release: 128 for 96 heads; `a_log_width`);
+  the model keeps the first `heads` and the export pads again. Another length, or a non-zero padding entry, is
+  refused.
 
 Config: K3's `attn_res_block_size` (decoder layers per block) is `attnres_block_size = 2 * attn_res_block_size`
 (sub-layers), with `attnres_rescale_output=False` (K3 mixes with the plain softmax); without it the folder is K3's
@@ -129,15 +130,20 @@ def _to_attnres_tensor(ours: str, tensor: torch.Tensor, config: KimiK3Config, k3
     if _is_query(ours):  # K3's `[1, hidden]` pseudo-query is ours `[hidden]`
         return tensor.reshape(-1)
     if ours.endswith("forget_gate.A_log"):
-        heads = config.linear_num_heads
-        if tensor.dim() != 1 or tensor.shape[0] < heads:
-            raise ValueError(f"{k3_name} has shape {tuple(tensor.shape)}: K3 stores A_log as one vector of at least "
-                             f"linear_attn_config.num_heads ({heads}) entries")
+        heads, width = config.linear_num_heads, a_log_width(config)
+        if tuple(tensor.shape) != (width,):
+            raise ValueError(f"{k3_name} has shape {tuple(tensor.shape)}: K3 stores A_log as one vector of "
+                             f"max(num_heads, head_dim) = {width} entries, the heads' first and zeros after")
         if tensor.device.type != "meta" and tensor[heads:].count_nonzero():
             raise ValueError(f"{k3_name} has non-zero entries past its {heads} heads: K3 pads A_log with zeros, so "
                              "this checkpoint is not K3's layout")
         return tensor[:heads]
     return tensor
+
+
+def a_log_width(config: KimiK3Config) -> int:
+    """The length K3 stores each KDA layer's `A_log` at: `max(heads, head_dim)` (the release: 128 for 96 heads)."""
+    return max(config.linear_num_heads, config.linear_head_dim)
 
 
 def _stacked_experts(layer: int, parts: dict, config: KimiK3Config, prefix: str) -> dict:
@@ -154,12 +160,13 @@ def _stacked_experts(layer: int, parts: dict, config: KimiK3Config, prefix: str)
     return {f"{base}.gate_up_proj": gate_up, f"{base}.down_proj": torch.stack([parts[(e, "w2")] for e in range(count)])}
 
 
-def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text") -> dict:
+def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text", strict: bool = True) -> dict:
     """K3's tensors (`layout`'s names) of an attnres-hf `kimi_k3` state dict; values and dtypes unchanged
-    (pseudo-queries as `[1, hidden]`, `A_log` zero-padded to `max(heads, head_dim)` as K3 stores it).
+    (pseudo-queries as `[1, hidden]`, `A_log` zero-padded to `max(heads, head_dim)` as K3 stores it). With
+    `strict=False` the tensors K3's layout has no name for (another method's parameters) are left out.
 
     Raises:
-        ValueError: naming the tensors K3's layout has no name for.
+        ValueError: naming the tensors K3's layout has no name for (`strict`).
     """
     prefix, head = PREFIXES[layout]
     out, unnamed = {}, []
@@ -170,8 +177,7 @@ def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text") ->
             if _is_query(name):
                 tensor = tensor.reshape(1, -1)
             elif name.endswith("forget_gate.A_log"):
-                width = max(config.linear_num_heads, config.linear_head_dim)
-                tensor = torch.cat([tensor, tensor.new_zeros(width - tensor.shape[0])])
+                tensor = torch.cat([tensor, tensor.new_zeros(a_log_width(config) - tensor.shape[0])])
             out[prefix + k3] = tensor
         elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
             for part, piece in zip(CONV, tensor.chunk(3)):
@@ -186,7 +192,7 @@ def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text") ->
                     out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate.clone(), up.clone()
         else:
             unnamed.append(name)
-    if unnamed:
+    if unnamed and strict:
         raise ValueError(f"tensors with no name in K3's layout: {', '.join(sorted(unnamed)[:6])}")
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
@@ -334,5 +340,5 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
 
 
 __all__ = ["CHECKED", "CONV", "EXPERT", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE", "PREFIXES", "READ_AS_IS",
-           "RELEASE_AUTO_MAP", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES", "TEXT_MODEL_TYPE", "backbone_from_k3",
+           "RELEASE_AUTO_MAP", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3",
            "k3_block_size", "k3_from_backbone", "remote_code_files", "to_attnres_state_dict", "to_k3_state_dict"]

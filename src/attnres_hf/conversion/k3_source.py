@@ -83,7 +83,10 @@ def _quantization(source_fields: dict, text: dict, folder: Path) -> bool:
     declared = text.get("quantization_config") or source_fields.get("quantization_config")
     if declared is None:
         return False
-    groups = declared.get("config_groups", {}) if isinstance(declared, dict) else None
+    if not isinstance(declared, dict):
+        raise UnsupportedSourceError(f"{folder / 'config.json'}: quantization_config must be an object, got "
+                                     f"{type(declared).__name__}")
+    groups = declared.get("config_groups", {})
     formats = {declared.get("format")} | {group.get("format") for group in (groups or {}).values()
                                           if isinstance(group, dict)}
     if declared.get("quant_method") != "compressed-tensors" or formats - {None} != {MXFP4_FORMAT}:
@@ -165,6 +168,12 @@ def _dequantised_names(tensors: dict, source: K3Source) -> dict:
     stray = sorted(name for name in packed if ".block_sparse_moe.experts." not in name)
     if stray:
         raise ValueError(f"{where} MXFP4 tensors outside the routed experts (K3 quantises only those): {_shown(stray)}")
+    shapes = [f"{name} ({tuple(tensors[name + _PACKED].shape)} packed, {tuple(tensors[name + _SCALE].shape)} scales)"
+              for name in sorted(packed) if tensors[name + _PACKED].dim() != 2 or tuple(tensors[name + _SCALE].shape)
+              != (tensors[name + _PACKED].shape[0], tensors[name + _PACKED].shape[1] * 2 // 32)]
+    if shapes:
+        raise ValueError(f"{where} MXFP4 tensors whose scales are not one per 32 inputs (K3's group size): "
+                         f"{_shown(shapes)}")
     out = {name: tensor for name, tensor in tensors.items() if not name.endswith((_PACKED, _SCALE))}
     for name in packed:
         rows, half = tensors[name + _PACKED].shape
@@ -280,9 +289,8 @@ def verify_k3_tensors(model: AttnResForCausalLM, tensors: dict[str, torch.Tensor
     (compared in fp32, which holds each stored value exactly): `tensors_checked`, `tensors_not_written_back`,
     `max_abs_tensor_delta`, `tensors_identical`. No K3 code runs here, so this checks the mapping, not the forward
     (which `tests/test_k3.py` checks against an independent reference of K3's equations)."""
-    keep = model.config.depth_mixing == "attnres"  # other methods' parameters have no place in K3's layout
-    back = to_k3_state_dict({name: tensor for name, tensor in model.state_dict().items()
-                             if keep or not is_depth_mixing_parameter(name)}, model.config.backbone, layout)
+    # what K3's layout has a name for (another method's parameters, or AttnRes knobs K3 has not, are not K3's)
+    back = to_k3_state_dict(model.state_dict(), model.config.backbone, layout, strict=False)
     checked = [name for name in tensors if name in back]
     delta = max((float((back[name].float() - tensors[name].float()).abs().max()) for name in checked), default=0.0)
     absent = sorted(set(tensors) - set(back))

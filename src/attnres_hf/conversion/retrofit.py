@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
+from ..modeling.backbones import BACKBONES
 from ..modeling.depth_mixing import MIXING_MODULES
 from .families import attnres_config_fields, check_supported, map_keys
 from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields, gguf_stop_token_ids
@@ -246,6 +248,15 @@ def _check_folder(folder: Path) -> tuple[list[Path], Path | None]:
     return _check_shards(folder, index, check_torch_file), index
 
 
+def _family_config(folder: Path):
+    """The config of a folder of a family transformers' Auto classes do not know (`kimi_k3`: its own
+    `save_pretrained`), read with the family's own config class; `None` for every other folder."""
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES or model_type not in BACKBONES:
+        return None
+    return BACKBONES[model_type].config_class.from_pretrained(folder)
+
+
 def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
     """Read the source's config and check its family is supported, without loading weights.
 
@@ -269,7 +280,7 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
         return config
     files, index = _check_folder(path)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = _family_config(path) or AutoConfig.from_pretrained(path)
     except (KeyError, ValueError) as error:  # e.g. a model_type transformers does not know
         raise ValueError(f"{path / 'config.json'} cannot be read as a transformers config ({error})") from None
     check_supported(config)
@@ -300,7 +311,9 @@ def load_source(
     path, gguf_file = split_gguf_path(source, gguf_file)
     try:
         if gguf_file is None:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            family = _family_config(path)  # a family transformers does not have (kimi_k3)
+            causal_lm = BACKBONES[family.model_type].causal_lm if family is not None else AutoModelForCausalLM
+            return causal_lm.from_pretrained(path, dtype=dtype).eval()
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config,
                                                      dtype="auto" if dtype == "auto" else torch.float32)
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files

@@ -40,7 +40,7 @@ Parameter names are transformers' Kimi Linear names (`mlp.experts.gate_up_proj`,
 released names (`block_sparse_moe.experts.{e}.w1`, `q_conv1d`, ...) are mapped by `conversion/k3_layout.py`.
 
 Travels with checkpoints as remote code (a sibling of `backbones.py`, which imports it): imports only torch,
-transformers and its sibling `backbones_moe.py` (never `backbones.py`).
+transformers, huggingface_hub and its siblings `backbones_base.py` and `backbones_moe.py` (never `backbones.py`).
 """
 
 import math
@@ -79,8 +79,8 @@ _LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size"
 class KimiK3Config(KimiLinearConfig):
     r"""
     Kimi K3's text model (`text_config` of the released `config.json`, whose own `model_type` is `kimi_linear`),
-    without its AttnRes field: [`KimiLinearConfig`] plus the fields below. Defaults are those K3's released code
-    reads for a missing field, so a field left out means what it means there.
+    without its AttnRes field: [`KimiLinearConfig`] (and its defaults) plus the fields below, whose defaults are what
+    K3's released code reads for a missing field (as its public ports read it: `getattr(config, name, default)`).
 
     Args:
         hidden_act (`str`, defaults to `"silu"`): `"situ"` (SiTU-GLU, K3's) or a transformers activation.
@@ -245,14 +245,15 @@ class KimiK3Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """`hidden_states` `(tokens, R)`, `top_k_index` / `top_k_weights` `(tokens, k)` -> `(tokens, R)`: the
-        experts' outputs weighted by the router, summed per token (the eager implementation)."""
-        output = torch.zeros_like(hidden_states)
+        experts' outputs weighted by the router, summed per token in fp32 (the eager implementation; Kimi Linear's
+        applies `act_fn(gate) * up` itself rather than `_apply_gate`, so SiTU needs this one)."""
+        output = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for expert in top_k_index.unique().tolist():
             token, slot = torch.where(top_k_index == expert)
             hidden = self._apply_gate(F.linear(hidden_states[token], self.gate_up_proj[expert]))
-            hidden = F.linear(hidden, self.down_proj[expert]) * top_k_weights[token, slot, None]
-            output.index_add_(0, token, hidden.to(output.dtype))
-        return output
+            hidden = F.linear(hidden, self.down_proj[expert]).float() * top_k_weights[token, slot, None].float()
+            output.index_add_(0, token, hidden)  # summed in fp32 and cast once, as K3 combines its experts
+        return output.to(hidden_states.dtype)
 
 
 class KimiK3TopkRouter(kimi.KimiLinearTopkRouter):
@@ -301,12 +302,14 @@ class KimiK3MoE(nn.Module):
 class KimiK3DeltaAttention(kimi.KimiLinearDeltaAttention):
     """Kimi Linear's KDA with K3's two options: the safe forget gate (`linear_lower_bound`: transformers'
     GLM-5-Next gate, whose `A_log` is `(heads,)`) and the full-rank output gate `g_proj` (`linear_use_full_rank_gate`).
-    The short convolutions use SiLU whatever `hidden_act` is (SiTU is the MLPs')."""
+    The short convolutions use SiLU whatever `hidden_act` is (SiTU is the MLPs'). The convolutions, the forget gate's
+    `A_log` / `dt_bias` and the output norm are fp32 under any `dtype`, as K3 stores them."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.activation = "silu"
         self.forget_gate = Glm5NextTextForgetGate(config)  # reads `linear_lower_bound`; None is Kimi Linear's gate
+        self.conv1d.float(), self.o_norm.float()  # fp32 in any dtype, as K3 keeps them (the gate's are already)
         if config.linear_use_full_rank_gate:
             del self.g_a_proj, self.g_b_proj
             self.g_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
@@ -334,7 +337,8 @@ class KimiK3Attention(kimi.KimiLinearAttention):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, cache=None, **kwargs):
         if self.g_proj is None:
             return super().forward(hidden_states, attention_mask, cache=cache, **kwargs)
-        # Kimi Linear's MLA up to `o_proj` (its forward applies `o_proj` inside), then the gate
+        # Kimi Linear's MLA up to `o_proj` (its forward applies `o_proj` inside), then the gate. Not a hook on `o_proj`:
+        # PEFT replaces `o_proj` by its LoRA layer, whose adapter branch a hook on the base layer would not gate.
         batch_size, seq_length = hidden_states.shape[:-1]
         if self.q_lora_rank is None:
             query = self.q_proj(hidden_states)
@@ -377,7 +381,9 @@ class KimiK3PreTrainedModel(kimi.KimiLinearPreTrainedModel):
     config_class = KimiK3Config
     config: KimiK3Config
     _no_split_modules = ["KimiK3DecoderLayer"]
-    _keep_in_fp32_modules_strict = [*kimi.KimiLinearPreTrainedModel._keep_in_fp32_modules_strict, "A_log"]
+    # K3 keeps these in fp32 inside its bf16 checkpoint too (its KDA convolutions, gate parameters, output norm)
+    _keep_in_fp32_modules_strict = [*kimi.KimiLinearPreTrainedModel._keep_in_fp32_modules_strict, "A_log", "conv1d",
+                                    "o_norm"]
     _can_record_outputs = {"router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
                            "hidden_states": KimiK3DecoderLayer, "attentions": KimiK3Attention}
 
