@@ -836,3 +836,22 @@ def test_routing_runs_a_remote_code_tokenizer_only_when_trusted(tmp_path, capsys
     capsys.readouterr()
     assert main(argv) == 2 and "tokenizer is its own code" in capsys.readouterr().err
     assert main([*argv, "--trust-remote-code"]) == 0 and any((tmp_path / "maps").iterdir())
+
+
+def test_the_k3_releases_own_code_still_loads_with_attnres_hf_imported(tmp_path):
+    """The release's `model_type` is `kimi_k3`, the backbone's too: attnres-hf registers no Auto class for it, so
+    `AutoConfig.from_pretrained(release, trust_remote_code=True)` runs the release's own code (a registered class
+    would take precedence over it)."""
+    from transformers import AutoConfig
+
+    import attnres_hf  # noqa: F401  (registers what it registers)
+
+    (tmp_path / "release").mkdir()
+    (tmp_path / "release" / "configuration_kimi_k3.py").write_text(
+        "from transformers import PretrainedConfig\n\n\nclass KimiK3Config(PretrainedConfig):\n"
+        "    model_type = 'kimi_k3'\n")
+    (tmp_path / "release" / "config.json").write_text(json.dumps({
+        "model_type": "kimi_k3", "auto_map": {"AutoConfig": "configuration_kimi_k3.KimiK3Config"},
+        "text_config": tiny_k3_text_config()}))
+    config = AutoConfig.from_pretrained(tmp_path / "release", trust_remote_code=True)
+    assert type(config).__module__.startswith("transformers_modules")
