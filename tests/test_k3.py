@@ -787,6 +787,8 @@ def test_a_remote_code_tokenizer_runs_only_when_trusted(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "k3"), str(tmp_path / "out"), "--trust-remote-code"]) == 0
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert "converted_continuation" in report["verification"]  # decoded by the source's own tokenizer
+    assert report["source"]["tokenizer_code"] == "tokenization_kimi_like.KimiLikeTokenizer"
+    assert 'AutoTokenizer.from_pretrained("out", trust_remote_code=True)' in (tmp_path / "out" / "README.md").read_text()
     capsys.readouterr()
     assert main(["export", "--to", "k3-layout", str(tmp_path / "out"), str(tmp_path / "back")]) == 2
     assert "tokenizer is its own code" in capsys.readouterr().err and not (tmp_path / "back").exists()
@@ -855,3 +857,44 @@ def test_the_k3_releases_own_code_still_loads_with_attnres_hf_imported(tmp_path)
         "text_config": tiny_k3_text_config()}))
     config = AutoConfig.from_pretrained(tmp_path / "release", trust_remote_code=True)
     assert type(config).__module__.startswith("transformers_modules")
+
+
+@pytest.mark.parametrize("auto_map, match", [
+    (["tokenization_kimi_like.KimiLikeTokenizer", None], "the legacy form"),
+    ({"AutoTokenizer": [None, None]}, "with at least one class"),
+    ({"AutoTokenizer": "tokenization_kimi_like.KimiLikeTokenizer"}, "transformers reads [slow class or null"),
+    ("not json", "is not valid JSON"),
+    ([], "is not a JSON object"),
+])
+def test_tokenizer_configs_transformers_cannot_read_are_one_line_refusals(tmp_path, capsys, auto_map, match):
+    """Odd `tokenizer_config.json` files (the legacy list `auto_map`, no class, a bare string, broken JSON, a list) are
+    refused naming the file before anything is read, with or without `--trust-remote-code` (transformers fails on each
+    with a traceback, or after the weights are read)."""
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(vocab_size=99), seed=0)
+    _with_remote_code_tokenizer(tmp_path / "k3")
+    file = tmp_path / "k3" / "tokenizer_config.json"
+    if auto_map == "not json":
+        file.write_text("{'auto_map': 1}")
+    elif auto_map == []:
+        file.write_text("[]")
+    else:
+        file.write_text(json.dumps(json.loads(file.read_text()) | {"auto_map": auto_map}))
+    for flag in ([], ["--trust-remote-code"]):
+        _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out"), *flag], match)
+
+
+def test_a_16_bit_dtype_keeps_k3s_fp32_tensors(tmp_path):
+    """`--dtype bfloat16` (or float16) on a K3 checkpoint writes every tensor in it but those K3 keeps in fp32, which
+    keep their stored values; the export gives the bf16 checkpoint back bit for bit; the report says bfloat16, and the
+    source's generation config goes along."""
+    state = write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(), seed=0, layout="text", dtype=torch.bfloat16)
+    (tmp_path / "k3" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7],
+                                                                        "max_new_tokens": 77}))
+    report = convert(tmp_path / "k3", tmp_path / "out", dtype="bfloat16")
+    assert report["dtype"] == "bfloat16"
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [2, 7] and generation["max_new_tokens"] == 77
+    export(tmp_path / "out", tmp_path / "back", to="k3-layout")
+    back = folder_state(tmp_path / "back")
+    assert {n: (t.dtype, t.shape) for n, t in back.items()} == {n: (t.dtype, t.shape) for n, t in state.items()}
+    assert all(torch.equal(back[n], state[n]) for n in state)

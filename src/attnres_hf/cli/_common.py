@@ -44,7 +44,8 @@ def load_model_and_tokenizer(path: str, trust_remote_code: bool = False):
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
     """`--trust-remote-code`: run a model folder's own tokenizer code (Kimi's tokenizers are)."""
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's)")
+                        help="run the folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's) and the "
+                             "config code transformers loads with it")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -33,7 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the source folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's "
-                             "tokenizers have); off: such a folder is refused")
+                             "tokenizers have) and the config code transformers loads with it; off: such a folder "
+                             "is refused")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
 
 

@@ -19,7 +19,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the model folder's own tokenizer code (copied from a source with one, as Kimi's)")
+                        help="run the model folder's own tokenizer code (copied from a source with one, as Kimi's) and the "
+                             "config code transformers loads with it")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
 
 

@@ -56,25 +56,49 @@ def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None, trus
 
 
 def check_tokenizer_code(folder: str | os.PathLike, trust_remote_code: bool) -> None:
-    """Refuse (`ValueError`) a folder whose tokenizer is its own code unless `trust_remote_code` (checked before any
-    work; transformers would otherwise ask interactively)."""
+    """Refuse a folder whose tokenizer is its own code unless `trust_remote_code` (checked before any work;
+    transformers would otherwise ask interactively), and a `tokenizer_config.json` that cannot be read.
+
+    Raises:
+        TypeError: `trust_remote_code` is not a bool.
+        ValueError: naming the file: not JSON, not an object, an `auto_map` naming no tokenizer class or in the legacy
+            list form (which transformers cannot save again), or remote code without `trust_remote_code`.
+    """
     if not isinstance(trust_remote_code, bool):
         raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
-    code = _tokenizer_code(Path(folder))
+    code = tokenizer_code(Path(folder))
     if code and not trust_remote_code:
         raise ValueError(f"{folder}'s tokenizer is its own code ({code} in tokenizer_config.json's auto_map): pass "
-                         "trust_remote_code=True (attnres convert/export --trust-remote-code) to run it")
+                         "--trust-remote-code (Python: trust_remote_code=True) to run it, and the config code "
+                         "transformers loads with it")
 
 
-def _tokenizer_code(folder: Path) -> str | None:
-    """The remote-code tokenizer class `tokenizer_config.json` names in its `auto_map`, if any."""
-    try:
-        auto_map = json.loads((folder / "tokenizer_config.json").read_text()).get("auto_map") or {}
-    except (OSError, ValueError, AttributeError):
+def tokenizer_code(folder: Path) -> str | None:
+    """The remote-code tokenizer class `tokenizer_config.json` names in its `auto_map`, if any (`None` without the
+    file or an `auto_map`); raises `ValueError` for a file transformers cannot read or save again."""
+    file = folder / "tokenizer_config.json"
+    if not file.is_file():
         return None
-    classes = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
-    named = [name for name in (classes if isinstance(classes, list) else [classes]) if isinstance(name, str)]
-    return named[0] if named else None
+    try:
+        fields = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON ({error})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    auto_map = fields.get("auto_map")
+    if auto_map is None:
+        return None
+    if not isinstance(auto_map, dict):
+        raise ValueError(f"{file}'s auto_map is {type(auto_map).__name__} (the legacy form, which transformers cannot "
+                         'save again): write it as {"AutoTokenizer": [slow class or null, fast class or null]}')
+    classes = auto_map.get("AutoTokenizer")
+    if classes is None:
+        return None
+    named = [name for name in (classes if isinstance(classes, list) else []) if isinstance(name, str)]
+    if not isinstance(classes, list) or len(classes) != 2 or not named:
+        raise ValueError(f"{file}'s auto_map AutoTokenizer is {classes!r}: transformers reads [slow class or null, "
+                         "fast class or null] with at least one class")
+    return named[0]
 
 
 def model_card(report: dict) -> ModelCard:
@@ -149,6 +173,8 @@ def model_card(report: dict) -> ModelCard:
                 f"{verification['tensors_identical']} |\n| logits compared with K3's own code | no (none runs here; "
                 "the forward is tested against an independent reference of K3's equations) |\n")
     made = "imported" if source.get("imported_routers") else "retrofitted"
+    # a tokenizer that is the folder's own code (Kimi's) loads only with trust_remote_code
+    trusted = ", trust_remote_code=True" if source.get("tokenizer_code") else ""
     body = f"""
 # {Path(report["output_dir"]).name}
 
@@ -172,7 +198,7 @@ import attnres_hf  # registers the model with the Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{Path(report["output_dir"]).name}")  # this folder or its Hub id
-tokenizer = AutoTokenizer.from_pretrained("{Path(report["output_dir"]).name}")
+tokenizer = AutoTokenizer.from_pretrained("{Path(report["output_dir"]).name}"{trusted})
 ```
 
 Without attnres-hf installed, the folder's own modeling files run: pass `trust_remote_code=True` to both
@@ -207,16 +233,6 @@ attnres train {Path(report["output_dir"]).name} --data train.txt --method lora -
 ```
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-
-
-def _stored_dtype(config: dict, tensors: dict) -> torch.dtype:
-    """The dtype `"auto"` writes for a K3 source: the one its config names (`dtype`, or in its `text_config`), else
-    the one holding most of its values."""
-    for fields in (config, config.get("text_config") or {}):
-        named = fields.get("dtype") or fields.get("torch_dtype")
-        if isinstance(named, str) and isinstance(getattr(torch, named.removeprefix("torch."), None), torch.dtype):
-            return getattr(torch, named.removeprefix("torch."))
-    return most_common_dtype(tensors.values())
 
 
 def most_common_dtype(tensors) -> torch.dtype:
@@ -346,10 +362,13 @@ def convert(
         check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
         tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
         model, source_model, k3_tensors = load_k3_model(k3, overrides)  # fp32: every stored value exactly
-        if target_dtype == "auto":  # K3 keeps some tensors in fp32 inside a bf16 checkpoint: each keeps its own
-            target_dtype = _stored_dtype(k3.fields, k3_tensors)
-            stored_dtypes = {name: t.dtype for name, t in to_attnres_state_dict(k3_tensors, k3.backbone,
-                                                                                k3.layout)[0].items()}
+        # K3 keeps some tensors in fp32 inside its bf16 checkpoint: `auto` keeps each one's stored dtype, and a 16-bit
+        # `dtype` leaves K3's fp32 ones fp32 (as the model keeps them under any dtype)
+        stored = {key: t.dtype for key, t in to_attnres_state_dict(k3_tensors, k3.backbone, k3.layout)[0].items()}
+        if target_dtype == "auto":
+            target_dtype, stored_dtypes = most_common_dtype(k3_tensors.values()), stored
+        elif target_dtype.itemsize < 4:
+            stored_dtypes = {key: dtype for key, dtype in stored.items() if dtype == torch.float32}
         name, source_type = str(source), "kimi_k3"  # the layout is the report's `source.layout`
     else:
         if isinstance(source, PreTrainedModel):
@@ -401,7 +420,7 @@ def convert(
             if f"{which}_continuation_ids" in verification:
                 verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
     kept = {key: tensor.detach().to(stored_dtypes[key], copy=True) for key, tensor in model.state_dict().items()
-            if stored_dtypes.get(key, target_dtype) != target_dtype}  # fp32 tensors of a bf16 checkpoint (K3)
+            if stored_dtypes.get(key, target_dtype) != target_dtype}  # K3's fp32 tensors of a bf16 checkpoint
     model = model.to(target_dtype)
     for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
         if key in kept:
@@ -410,10 +429,13 @@ def convert(
     report = {
         "attnres_hf_version": __version__,
         "source": {"name": name, "gguf_file": gguf_file, "model_type": source_type, "unused_config_keys": unused,
+                   "tokenizer_code": (tokenizer_code(Path(source)) if tokenizer is not None and not isinstance(
+                       source, PreTrainedModel) and Path(source).is_dir() else None),
                    **(fla_report_fields(fla) if fla is not None else {}),
                    **(k3_report_fields(k3) if k3 is not None else {})},
         "output_dir": str(output_dir),
-        "dtype": str(target_dtype).removeprefix("torch."),
+        "dtype": str(most_common_dtype(model.state_dict().values()) if k3 is not None else target_dtype
+                     ).removeprefix("torch."),  # K3: the dtype holding most of the written values
         "config": {
             "depth_mixing": config.depth_mixing,
             "attnres_block_size": config.attnres_block_size,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from transformers import GenerationConfig
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM
@@ -277,6 +278,8 @@ def load_k3_model(source: K3Source, overrides: dict) -> tuple[AttnResForCausalLM
     plain.load_state_dict({n: t for n, t in state.items() if not is_depth_mixing_parameter(n)},
                           strict=not source.backbone.tie_word_embeddings)
     plain.tie_weights()
+    if (source.folder / "generation_config.json").is_file():  # the source's stop tokens and defaults go along
+        plain.generation_config = GenerationConfig.from_pretrained(source.folder)
     model = retrofit(plain.eval(), **overrides)
     if source.block_size is not None:
         model.load_state_dict({n: t for n, t in state.items() if is_depth_mixing_parameter(n)}, strict=False)
