@@ -664,6 +664,8 @@ def test_a_native_k3_attnres_model_exports_and_converts_back(tmp_path):
     fields = json.loads((tmp_path / "k3" / "config.json").read_text())
     assert fields["attn_res_block_size"] == 2 and fields["model_type"] == "kimi_linear"
     assert fields["use_cache"] is True and "attention_dropout" not in fields  # the release's, not training's
+    report = json.loads((tmp_path / "k3" / "export_report.json").read_text())
+    assert report["k3_text_config_source"].startswith("derived from the model's config")
     assert fields["linear_attn_config"]["kda_layers"] == [1, 3, 4]
     back = imported(tmp_path / "k3")
     assert torch.equal(logits_of(back), logits_of(model))
@@ -808,6 +810,8 @@ def test_a_fine_tuned_k3_model_exports_the_original_text_config(k3_converted, tm
     export(tmp_path / "tuned", tmp_path / "k3", to="k3-layout")
     written = json.loads((tmp_path / "k3" / "config.json").read_text())
     assert written == text_config_of(folder) | {"dtype": "float32"}
+    report = json.loads((tmp_path / "k3" / "export_report.json").read_text())
+    assert report["k3_text_config_source"].startswith("the K3 checkpoint's own")
 
 
 def test_k3s_fp32_tensors_stay_fp32_in_a_bf16_model(k3_converted):

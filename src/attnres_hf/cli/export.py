@@ -33,7 +33,8 @@ def run_export(args: argparse.Namespace) -> int:
     if args.to == "k3-layout":
         print(f"read back by attnres convert: every tensor identical ({check['tensors_identical']}); logits not "
               "compared (no Kimi K3 runtime runs here)")
-        print(f"wrote {args.output_dir} ({report['tensors']} tensors, {report['dtype']})")
+        print(f"wrote {args.output_dir} ({report['tensors']} tensors, {report['dtype']}); K3's text config: "
+              f"{report['k3_text_config_source']}")
         if report["k3_remote_code_files"]:
             print(f"K3's own code loads it with trust_remote_code=True once its {', '.join(report['k3_remote_code_files'])} "
                   "(Moonshot's, in the K3 release; not shipped by attnres-hf) are copied into the folder")

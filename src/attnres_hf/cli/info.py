@@ -28,7 +28,7 @@ def run_info(args: argparse.Namespace) -> int:
         raise ValueError(f"{config_file} is not a JSON config ({error}); give a model folder or its config.json") from None
     if model_type != AttnResConfig.model_type:
         raise ValueError(f"{args.path} is not an AttnRes checkpoint (model_type {model_type!r}); "
-                         f"`attnres convert {args.path} OUTPUT_DIR` converts a supported family's (or an fla or Kimi K3 checkpoint)")
+                         f"`attnres convert {args.path} OUTPUT_DIR` converts a checkpoint of a supported family, flash-linear-attention or Kimi K3")
     config = AttnResConfig.from_pretrained(args.path)
     print(f"model_type          {config.model_type}")
     print(f"backbone            {config.backbone.model_type} ({type(config.backbone).__name__})")

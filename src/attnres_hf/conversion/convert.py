@@ -125,7 +125,8 @@ def model_card(report: dict) -> ModelCard:
         start = (
             "Imported from a Kimi K3 checkpoint: every text tensor, its trained routers included, copied unchanged "
             "(K3's\n  `[1, hidden]` pseudo-queries as `[hidden]`, its q/k/v convolutions as one, its experts "
-            "stacked), with `attnres_block_size`\n  twice K3's `attn_res_block_size` (K3 counts decoder layers, "
+            f"stacked{', dequantised exactly from MXFP4' if source.get('mxfp4_experts') else ''}), with "
+            "`attnres_block_size`\n  twice K3's `attn_res_block_size` (K3 counts decoder layers, "
             "attnres-hf sub-layers) and the plain mean\n  (`attnres_rescale_output=False`). Layer 0's attention "
             "router reads one source, so its weights never act;\n  they are kept so that `attnres export --to "
             "k3-layout` gives them back."
@@ -399,13 +400,17 @@ def convert(
               "(save one into it for text commands such as attnres routing)", flush=True)
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(model.config.vocab_size, (1, 64), generator=generator)
-    print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
+    if k3 is not None and k3.block_size is not None:
+        print(f"Checking every tensor written back against the checkpoint's (and a {input_ids.shape[1]}-token greedy "
+              "continuation) ...", flush=True)
+    else:
+        print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
     if fla is not None:
         verification = verify_against_fla(source, model, input_ids)
     elif k3 is not None and k3.block_size is not None:  # K3's own AttnRes: its code does not run here
         verification = (verify_k3_tensors(model, k3_tensors, k3.layout) | _continuation(model, input_ids)
                         | {"logits_compared": "no: no Kimi K3 runtime runs here; the forward is tested against an "
-                                              "independent reference of K3's equations (tests/test_k3.py)"})
+                                              "independent reference of K3's equations (attnres-hf's tests/test_k3.py)"})
     elif k3 is not None:  # K3's architecture without AttnRes: a retrofit of the K3 model read from the folder
         verification = verify_conversion(source_model, model, input_ids) | verify_k3_tensors(model, k3_tensors,
                                                                                              k3.layout)

@@ -218,7 +218,11 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
     fields, problems = k3_from_backbone(config.backbone, config.attnres_block_size if attnres else None)
     if problems:
         raise UnsupportedSourceError(f"{model_dir}: Kimi K3's model cannot compute this one: {'; '.join(problems)}")
+    derived = fields
     fields = _k3_text_config(model_dir, fields)
+    config_source = ("the K3 checkpoint's own (conversion_report.json)" if fields is not derived else
+                     "derived from the model's config (no conversion_report.json from a K3 checkpoint of the same "
+                     "architecture in the folder)")
     state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
     # the model's dtype (K3 keeps a few tensors fp32 in a bf16 model)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else most_common_dtype(state.values())
@@ -235,7 +239,8 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         report = {
             "attnres_hf_version": __version__, "to": "k3-layout", "source": str(model_dir),
             "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."), "tensors": len(state),
-            "k3_text_config": fields, "k3_remote_code_files": remote_code_files(fields),
+            "k3_text_config": fields, "k3_text_config_source": config_source,
+            "k3_remote_code_files": remote_code_files(fields),
             "verification": {"read_back_by_attnres_convert": True, "tensors_identical": identical,
                              "logits_compared": "no: no Kimi K3 runtime runs here"},
         }

@@ -61,10 +61,11 @@ class AttnResArguments:
                                 "expression over whole module paths"})
     lora_target_parameters: list[str] | None = field(
         default=None, metadata={"help": "mixture-of-experts models: stacked expert weights to adapt as well, e.g. "
-                                "mlp.experts.gate_up_proj mlp.experts.down_proj (default: none)"})
+                                "mlp.experts.gate_up_proj mlp.experts.down_proj"})
     entropy_batches: int = field(default=4, metadata={"help": "eval batches used for the depth-weight entropy"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
-    trust_remote_code: bool = False
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "run the model folder's own code (its tokenizer's, as Kimi's; a model that is not AttnRes)"})
     output_router_logits: bool | None = field(
         default=None, metadata={"help": "mixture-of-experts models: add the experts' load-balancing loss "
                                 "(router_aux_loss_coef * aux_loss) to the training loss, as transformers' MoE models "
