@@ -63,7 +63,7 @@ def imported(folder) -> AttnResForCausalLM:
     source = k3_source(folder)
     overrides = k3_overrides(source)
     check_k3_tensors(source, retrofit_config(source.backbone, **overrides))
-    return load_k3_model(source, overrides)[0].eval()
+    return load_k3_model(source, overrides).model.eval()
 
 
 def logits_of(model, ids=IDS) -> torch.Tensor:
@@ -724,7 +724,7 @@ def test_the_familys_own_saved_model_converts(tmp_path):
 
     cfg = tiny_k3_text_config(attn_res_block_size=DELETE)
     write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, layout="text")
-    model = load_k3_model(k3_source(tmp_path / "k3"), {})[1]
+    model = load_k3_model(k3_source(tmp_path / "k3"), {}).plain
     assert isinstance(model, KimiK3ForCausalLM)
     model.save_pretrained(tmp_path / "family")
     report = convert(tmp_path / "family", tmp_path / "out")

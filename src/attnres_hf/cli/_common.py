@@ -45,7 +45,16 @@ def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
     """`--trust-remote-code`: run a model folder's own tokenizer code (Kimi's tokenizers are)."""
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's) and the "
-                             "config code transformers loads with it")
+                             "config code transformers loads with it; off: such a folder is refused")
+
+
+def add_writing_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a command that writes a model folder (`convert`, `export`): `--max-shard-size`,
+    `--trust-remote-code` (the tokenizer it copies) and `--force`."""
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
+    add_trust_remote_code(parser)
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

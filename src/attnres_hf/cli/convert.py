@@ -4,7 +4,7 @@ implementation's AttnRes checkpoint (flash-linear-attention, Kimi K3)."""
 
 import argparse
 
-from ._common import add_command, positive_int
+from ._common import add_command, add_writing_options, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -29,13 +29,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--paper-mean", action="store_true",
                         help="routers output the plain mean of their sources (the paper) instead of the rescaled "
                              "mean that reproduces the source's logits to float noise")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the source folder's own tokenizer code (a tokenizer_config.json auto_map, as Kimi's "
-                             "tokenizers have) and the config code transformers loads with it; off: such a folder "
-                             "is refused")
-    parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
+    add_writing_options(parser)
 
 
 def run_convert(args: argparse.Namespace) -> int:

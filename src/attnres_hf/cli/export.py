@@ -3,7 +3,7 @@
 
 import argparse
 
-from ._common import add_command
+from ._common import add_command, add_writing_options
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,12 +16,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--to", required=True, choices=list(EXPORT_FORMATS),
                         help="fla: flash-linear-attention's TransformerForCausalLM (config, names, [1, hidden] "
                              "pseudo-queries); k3-layout: Kimi K3's text checkpoint (a kimi_k3 model)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest weight file written, e.g. 5GB or 500MB (default 5GB)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the model folder's own tokenizer code (copied from a source with one, as Kimi's) and the "
-                             "config code transformers loads with it")
-    parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
+    add_writing_options(parser)
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -23,7 +23,6 @@ from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtyp
                          fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
-from .k3_layout import to_attnres_state_dict
 from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
                         verify_k3_tensors)
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, load_source,
@@ -362,10 +361,9 @@ def convert(
         overrides = k3_overrides(k3, **overrides)
         check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
         tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
-        model, source_model, k3_tensors = load_k3_model(k3, overrides)  # fp32: every stored value exactly
+        model, source_model, k3_tensors, stored = load_k3_model(k3, overrides)  # fp32: every stored value exactly
         # K3 keeps some tensors in fp32 inside its bf16 checkpoint: `auto` keeps each one's stored dtype, and a 16-bit
         # `dtype` leaves K3's fp32 ones fp32 (as the model keeps them under any dtype)
-        stored = {key: t.dtype for key, t in to_attnres_state_dict(k3_tensors, k3.backbone, k3.layout)[0].items()}
         if target_dtype == "auto":
             target_dtype, stored_dtypes = most_common_dtype(k3_tensors.values()), stored
         elif target_dtype.itemsize < 4:

@@ -264,13 +264,20 @@ def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
     return raw
 
 
-def load_k3_model(source: K3Source, overrides: dict) -> tuple[AttnResForCausalLM, KimiK3ForCausalLM, dict]:
-    """The AttnRes model of a K3 checkpoint (`overrides` from `k3_overrides`), in fp32, which holds every stored value
-    exactly; the K3 model without AttnRes it was built from (the source of a retrofit); and the tensors read
-    (`read_k3_tensors`, for `verify_k3_tensors`). The backbone goes through `KimiK3ForCausalLM` (`retrofit`), then
-    K3's routers, each pseudo-query `[1, D]` as `[D]`."""
+class K3Model(NamedTuple):
+    model: AttnResForCausalLM  # fp32, which holds every stored value exactly
+    plain: KimiK3ForCausalLM  # the K3 model without AttnRes it was built from (the source of a retrofit)
+    tensors: dict  # the tensors read (`read_k3_tensors`), for `verify_k3_tensors`
+    stored_dtypes: dict  # attnres-hf name -> the dtype the checkpoint stores it in
+
+
+def load_k3_model(source: K3Source, overrides: dict) -> K3Model:
+    """The AttnRes model of a K3 checkpoint (`overrides` from `k3_overrides`) and what it was read from (`K3Model`).
+    The backbone goes through `KimiK3ForCausalLM` (`retrofit`), then K3's routers, each pseudo-query `[1, D]` as
+    `[D]`."""
     tensors = read_k3_tensors(source)
     state, _ = to_attnres_state_dict(tensors, source.backbone, source.layout)
+    stored_dtypes = {name: tensor.dtype for name, tensor in state.items()}
     state = {name: tensor.float() for name, tensor in state.items()}
     with torch.device("meta"):
         plain = KimiK3ForCausalLM(source.backbone)
@@ -283,7 +290,7 @@ def load_k3_model(source: K3Source, overrides: dict) -> tuple[AttnResForCausalLM
     model = retrofit(plain.eval(), **overrides)
     if source.block_size is not None:
         model.load_state_dict({n: t for n, t in state.items() if is_depth_mixing_parameter(n)}, strict=False)
-    return model.eval(), plain, tensors
+    return K3Model(model.eval(), plain, tensors, stored_dtypes)
 
 
 @torch.no_grad()
@@ -309,6 +316,6 @@ def k3_report_fields(source: K3Source) -> dict:
             "mxfp4_experts": source.mxfp4, "k3_text_config": source.text_config}
 
 
-__all__ = ["K3Source", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES", "check_compressed_tensors", "check_k3_tensors",
+__all__ = ["K3Model", "K3Source", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES", "check_compressed_tensors", "check_k3_tensors",
            "is_family_folder", "is_k3_folder", "k3_overrides", "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors",
            "verify_k3_tensors"]

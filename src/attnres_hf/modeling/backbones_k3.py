@@ -43,6 +43,7 @@ Travels with checkpoints as remote code (a sibling of `backbones.py`, which impo
 transformers, huggingface_hub and its siblings `backbones_base.py` and `backbones_moe.py` (never `backbones.py`).
 """
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -66,7 +67,7 @@ with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's
 
 from .backbones_base import BackboneAdapter, SubLayer
 from .backbones_moe import (EXPERT_ROUTING, ExpertRouting, check_kimi_linear, kimi, kimi_attention_masks, kimi_cache,
-                            called_as_kimi_linear_calls_it)  # `kimi`: transformers' module, KDA dispatched by device
+                            kimi_decoder_layer)  # `kimi`: transformers' module, KDA dispatched by device
 
 SITU = "situ"
 
@@ -430,13 +431,6 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, kimi.KimiLinearForCausalLM):
         self.post_init()
 
 
-def k3_decoder_layer(config, layer_idx: int) -> nn.Module:
-    """`KimiK3DecoderLayer`, its attention module called with the arguments Kimi Linear's own layer gives it."""
-    layer = KimiK3DecoderLayer(config, layer_idx)
-    layer.self_attn.register_forward_pre_hook(called_as_kimi_linear_calls_it, with_kwargs=True)
-    return layer
-
-
 def check_kimi_k3_backbone(config) -> None:
     """Kimi Linear's refusals (grouped key/value heads, layer types) and K3's own (`check_kimi_k3`)."""
     check_kimi_linear(config)
@@ -447,7 +441,8 @@ EXPERT_ROUTING["kimi_k3"] = ExpertRouting(KimiK3TopkRouter, None, num_experts="n
 
 K3_BACKBONES = (
     BackboneAdapter(
-        "kimi_k3", KimiK3Config, KimiK3ForCausalLM, KimiK3PreTrainedModel, k3_decoder_layer,
+        "kimi_k3", KimiK3Config, KimiK3ForCausalLM, KimiK3PreTrainedModel,
+        functools.partial(kimi_decoder_layer, layer_class=KimiK3DecoderLayer),
         attention=SubLayer("self_attn", "input_layernorm"), mlp=SubLayer("mlp", "post_attention_layernorm"),
         norm=kimi.KimiLinearRMSNorm, rotary=None, attention_class=KimiK3Attention,
         key_value_inputs=None,  # MLA: keys and values come from one latent of one input (as Kimi Linear)

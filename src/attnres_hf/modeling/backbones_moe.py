@@ -195,18 +195,19 @@ this one: KDA's keywords reach its kernels (`causal_conv1d_fn`, `chunk_kda`), wh
 no rope."""
 
 
-def called_as_kimi_linear_calls_it(module, args, kwargs):
+def _called_as_kimi_linear_calls_it(module, args, kwargs):
     """A forward pre-hook (with kwargs) of a Kimi Linear attention module, or of a subclass's (Kimi K3's): drops the
     keyword arguments `KimiLinearDecoderLayer` does not give it."""
     dropped = next(names for kind, names in _NOT_PASSED_BY_KIMI.items() if isinstance(module, kind))
     return args, {name: value for name, value in kwargs.items() if name not in dropped}
 
 
-def kimi_decoder_layer(config, layer_idx: int) -> nn.Module:
-    """`KimiLinearDecoderLayer` (KDA or MLA by `layer_types`, MoE or dense MLP by `mlp_layer_types`) whose attention
-    module is called with the arguments Kimi Linear's own layer gives it (a forward pre-hook drops the others)."""
-    layer = kimi.KimiLinearDecoderLayer(config, layer_idx)
-    layer.self_attn.register_forward_pre_hook(called_as_kimi_linear_calls_it, with_kwargs=True)
+def kimi_decoder_layer(config, layer_idx: int, layer_class: type = kimi.KimiLinearDecoderLayer) -> nn.Module:
+    """`KimiLinearDecoderLayer` (KDA or MLA by `layer_types`, MoE or dense MLP by `mlp_layer_types`), or a subclass's
+    (Kimi K3's), whose attention module is called with the arguments Kimi Linear's own layer gives it (a forward
+    pre-hook drops the others)."""
+    layer = layer_class(config, layer_idx)
+    layer.self_attn.register_forward_pre_hook(_called_as_kimi_linear_calls_it, with_kwargs=True)
     return layer
 
 
@@ -266,5 +267,5 @@ MOE_BACKBONES = (
 
 
 __all__ = ["EXPERT_ROUTING", "ExpertRouting", "KDA_KERNELS", "MOE_BACKBONES", "backbone_model_type",
-           "called_as_kimi_linear_calls_it", "check_kimi_linear", "expert_gate_modules", "kda_by_device",
+           "check_kimi_linear", "expert_gate_modules", "kda_by_device",
            "kimi_attention_masks", "kimi_cache", "kimi_decoder_layer"]
