@@ -195,10 +195,15 @@ def write_fragment(path: str | os.PathLike, provenance: str, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = f"{provenance.strip()} Body digest {body_digest(text)}.\n\n{text.strip()}\n"
+    return _write_atomically(path, body)
+
+
+def _write_atomically(path: Path, text: str) -> Path:
+    """`text` to `path` through a temporary file in the same folder, renamed (a stopped run leaves no half file)."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(body)
+            out.write(text)
         os.chmod(temporary, 0o644)  # mkstemp's 0600 is for secrets, not for docs
         os.replace(temporary, path)
     except BaseException:
@@ -222,3 +227,29 @@ def run_cases(doc: str, script: str, argv: list[str] | None, cases, measure, tab
     if args.results:
         measured.write(args.results, text)
     return 0
+
+
+README = ROOT / "README.md"
+
+
+def readme_block(name: str) -> tuple[str, str] | None:
+    """The README's generated block `name`: `(opening marker, closing marker)` when the README has both, else None."""
+    opening, closing = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
+    text = README.read_text(encoding="utf-8") if README.is_file() else ""
+    return (opening, closing) if opening in text and closing in text.split(opening, 1)[1] else None
+
+
+def write_readme_block(name: str, text: str) -> Path:
+    """Replace what stands between the README's markers `<!-- results:NAME -->` and `<!-- /results:NAME -->` with
+    `text` (a summary a benchmark wrote, e.g. its verdicts, pointing at its fragment), atomically.
+
+    Raises:
+        ValueError: the README has no such block.
+    """
+    markers = readme_block(name)
+    if markers is None:
+        raise ValueError(f"README.md has no block <!-- results:{name} --> ... <!-- /results:{name} -->")
+    opening, closing = markers
+    before, rest = README.read_text(encoding="utf-8").split(opening, 1)
+    after = rest.split(closing, 1)[1]
+    return _write_atomically(README, f"{before}{opening}\n{text.strip()}\n{closing}{after}")

@@ -1,7 +1,15 @@
 """Fixtures; the helpers they use live in `tests/utils.py`."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs `attnres_implementation="triton"`'s kernels on CPU tensors (test_triton_kernels.py).
+    # Triton reads the variable when it is first imported (its own `tl.sum`, `tl.sigmoid` are kernels too), which
+    # importing attnres_hf does: so here, before anything else. Where CUDA is, the kernels run compiled.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from utils import TINY, counting_text, tiny_model, word_tokenizer
 

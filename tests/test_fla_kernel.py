@@ -102,8 +102,9 @@ def test_from_pretrained_kwarg_sets_the_implementation(tmp_path, stand_in, input
 
 
 def test_unknown_implementation_is_refused():
-    with pytest.raises(ValueError, match=r"^attnres_implementation must be one of \('torch', 'fla'\), got triton$"):
-        tiny_config(attnres_implementation="triton")
+    with pytest.raises(ValueError, match=r"^attnres_implementation must be one of \('torch', 'fla', 'triton'\), got "
+                                         r"flash$"):
+        tiny_config(attnres_implementation="flash")
 
 
 @pytest.mark.parametrize("knob", [*ATTNRES_KNOBS, "residual"])

@@ -21,6 +21,20 @@ run with "torch", where fla is not installed) and inside its `try` (transformers
 package a file imports to be installed, except the imports in `try` blocks: `_guarded_lazy_imports`)."""
 
 
+OPTIONAL_MODULES = {"attnres_kernels.py": {"triton", "triton.language", "triton.runtime.interpreter"}}
+"""Remote-code files that exist for an optional dependency (`attnres_implementation="triton"`'s kernels): they import
+it at module level inside a `try` (Triton's kernels are module-level `@triton.jit` functions), and their siblings
+import them only inside a function's `try` (`test_optional_modules_are_imported_lazily`), so a checkpoint loads, and
+runs with "torch", where Triton is not installed."""
+
+
+def _try_imports(path: Path) -> set[int]:
+    """Lines of the import statements in `path` inside a module-level `try` block's body."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return {node.lineno for block in tree.body if isinstance(block, ast.Try) for statement in block.body
+            for node in ast.walk(statement) if isinstance(node, (ast.Import, ast.ImportFrom))}
+
+
 def find_modules(src: Path, package: str) -> dict[str, Path]:
     """`{module name: file}` of every module of `package` under `src`; a package is its `__init__.py`."""
     modules = {}
@@ -226,10 +240,11 @@ def test_remote_code_imports_only_torch_transformers_and_siblings(path):
     transformers' remote-code loader requires no other package installed for them."""
     siblings = {p.stem for p in REMOTE_CODE.glob("*.py")}
     optional, guarded = OPTIONAL_LAZY_IMPORTS.get(path.name, set()), _guarded_lazy_imports(path)
+    module_level, tried = OPTIONAL_MODULES.get(path.name, set()), _try_imports(path)
     bad = []
     for line, level, module, names in _imports(path):
         if level == 0:
-            if module in optional and line in guarded:
+            if (module in optional and line in guarded) or (module in module_level and line in tried):
                 continue
             top = module.split(".")[0]
             if top not in REMOTE_CODE_IMPORTS and top not in sys.stdlib_module_names:
@@ -244,6 +259,16 @@ def test_remote_code_imports_only_torch_transformers_and_siblings(path):
     from transformers.dynamic_module_utils import get_imports  # what the remote-code loader requires installed
 
     assert set(get_imports(path)) <= REMOTE_CODE_IMPORTS | set(sys.stdlib_module_names), get_imports(path)
+
+
+def test_optional_modules_are_imported_lazily():
+    """Every sibling's import of an `OPTIONAL_MODULES` file is inside a function's `try`."""
+    for path in sorted(REMOTE_CODE.glob("*.py")):
+        guarded = _guarded_lazy_imports(path)
+        for line, level, module, names in _imports(path):
+            imported = {f"{name}.py" for name in names} if level == 1 and module is None else {f"{module}.py"}
+            if level == 1 and imported & OPTIONAL_MODULES.keys():
+                assert line in guarded, f"{path.name}:{line} imports {imported} outside a function's try"
 
 
 def test_the_optional_fla_import_is_lazy_and_guarded(tmp_path):

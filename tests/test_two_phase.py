@@ -221,6 +221,35 @@ def test_partial_merge_function_passes_gradcheck(score_fn, key_norm, monkeypatch
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("gap", [8.0, 12.0, 16.0])
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_a_small_partial_share_keeps_the_digits_of_its_gradient(score_fn, gap):
+    """A partial sum with a share of `e^-gap` of the softmax mass (or a sigmoid gate near 1): its gradient is that
+    share times the upstream gradient, which `1 - sigmoid(gap)` in fp32 computes with few correct digits (at gap 16,
+    none). Against the same fp32 inputs merged in float64."""
+    generator = torch.Generator().manual_seed(int(gap))
+    n, batch, seq, dim = 3, 2, 3, 16
+    buffer = torch.randn(n, batch, seq, dim, generator=generator)
+    weights = torch.randn(batch, seq, n, generator=generator).softmax(-1)
+    mixed = attnres_buffer._mix(buffer, weights.unsqueeze(-2)).squeeze(-2)
+    partial = torch.randn(batch, seq, dim, generator=generator)
+    query = torch.randn(dim, generator=generator)
+    logit = (partial @ query) * torch.rsqrt(partial.pow(2).mean(-1) + 1e-5)
+    lse = None if score_fn == "sigmoid" else logit + gap
+    if lse is None:  # a sigmoid gate of 1 - e^-gap: scale the query so that the logit is gap
+        query = query * (gap / logit.abs()).min()
+    grad = torch.randn(batch, seq, dim, generator=generator)
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        leaf = partial.to(dtype).requires_grad_()
+        args = (buffer.to(dtype), n, weights.to(dtype), leaf, mixed.to(dtype), query.to(dtype),
+                None if lse is None else lse.to(dtype), 1e-5, True)
+        hidden, _ = attnres_two_phase._PartialMerge.apply(*args)
+        grads.append(torch.autograd.grad(hidden, leaf, grad.to(dtype))[0])
+    error = ((grads[0].double() - grads[1]).abs().max() / grads[1].abs().max()).item()
+    assert error < 1e-4, error  # measured: under 1e-6
+
+
 @pytest.mark.parametrize("block_size", [2, 4], ids=["block2", "block4"])
 def test_two_phase_gradients_equal_naive_attnres(block_size, input_ids, monkeypatch):
     """Outputs and every gradient of the two-phase path (phase 1, `_PartialMerge`) against a model whose routers are

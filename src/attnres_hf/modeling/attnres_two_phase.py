@@ -130,18 +130,20 @@ class _Constants(NamedTuple):
 def _merge_partial(partial, mixed, query, lse, eps, key_norm):
     """Phase 2's arithmetic (see `AttnResRouter._merge`): the partial sum's logit `(B, T)` fp32 (and its `1/RMS`, or
     `None` without the key norm), the completed sources' share (softmax; `lse` is their log-sum-exp) or the
-    partial sum's sigmoid gate (`lse` is `None`), and the merged router output `(B, T, D)` in the stream dtype."""
+    partial sum's sigmoid gate (`lse` is `None`), that share's complement `1 - share` (computed as a sigmoid of its
+    own: `1 - sigmoid(x)` in fp32 loses the digits of a small complement, which backward multiplies gradients by),
+    and the merged router output `(B, T, D)` in the stream dtype."""
     logit = _as(partial, query.dtype) @ query
     inv = inverse_rms(partial, eps) if key_norm else None
     if inv is not None:
         logit = logit * inv
     if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
-        share = torch.sigmoid(logit)
+        share, complement = torch.sigmoid(logit), torch.sigmoid(-logit)
         hidden = mixed + _as(share.unsqueeze(-1), partial.dtype) * partial
     else:  # softmax: the completed sources keep sigmoid(lse - p) of the mass (online-softmax update)
-        share = torch.sigmoid(lse - logit)
+        share, complement = torch.sigmoid(lse - logit), torch.sigmoid(logit - lse)
         hidden = torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
-    return hidden, logit, inv, share
+    return hidden, logit, inv, share, complement
 
 
 def _merge_inference(partial, mixed, query, lse, norm_eps):
@@ -181,16 +183,16 @@ class _PartialMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buffer, n, weights, partial, mixed, query, lse, eps, key_norm):
-        hidden, logit, inv, share = _merge_partial(partial, mixed, query, lse, eps, key_norm)
+        hidden, logit, inv, share, complement = _merge_partial(partial, mixed, query, lse, eps, key_norm)
         ctx.buffer, ctx.n, ctx.softmax = buffer, n, lse is not None
-        ctx.save_for_backward(weights, partial, query, logit, inv, share)
+        ctx.save_for_backward(weights, partial, query, logit, inv, share, complement)
         ctx.set_materialize_grads(False)
         return hidden, logit
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_hidden, grad_logit):
-        weights, partial, query, logit, inv, share = ctx.saved_tensors
+        weights, partial, query, logit, inv, share, complement = ctx.saved_tensors
         values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
         grad_partial = grad_mixed = grad_lse = None
         grad_p = grad_logit if grad_logit is not None else torch.zeros_like(logit)
@@ -199,11 +201,11 @@ class _PartialMerge(torch.autograd.Function):
             if ctx.softmax:
                 mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)  # forward's value, recomputed
                 grad_share = (grad * (_as(mixed, query.dtype) - values)).sum(-1)
-                grad_lse = grad_share * share * (1 - share)
+                grad_lse = grad_share * share * complement
                 grad_p = grad_p - grad_lse
-                grad_partial, grad_mixed = grad * (1 - share).unsqueeze(-1), grad * share.unsqueeze(-1)
+                grad_partial, grad_mixed = grad * complement.unsqueeze(-1), grad * share.unsqueeze(-1)
             else:
-                grad_p = grad_p + (grad * values).sum(-1) * share * (1 - share)
+                grad_p = grad_p + (grad * values).sum(-1) * share * complement
                 grad_partial, grad_mixed = grad * share.unsqueeze(-1), grad
         if inv is not None:  # p = r (partial . q) with r = (mean(partial^2) + eps)^(-1/2)
             coefficient = grad_p * inv

@@ -30,6 +30,7 @@ from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.utils.type_validators import interval
 
 from .attnres_fla import check_fla_config
+from .attnres_triton import check_triton_config
 from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_adapter
 from .backbones_moe import EXPERT_ROUTING
 from .depth_mixing import DEPTH_MIXING
@@ -99,12 +100,16 @@ class AttnResConfig(PreTrainedConfig):
             Input-independent weights: the score of source `i` is a learned scalar `s_{i->l}` (parameter `logits`,
             zero-initialised) instead of `w_l . RMSNorm(v_i)`. No query and no key norm.
         attnres_implementation (`str`, defaults to `"torch"`):
-            Who computes the direct router reads (Full AttnRes, the final router): `"torch"`, or `"fla"`,
-            flash-linear-attention's fused Triton kernel (`pip install "attnres-hf[fla]"`): CUDA tensors only (others
-            raise at the forward), the default knobs only (softmax, key norm, static query, one head, no window, no
-            scalar weights), the torch path's numbers up to rounding. Reads that return depth weights, and the
-            two-phase Block reads, stay on torch. Settable like `attn_implementation`:
-            `from_pretrained(path, attnres_implementation="fla")`.
+            Who computes the router reads: `"torch"`; `"fla"`, flash-linear-attention's fused Triton kernel for the
+            direct reads (Full AttnRes, the final router; `pip install "attnres-hf[fla]"`), the default knobs only
+            (softmax, key norm, static query, one head, no window, no scalar weights), reads that return depth
+            weights and the two-phase Block reads staying on torch; or `"triton"`, this library's fused kernels of
+            two-phase inference (phase 1 and the merge, forward and backward; `attnres_triton.py`) for every read,
+            with or without the key norm (softmax, static query, one head, no window, no scalar weights; `pip
+            install "attnres-hf[triton]"`). Both kernels need CUDA tensors (others raise at the forward; Triton's
+            interpreter, `TRITON_INTERPRET=1`, runs `"triton"` on CPU for tests), compute the torch path's numbers up
+            to rounding, and leave reads under `torch.compile` to torch. Settable like `attn_implementation`:
+            `from_pretrained(path, attnres_implementation="triton")`.
 
         denseformer_dilation (`int`, defaults to 1):
             DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024): the DWA after layer `i`
@@ -121,7 +126,7 @@ class AttnResConfig(PreTrainedConfig):
     Raises:
         ValueError: on an unknown `depth_mixing`, a knob set for another method (e.g. `mhc_num_streams` with
             `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys;
-            `attnres_implementation="fla"` computes the default knobs only), an invalid knob value, a block size that
+            `attnres_implementation="fla"` and `"triton"` compute only the knobs they name), an invalid knob value, a block size that
             is neither 1 nor a positive even number, an unsupported backbone family (or a setting of it an adapter
             refuses, naming why), a flat config no family expresses, and on backbone rules: more key/value heads than
             attention heads or heads that do not divide, a `head_dim`-less config whose `hidden_size` is not a
@@ -157,7 +162,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_query: Literal["static", "input_dependent"] = "static"
     attnres_num_heads: int = interval(min=1)(default=1)
     attnres_scalar_weights: bool = False
-    attnres_implementation: Literal["torch", "fla"] = "torch"  # checked against the knobs when set (`_setattr`)
+    attnres_implementation: Literal["torch", "fla", "triton"] = "torch"  # checked against the knobs when set (`_setattr`)
     denseformer_dilation: int = interval(min=1)(default=1)
     denseformer_period: int = interval(min=1)(default=1)
     mhc_num_streams: int = interval(min=2)(default=4)  # one stream cannot hold a doubly-stochastic mix of anything
@@ -211,6 +216,9 @@ class AttnResConfig(PreTrainedConfig):
         _validate_backbone(self.backbone)
 
     def _validate_depth_knobs(self):
+        # (a knob set after the implementation: what it computes is checked again here)
+        check_fla_config(self, self.attnres_implementation)
+        check_triton_config(self, self.attnres_implementation)
         if self.attnres_window is not None and self.attnres_window < 1:
             raise ValueError(f"attnres_window must be a positive number of sources or None, got {self.attnres_window!r}")
         if self.hidden_size % self.attnres_num_heads:
@@ -458,6 +466,7 @@ def _setattr(self, name, value):
     else:
         if name == "attnres_implementation":  # (also in `__init__`: the fields it checks are set before it)
             check_fla_config(self, value)
+            check_triton_config(self, value)
         _strict_setattr(self, name, value)
 
 

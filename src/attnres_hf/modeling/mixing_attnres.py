@@ -21,6 +21,7 @@ from .attnres_buffer import (_SourceGrads, _SourceMix, _SourceScores, _as, _mix,
                              _source_inverse_rms, _store)
 from .attnres_fla import fla_read, require_fla
 from .attnres_reference import attnres_num_sources
+from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merge_partial, _PartialMerge, _two_phase_applies)
 from .mixing_base import AttnResRMSNorm, DepthRead, DepthWrite, inverse_rms, registered_modules, stacked_norms
@@ -136,6 +137,10 @@ class AttnResState(NamedTuple):
             return self if self.phase1 is None else self._replace(phase1=None)
         stop, eps = min(start + self.block_size, len(bank)), constants.eps
         queries = bank[start:stop]  # (S, D): the block's query bank
+        if self.implementation == "triton" and triton_serves(self):  # the fused kernel (`attnres_triton.py`)
+            probs, lse, mixed = triton_phase1(self, queries, self.inv_rms if constants.key_norm else None)
+            return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2), lse.unbind(-1),
+                                               mixed.unbind(-2), bank, eps))
         logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
         if constants.key_norm:
             logits = logits * self.inv_rms.unsqueeze(-2)
@@ -230,6 +235,8 @@ class AttnResRouter(nn.Module):
                 self.query_proj = nn.Parameter(torch.zeros(hidden_size, hidden_size))
         if config.attnres_implementation == "fla":
             require_fla(config)
+        elif config.attnres_implementation == "triton":
+            require_triton(config)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for param in (self.query, self.query_proj, self.logits):
@@ -332,6 +339,8 @@ class AttnResRouter(nn.Module):
         with `attnres_implementation="fla"` (`attnres_fla.fla_read`)."""
         if state.implementation == "fla" and (read := fla_read(self, state)) is not None:
             return read
+        if state.implementation == "triton" and triton_serves(state):
+            return self._triton_direct(state)
         if state.constants is not None and not torch.is_grad_enabled():
             return self._direct_inference(state)
         partial, buffer, n = state.partial, state.buffer, len(state.sources)
@@ -346,6 +355,24 @@ class AttnResRouter(nn.Module):
         hidden = _read_sources(_SourceMix, _mix, state, completed.unsqueeze(-2)).squeeze(-2)
         if partial is not None:
             hidden = hidden + mix.narrow(-1, n, 1) * partial
+        return hidden, weights
+
+    def _triton_direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_direct` by the two-phase kernels with one query (`attnres_implementation="triton"`): phase 1 over the
+        completed sources, then the merge of the partial sum."""
+        partial, count = state.partial, len(state.sources)
+        query = self._folded_query()
+        inv_rms = state.inv_rms if self.key_norm is not None else None
+        probs, lse, mixed = (t.squeeze(2) for t in triton_phase1(state, query.unsqueeze(0), inv_rms))
+        if partial is None:
+            hidden, weights = mixed, probs
+        else:
+            count += 1
+            hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, inv_rms is not None)
+            weights = torch.cat([probs * torch.sigmoid(lse - logit).unsqueeze(-1),
+                                 torch.sigmoid(logit - lse).unsqueeze(-1)], dim=-1)
+        if self.rescale_output:
+            hidden = hidden * self._rescale(count)
         return hidden, weights
 
     def _direct_inference(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,14 +417,17 @@ class AttnResRouter(nn.Module):
             count += 1
             lse = phase1.lse[j] if phase1.lse is not None else None
             arguments = (partial, mixed, phase1.queries[j], lse, phase1.eps, self.key_norm is not None)
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
+            if state.implementation == "triton" and lse is not None and triton_serves(state):
+                hidden, logit = triton_merge(state, probs, partial, mixed, phase1.queries[j], lse, state.eps,
+                                             self.key_norm is not None)
+            elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
                 mix_weights = _as(probs, state.buffer.dtype)  # phase 1's, for backward to recompute `mixed`
                 hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
             elif not state.keep_weights:  # inference: the output alone
                 norm_eps = state.constants.norm_eps if self.key_norm is not None else None
                 hidden = _merge_inference(partial, mixed, phase1.queries[j], lse, norm_eps)
             else:
-                hidden, logit, _, _ = _merge_partial(*arguments)
+                hidden, logit = _merge_partial(*arguments)[:2]
             weights = None
             if state.keep_weights:
                 if lse is None:

@@ -163,6 +163,27 @@ class AttnResPreTrainedModel(PreTrainedModel):
         if self.can_generate():
             self.generation_config = self._generation_config_from_model_config()
 
+    def compile_repeated_blocks(self, **compile_kwargs) -> None:
+        """Regional compilation (torch's recipe, "Reducing torch.compile cold start compilation time with regional
+        compilation"; diffusers' `compile_repeated_blocks`): compile, in place (`nn.Module.compile`), each decoder
+        layer's backbone modules (its attention and MLP sub-layers and their norms, whatever the family names them),
+        and leave the depth mixing eager.
+
+        The backbone's modules run the same code on the same shapes in every layer, so torch compiles each kind once
+        and reuses it for the others, while the depth mixing's routers see another number of sources in every layer
+        (Eq. 6), which a whole-model graph unrolls into one long graph (the compile times of
+        `benchmarks/overhead.py`). Eager, the depth mixing keeps its in-place source-gradient sums and uses the
+        fused kernels of `attnres_implementation`. Embeddings, the final norm and the LM head stay eager.
+
+        Args:
+            **compile_kwargs: `torch.compile`'s (`backend`, `mode`, `dynamic`, `fullgraph`, `options`).
+        """
+        for layer in self.base_model.layers:
+            mixing = set(layer._mixing_type._fields)
+            for name, child in layer.named_children():
+                if name not in mixing:
+                    child.compile(**compile_kwargs)
+
     def _generation_config_from_model_config(self):
         """The generation config transformers derives from the model config (`GenerationConfig.from_model_config`),
         with what the backbone config says: its special token ids (`eos_token_id`, `bos_token_id`, `pad_token_id`)
