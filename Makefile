@@ -32,8 +32,9 @@ test-fast: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Eager, regionally compiled and (decode) whole-model compiled, every Block knob eager; about an hour on 2 cores.
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py --compiled-workloads decode
 
 clean:
 	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

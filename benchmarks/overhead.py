@@ -17,7 +17,8 @@ the two-phase path serves (`rescale`, `sigmoid`, `no-key-norm`) and those that t
 Each mode runs its models in one interleaved schedule (`eager`: every model; `compiled`: `torch.compile(model)`, the
 whole model, inductor, for Llama, Block and Full; `regional`: regional compilation of the same three, Llama by
 accelerate's `compile_regions` (each decoder layer), AttnRes by `compile_repeated_blocks` (each layer's backbone
-modules; the depth mixing eager)): per
+modules; the depth mixing eager), for train and prefill: decoding compiles whole, and `--compiled-workloads decode`
+runs only that in the whole-model mode): per
 repeat, Llama, then every other model (in an order rotated each repeat), and a closing Llama run shared with the
 next repeat. The ratio of a model in a repeat is its time over the mean of the two Llama runs around it; the table
 shows the median of the per-repeat ratios and its distribution-free 95% interval (order statistics of the
@@ -43,7 +44,8 @@ straddles. Printed with each table.
 `torch.profiler`), to explain a missed target. The tables are Markdown; `--results PATH` writes them (not the
 profile), with how they were measured, as a fragment for the docs (`benchmarks/_results.py`):
 
-    python benchmarks/overhead.py --modes eager --knobs none --repeats 4 --results docs/results/overhead_cpu_eager.md
+    python benchmarks/overhead.py --modes eager,regional,compiled --compiled-workloads decode --knobs none \
+        --results docs/results/overhead_cpu.md --readme
 """
 
 import argparse
@@ -73,6 +75,8 @@ SMOLLM2_135M = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+SMOKE = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+"""`--smoke`: the tiny shape that checks the script runs (tests/test_overhead_benchmark.py); its numbers mean nothing."""
 PROMPT_LEN = 16
 WORKLOADS = ("train", "prefill", "decode")
 # Block AttnRes with one non-default Table-4 knob each; the first three run the two-phase path.
@@ -85,10 +89,10 @@ KNOBS = {
     "heads": dict(attnres_num_heads=4),
     "scalar": dict(attnres_scalar_weights=True),
 }
-COMPILED = ("llama", "block", "full")  # the models the compiled modes run (`--quick`: Llama and Block)
+COMPILED = ("llama", "block", "full")  # the models the compiled modes run (`--quick`'s whole-model mode: Llama, Block)
 MODES = ("eager", "compiled", "regional")
 TARGETS = {  # (device type, model, mode) -> {workload: largest ratio to Llama}; `compile`: compile time, all workloads
-    # CPU (issue 25): Block at a residual's cost; decode compiled is the whole model with a static cache (what
+    # CPU: Block at a residual's cost; decode compiled is the whole model with a static cache (what
     # `generate(..., cache_implementation="static")` compiles), training and prefill compiled are regional.
     ("cpu", "block", "eager"): dict(train=1.02, prefill=1.02, decode=1.08, memory=1.05),
     ("cpu", "block", "regional"): dict(train=1.02, prefill=1.02, compile=1.5),
@@ -267,6 +271,8 @@ def run_mode(mode: str, models: dict, args, inputs: dict, device) -> dict:
     runners = {name: Runner(model, mode, device, inputs, args.decode_tokens, args.backend)
                for name, model in models.items()}
     workloads = args.compiled_workloads if mode == "compiled" else args.workloads
+    if mode == "regional":  # decoding compiles whole (its attention would compile once per layer: the cache index)
+        workloads = [w for w in workloads if w != "decode"] or workloads
     if mode == "compiled" and args.quick:  # compiling the 30-layer training graph takes minutes by itself
         workloads = [w for w in workloads if w != "train"] or workloads
     first = {name: {} for name in runners}  # compile seconds: each workload's first call less its second
@@ -433,11 +439,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: train, prefill, decode")
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"],
                         help="decoder layers (the SmolLM2-135M shape has 30)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape (hidden 32, vocab 99): checks the script "
+                        "runs, in seconds; its numbers mean nothing")
     parser.add_argument("--attn-implementation", default="sdpa")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the training peak-memory measurement")
     parser.add_argument("--quick", action="store_true",
-                        help="5 repeats, 16 decoded tokens; compiled mode for Llama and Block, prefill and decode "
+                        help="5 repeats, 16 decoded tokens; the whole-model compiled mode for Llama and Block, prefill and decode "
                         "only (compiling the 30-layer graphs takes most of a GPU run; run `--modes compiled "
                         "--workloads train` on its own for the compiled training step)")
     parser.add_argument("--fla", action="store_true",
@@ -454,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary per workload")
     parser.add_argument("--profile-rows", type=int, default=15)
     parser.add_argument("--results", metavar="PATH", type=results_path, help="also write the tables, with how they were measured, to "
-                        "PATH (a Markdown fragment, e.g. docs/results/overhead_cpu_eager.md; not the profile)")
+                        "PATH (a Markdown fragment, e.g. docs/results/overhead_cpu.md; not the profile)")
     args = parser.parse_args(argv)
     measured = Run(__file__, sys.argv[1:] if argv is None else argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -484,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--fla needs --device cuda: fla's fused_attnres is a Triton kernel for CUDA tensors")
 
     device = torch.device(args.device)
-    shape = {**SMOLLM2_135M, "num_hidden_layers": args.layers}
+    shape = {**SMOLLM2_135M, **(SMOKE if args.smoke else {}), "num_hidden_layers": args.layers}
     if args.triton and not args.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--triton needs --device cuda (or TRITON_INTERPRET=1, Triton's interpreter: for tests only)")
     models = build_models(device, args.attn_implementation, knobs, shape, fla=args.fla, triton=args.triton)
@@ -497,6 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     header = (f"device={device} ({name}) torch={torch.__version__} dtype=fp32 attn={args.attn_implementation} "
+              + ("shape=SMOKE (tiny: the numbers mean nothing) " if args.smoke else "") +
               f"layers={args.layers} train={args.train_batch}x{args.train_len} prefill=1x{args.prefill_len} "
               f"decode={args.decode_tokens} tokens repeats={args.repeats} models={', '.join(models)}")
     print(header, flush=True)
@@ -508,7 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         chosen = models
         if mode != "eager":  # Llama, Block and Full; knobs and kernels eager only
-            chosen = {k: v for k, v in models.items() if k in (("llama", "block") if args.quick else COMPILED)}
+            kept = ("llama", "block") if args.quick and mode == "compiled" else COMPILED
+            chosen = {k: v for k, v in models.items() if k in kept}
             chosen = {k: fresh_copy(v) for k, v in chosen.items()}  # (compilation changes a model in place)
         results[mode] = run_mode(mode, chosen, args, inputs, device)
         texts.append(report(mode, results[mode], args, device.type))

@@ -102,3 +102,66 @@ def test_compiled_training_step_has_no_graph_break_and_gives_the_eager_gradients
     torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids, labels=input_ids).loss.backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, eager[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Regional compilation: `compile_repeated_blocks`
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def regional_step(model, input_ids):
+    """Logits and every parameter's gradient of one training step."""
+    model.zero_grad()
+    out = model(input_ids, labels=input_ids)
+    out.loss.backward()
+    return out.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("depth_mixing", [pytest.param(name, marks=pytest.mark.slow) if name == "mhc" else name
+                                          for name in DEPTH_MIXING])
+def test_compile_repeated_blocks_compiles_the_backbone_and_leaves_the_mixing_eager(depth_mixing, input_ids):
+    """Every decoder layer's backbone modules (attention, MLP, norms) are compiled in place, no depth-mixing module
+    is, and a training step gives the eager logits and gradients (dynamo's capture with AOTAutograd: `aot_eager`)."""
+    torch._dynamo.reset()
+    overrides = {"attnres_block_size": 2} if depth_mixing == "attnres" else {}
+    eager = tiny_model(depth_mixing=depth_mixing, num_hidden_layers=2, **overrides).train()
+    regional = tiny_model(depth_mixing=depth_mixing, num_hidden_layers=2, **overrides).train()
+    regional.compile_repeated_blocks(backend="aot_eager")
+    for layer in regional.model.layers:
+        mixing = set(layer._mixing_type._fields)
+        for name, child in layer.named_children():
+            assert (child._compiled_call_impl is not None) == (name not in mixing), name
+    theirs, ours = regional_step(eager, input_ids), regional_step(regional, input_ids)
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
+    assert ours[1].keys() == theirs[1].keys()
+    for name in theirs[1]:
+        torch.testing.assert_close(ours[1][name], theirs[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_regional_full_attnres_training_keeps_the_in_place_source_gradient_sums(input_ids, monkeypatch):
+    """The routers run eager between the compiled regions, so Full AttnRes's sources' gradients are summed in place
+    (`_SourceGrads`), not one per reader as in a traced graph."""
+    from attnres_hf.modeling import attnres_buffer
+
+    torch._dynamo.reset()
+    sums = []
+    original = attnres_buffer._SourceGrads.add_mix_product
+    monkeypatch.setattr(attnres_buffer._SourceGrads, "add_mix_product",
+                        lambda self, *args, **kwargs: (sums.append(1), original(self, *args, **kwargs))[1])
+    model = tiny_model(attnres_block_size=1, num_hidden_layers=2).train()
+    model.compile_repeated_blocks(backend="aot_eager")
+    regional_step(model, input_ids)
+    assert len(sums) >= model.config.num_sublayers  # every router's mixing term, added in place
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [1, 2], ids=["full", "block2"])
+def test_compile_repeated_blocks_generates_like_eager(block_size, input_ids):
+    """Cached decoding through the compiled regions (the attention recompiles per layer: its cache index)."""
+    torch._dynamo.reset()
+    model = tiny_model(attnres_block_size=block_size, num_hidden_layers=2)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(input_ids, **kwargs)
+        model.compile_repeated_blocks(backend="aot_eager")
+        torch.testing.assert_close(model.generate(input_ids, **kwargs), reference, atol=0, rtol=0)

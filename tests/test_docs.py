@@ -480,6 +480,23 @@ def test_every_results_fragment_is_included_and_says_where_it_came_from():
                             provenance), name
 
 
+def test_the_readme_speed_blocks_are_what_the_benchmark_wrote():
+    """The README's generated blocks (`<!-- results:NAME -->`, written by `benchmarks/overhead.py --readme`): each
+    names the fragment its run wrote, and every verdict it lists is a line of that fragment; a block of a run that
+    has not happened says so."""
+    blocks = re.findall(r"<!-- results:([\w-]+) -->\n(.*?)\n<!-- /results:\1 -->", README.read_text(), re.DOTALL)
+    assert {name for name, _ in blocks} == {"overhead-cpu", "overhead-cuda"}
+    for name, block in blocks:
+        if block.startswith("Not "):
+            assert re.fullmatch(r"Not (run|measured) yet[^\n]*", block), name
+            continue
+        (fragment,) = set(re.findall(r"\]\((docs/results/[\w.-]+\.md)\)", block))
+        lines = (ROOT / fragment).read_text().splitlines()
+        verdicts = [line for line in block.splitlines() if line.startswith("- ")]
+        assert verdicts and all(line in lines for line in verdicts), name
+        assert all(line in block.splitlines() for line in lines if re.match(r"- \w+, \w+, ", line)), name
+
+
 PRIVATE_WORDS = re.compile(r"\b(issue \d+|(this|last|next|earlier) round|last session|other agents?)\b",
                            re.IGNORECASE)
 

@@ -3,6 +3,7 @@ on it, and the Markdown table that reports them (the timings themselves are the 
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,51 @@ def test_fla_variants_are_the_fused_read_and_need_cuda(overhead, capsys):
     with pytest.raises(SystemExit):
         overhead.main(["--fla", "--device", "cpu"])
     assert "--fla needs --device cuda" in capsys.readouterr().err
+
+
+def test_targets_are_per_device_kind_and_compile_times_are_judged(overhead):
+    """The compile-time table: each model's seconds per workload and its ratio to Llama's, judged on the total."""
+    llama = {"train": [1.0] * 3, "decode": [0.01] * 3}
+    block = {"train": [1.01, 1.0], "decode": [0.0101] * 2}
+    result = {"times": {"llama": llama, "block": block}, "peaks": {},
+              "compile": {"llama": {"train": 10.0, "decode": 2.0}, "block": {"train": 14.0, "decode": 1.0}}}
+    text = overhead.report("regional", result, argparse.Namespace(repeats=2), "cpu")
+    assert "| block | 14.0 s (1.40) | 1.0 s (0.50) | 15.0 s (1.25) PASS |" in text
+    assert "- block, regional, compile time: 1.25 (one run) PASS (<= 1.5)" in text
+    assert "- block, regional, train: 1.005 [1.000, 1.010] PASS (<= 1.02)" in text
+    gpu = overhead.report("regional", result, argparse.Namespace(repeats=2), "cuda")
+    assert "- block, regional, train: 1.005 [1.000, 1.010] PASS (<= 1.05)" in gpu
+    for (device, model, mode), targets in overhead.TARGETS.items():
+        assert device in ("cpu", "cuda") and model in overhead.COMPILED and mode in overhead.MODES
+        assert set(targets) <= {*overhead.WORKLOADS, "memory", "compile"}
+
+
+@pytest.mark.slow
+def test_a_tiny_run_of_every_mode_writes_its_fragment_and_the_readme_block(overhead, tmp_path, monkeypatch):
+    """Two layers of the smoke shape, a few tokens, dynamo without inductor (`--backend eager`): every mode
+    runs, the fragment has each table, and `--readme` rewrites only the README's block, with the verdicts."""
+    results = sys.modules["_results"]
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- results:overhead-cpu -->\nold\n<!-- /results:overhead-cpu -->\nafter\n")
+    monkeypatch.setattr(results, "README", readme)
+    monkeypatch.setattr(overhead, "ROOT", tmp_path)
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    fragment = tmp_path / "docs" / "overhead.md"
+    overhead.main(["--smoke", "--layers", "2", "--repeats", "2", "--knobs", "none", "--backend", "eager", "--train-batch", "1",
+                   "--train-len", "8", "--prefill-len", "8", "--decode-tokens", "2", "--no-memory",
+                   "--compiled-workloads", "decode", "--results", str(fragment), "--readme"])
+    text = fragment.read_text()
+    assert all(f"**{mode}**" in text for mode in overhead.MODES)
+    assert "Compile time, regional" in text and "Compile time, compiled" in text
+    block = readme.read_text()
+    assert block.startswith("# x\n\n<!-- results:overhead-cpu -->\nMeasured ") and block.endswith(
+        "<!-- /results:overhead-cpu -->\nafter\n")
+    verdicts = [line for line in block.splitlines() if line.startswith("- ")]
+    assert verdicts and all(line in text.splitlines() for line in verdicts)
+    assert "[docs/overhead.md](docs/overhead.md)" in block
+
+
+def test_readme_needs_results_inside_the_checkout(overhead, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        overhead.main(["--readme", "--results", str(tmp_path / "x.md")])
+    assert "--readme needs --results inside the checkout" in capsys.readouterr().err

@@ -21,7 +21,7 @@ import torch
 from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.modeling import attnres_buffer
 from attnres_hf.modeling.attnres_reference import naive_attnres
-from utils import randomize_routers, tiny_config, tiny_model
+from utils import tiny_config, tiny_model
 
 pytest.importorskip("triton")
 
@@ -40,6 +40,27 @@ def kernels():
     if DEVICE == "cpu" and not attnres_kernels.INTERPRETED:
         pytest.skip("Triton's interpreter is off: run with TRITON_INTERPRET=1 set before Triton is imported")
     return attnres_kernels
+
+
+class on_device:  # noqa: N801 (a wrapper used like a function)
+    """The kernels' launchers with their tensor arguments moved to `DEVICE` (written-to arguments copied back) and
+    their results brought back to the CPU: the same tests on CUDA and in the interpreter."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def __getattr__(self, name):
+        launcher = getattr(self.kernels, name)
+
+        def call(*args):
+            moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+            out = launcher(*moved)
+            for arg, copy in zip(args, moved):
+                if isinstance(arg, torch.Tensor) and copy is not arg:
+                    arg.copy_(copy)
+            return tuple(o.cpu() if isinstance(o, torch.Tensor) else o for o in out)
+
+        return call
 
 
 def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -70,6 +91,7 @@ def test_phase1_and_merge_equal_naive_attnres(kernels, shape, dtype, key_norm):
     """Phase 1 over `n` completed sources for `S` routers, then each router's merge of one partial sum: the output
     and depth weights of `naive_attnres` over the `n + 1` sources, and the gradients of a random projection of
     both with respect to the sources, the pseudo-queries and the key-norm weights (float64 autograd)."""
+    kernels = on_device(kernels)
     n, S, dim, batch, seq = shape
     generator = torch.Generator().manual_seed(sum(shape))
     values = (torch.randn(n, batch, seq, dim, generator=generator) * 2).to(dtype)
@@ -139,6 +161,7 @@ def test_phase1_and_merge_equal_naive_attnres(kernels, shape, dtype, key_norm):
 def test_a_small_partial_share_keeps_the_digits_of_its_gradient(kernels, gap):
     """The partial sum holds `e^-gap` of the softmax mass: its gradient (that share times the upstream gradient) is
     computed from its own sigmoid, not `1 - sigmoid(gap)` (at gap 16 in fp32: no correct digit). Against float64."""
+    kernels = on_device(kernels)
     generator = torch.Generator().manual_seed(int(gap))
     batch, seq, dim = 2, 3, 16
     partial, mixed = torch.randn(batch, seq, dim, generator=generator), torch.randn(batch, seq, dim, generator=generator)
@@ -157,6 +180,7 @@ def test_a_small_partial_share_keeps_the_digits_of_its_gradient(kernels, gap):
 
 def test_accumulate_adds_to_what_the_gradient_buffer_holds(kernels):
     """`phase1_backward(accumulate=True)` adds to `grad_values` (the in-place gradient sums), else overwrites."""
+    kernels = on_device(kernels)
     generator = torch.Generator().manual_seed(0)
     values, queries = torch.randn(3, 1, 2, 16, generator=generator), torch.randn(2, 16, generator=generator)
     probs, lse, mixed = kernels.phase1_forward(values, None, queries)
@@ -178,18 +202,18 @@ MODELS = {"full": dict(attnres_block_size=1), "block2": dict(attnres_block_size=
 
 def training_step(model, input_ids):
     """Logits, depth weights and every parameter's gradient (fp32) of one step."""
-    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(3))
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     model.zero_grad()
-    out = model(input_ids, output_depth_weights=True)
+    out = model(input_ids.to(DEVICE), output_depth_weights=True)
     (out.logits.float() @ projection).square().mean().backward()
-    grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach().float(), [w.detach().float() for w in out.depth_weights], grads
+    grads = {name: p.grad.float().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().float().cpu(), [w.detach().float().cpu() for w in out.depth_weights], grads
 
 
 def pair(kernels, dtype=torch.float32, **overrides):
     """The same model with the torch path and with the kernels."""
-    torch_model = tiny_model(**overrides).to(dtype).train()
-    triton_model = tiny_model(**overrides, attnres_implementation="triton").to(dtype).train()
+    torch_model = tiny_model(**overrides).to(DEVICE, dtype).train()
+    triton_model = tiny_model(**overrides, attnres_implementation="triton").to(DEVICE, dtype).train()
     triton_model.load_state_dict(torch_model.state_dict())
     return torch_model, triton_model
 
@@ -214,7 +238,7 @@ def test_a_model_with_the_kernels_trains_like_the_torch_path(kernels, monkeypatc
 @pytest.mark.parametrize("name", ["full", "block2", "block4_rescaled"])
 def test_bf16_kernels_are_as_close_to_float64_as_the_torch_path(kernels, input_ids, name):
     """bf16 rounds differently on the two paths: each against a float64 run of the torch path."""
-    reference_model = tiny_model(**MODELS[name]).double().train()
+    reference_model = tiny_model(**MODELS[name]).to(DEVICE, torch.float64).train()
     torch_model, triton_model = pair(kernels, torch.bfloat16, **MODELS[name])
     reference = training_step(reference_model, input_ids)
     ours, theirs = training_step(triton_model, input_ids), training_step(torch_model, input_ids)
@@ -227,6 +251,7 @@ def test_bf16_kernels_are_as_close_to_float64_as_the_torch_path(kernels, input_i
 def test_inference_and_generation_match_the_torch_path(kernels, input_ids, name):
     """No-grad forwards (prefill, cached decode) and greedy generation."""
     torch_model, triton_model = (m.eval() for m in pair(kernels, **MODELS[name]))
+    input_ids = input_ids.to(DEVICE)
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert relative(triton_model(input_ids).logits, torch_model(input_ids).logits) < 1e-5
@@ -234,11 +259,34 @@ def test_inference_and_generation_match_the_torch_path(kernels, input_ids, name)
                                    atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["full", "block2"])
+def test_gradient_checkpointing_replays_the_kernels(kernels, input_ids, name):
+    """A checkpointed layer rewrites its block's buffer slot and runs the kernels again in backward: the same
+    gradients as without checkpointing."""
+    _, plain = pair(kernels, **MODELS[name])
+    _, checkpointed = pair(kernels, **MODELS[name])
+    checkpointed.gradient_checkpointing_enable()
+    ours, theirs = training_step(checkpointed, input_ids), training_step(plain, input_ids)
+    for key in theirs[2]:
+        torch.testing.assert_close(ours[2][key], theirs[2][key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", ["full", "block2"])
+def test_fp16_inference_is_finite_and_close_to_the_torch_path(kernels, input_ids, name):
+    """fp16 (the kernels compute in fp32 and round once): finite, and as close to the torch path as fp16 allows."""
+    torch_model, triton_model = (m.eval() for m in pair(kernels, torch.float16, **MODELS[name]))
+    with torch.no_grad():
+        ours, theirs = (m(input_ids.to(DEVICE)).logits.float().cpu() for m in (triton_model, torch_model))
+    assert torch.isfinite(ours).all()
+    assert relative(ours, theirs) < 1e-2  # fp16 keeps 11 bits; measured WORST
+
+
 def test_compiled_reads_stay_on_torch(kernels, input_ids):
     """Under `torch.compile` the reads take the torch path (a Triton launch would break the graph): fullgraph
     traces, and the logits are the eager kernels'."""
     torch._dynamo.reset()
-    model = tiny_model(attnres_block_size=2, num_hidden_layers=2, attnres_implementation="triton")
+    model = tiny_model(attnres_block_size=2, num_hidden_layers=2, attnres_implementation="triton").to(DEVICE)
+    input_ids = input_ids.to(DEVICE)
     with torch.no_grad():
         eager = model(input_ids).logits
         compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids).logits
@@ -273,12 +321,12 @@ def test_a_knob_changed_after_the_implementation_is_refused_at_construction():
 
 
 def test_the_implementation_is_saved_and_loaded(kernels, tmp_path, input_ids):
-    model = tiny_model(attnres_block_size=2, attnres_implementation="triton")
+    model = tiny_model(attnres_block_size=2, attnres_implementation="triton").to(DEVICE)
+    input_ids = input_ids.to(DEVICE)
     model.save_pretrained(tmp_path)
-    loaded = AttnResForCausalLM.from_pretrained(tmp_path)
+    loaded = AttnResForCausalLM.from_pretrained(tmp_path).to(DEVICE)
     assert AttnResConfig.from_pretrained(tmp_path).attnres_implementation == "triton"
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, atol=0, rtol=0)
     back = AttnResForCausalLM.from_pretrained(tmp_path, attnres_implementation="torch")
     assert back.config.attnres_implementation == "torch"
-    randomize_routers(back)

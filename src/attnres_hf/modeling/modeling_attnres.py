@@ -175,10 +175,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
         `benchmarks/overhead.py`). Eager, the depth mixing keeps its in-place source-gradient sums and uses the
         fused kernels of `attnres_implementation`. Embeddings, the final norm and the LM head stay eager.
 
+        With a KV cache the attention compiles once per layer (its cache index, `layer_idx`, is a constant to
+        torch), so this raises `torch._dynamo.config.recompile_limit` to at least the number of layers plus 8 (else
+        the later layers would run eager).
+
         Args:
             **compile_kwargs: `torch.compile`'s (`backend`, `mode`, `dynamic`, `fullgraph`, `options`).
         """
-        for layer in self.base_model.layers:
+        layers = self.base_model.layers
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(layers) + 8)
+        for layer in layers:
             mixing = set(layer._mixing_type._fields)
             for name, child in layer.named_children():
                 if name not in mixing:
