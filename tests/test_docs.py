@@ -125,6 +125,8 @@ NOT_RUN_HERE = {
     "tests/test_benchmarks.py runs the script at smoke size",
     ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
     "runs it at a tiny shape",
+    ("docs/speed.md", "## Compiling: `compile_repeated_blocks`"): "a line about a model it does not define; "
+    "tests/test_compile.py compiles tiny models of every method this way",
 }
 """(page, section) -> why its blocks are not run as written here, and which test runs the same thing."""
 
