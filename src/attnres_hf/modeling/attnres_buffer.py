@@ -57,7 +57,7 @@ class _SourceGrads:
     """
 
     def __init__(self, buffer: torch.Tensor):
-        self.buffer, self.task, self.grad, self.score_terms, self.wide = buffer, None, None, [], None
+        self.buffer, self.task, self.grad, self.score_terms = buffer, None, None, []
 
     @staticmethod
     def applies() -> bool:
@@ -68,23 +68,17 @@ class _SourceGrads:
     def _current(self) -> torch.Tensor:
         task = torch._C._current_graph_task_id()
         if task != self.task:
-            self.task, self.grad, self.score_terms, self.wide = task, torch.zeros_like(self.buffer), [], None
+            self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
             torch.autograd.Variable._execution_engine.queue_callback(self._release)  # when this pass ends
         return self.grad
 
     def _release(self) -> None:
-        self.grad, self.score_terms, self.wide = None, [], None
+        self.grad, self.score_terms = None, []
 
-    def fp32_sums(self) -> torch.Tensor:
-        """`(n_slots, B, T, D)` fp32 sums that `take` adds to a slot's (the fused kernels' readers add their whole
-        gradient here, which in a bf16 buffer would be rounded once per reader); the buffer's own sums when they
-        are fp32 already."""
-        grad = self._current()
-        if grad.dtype == torch.float32:
-            return grad
-        if self.wide is None:
-            self.wide = torch.zeros_like(grad, dtype=torch.float32)
-        return self.wide
+    def sums(self) -> torch.Tensor:
+        """`(n_slots, B, T, D)`: the slots' gradient sums of this backward pass (buffer dtype), for a reader that adds
+        its whole gradient in place (the fused kernels, `attnres_triton.py`)."""
+        return self._current()
 
     def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
         """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
@@ -104,8 +98,6 @@ class _SourceGrads:
         if self.task != torch._C._current_graph_task_id():
             return None
         grad = self.grad[slot]
-        if self.wide is not None:
-            grad.add_(self.wide[slot].to(grad.dtype))
         terms = [(g[..., slot], q) for g, q in self.score_terms if slot < g.shape[-1]]
         if terms:
             dim = grad.shape[-1]

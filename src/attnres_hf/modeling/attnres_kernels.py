@@ -15,6 +15,8 @@ Imported only when `attnres_implementation="triton"` is used (`attnres_triton._k
 as remote code (a relative import of `attnres_triton.py`): imports only torch and Triton.
 """
 
+import contextlib
+
 import torch
 
 try:
@@ -175,6 +177,11 @@ if INTERPRETED and not isinstance(tl.sigmoid, InterpretedFunction):
                       "Triton (or of a library that imports it)")
 
 
+def _device_of(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' (a model on `cuda:1`, `device_map`)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def _blocks(dim: int, S: int = 1) -> tuple[int, int]:
     return triton.next_power_of_2(max(S, 1)), triton.next_power_of_2(dim)
 
@@ -197,8 +204,10 @@ def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: 
     lse = values.new_empty(batch, seq, S, dtype=torch.float32)
     mixed = values.new_empty(batch, seq, S, dim)
     block_s, block_d = _blocks(dim, S)
-    _phase1_forward_kernel[(rows,)](values, inv_rms if inv_rms is not None else lse, queries, logits, lse, mixed,
-                                    n, rows, dim, S, HAS_NORM=inv_rms is not None, BLOCK_S=block_s, BLOCK_D=block_d)
+    with _device_of(values):
+        _phase1_forward_kernel[(rows,)](values, inv_rms if inv_rms is not None else lse, queries, logits, lse, mixed,
+                                        n, rows, dim, S, HAS_NORM=inv_rms is not None, BLOCK_S=block_s,
+                                        BLOCK_D=block_d)
     return torch.exp(logits - lse.unsqueeze(-1)), lse, mixed
 
 
@@ -213,15 +222,16 @@ def phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_
     grad_inv = probs.new_empty(batch, seq, n) if inv_rms is not None else None
     dummy = probs
     block_s, block_d = _blocks(dim, S)
-    _phase1_backward_kernel[(rows,)](
-        values, inv_rms if inv_rms is not None else dummy, queries, probs,
-        grad_mixed.contiguous() if grad_mixed is not None else dummy,
-        grad_lse.contiguous() if grad_lse is not None else dummy,
-        grad_probs.contiguous() if grad_probs is not None else dummy,
-        grad_values if grad_values is not None else dummy, grad_inv if grad_inv is not None else dummy,
-        grad_scores, n, rows, dim, S, HAS_NORM=inv_rms is not None, HAS_GRAD_MIXED=grad_mixed is not None,
-        HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_PROBS=grad_probs is not None, ACCUMULATE=accumulate,
-        NEED_VALUES=grad_values is not None, BLOCK_S=block_s, BLOCK_D=block_d)
+    with _device_of(values):
+        _phase1_backward_kernel[(rows,)](
+            values, inv_rms if inv_rms is not None else dummy, queries, probs,
+            grad_mixed.contiguous() if grad_mixed is not None else dummy,
+            grad_lse.contiguous() if grad_lse is not None else dummy,
+            grad_probs.contiguous() if grad_probs is not None else dummy,
+            grad_values if grad_values is not None else dummy, grad_inv if grad_inv is not None else dummy,
+            grad_scores, n, rows, dim, S, HAS_NORM=inv_rms is not None, HAS_GRAD_MIXED=grad_mixed is not None,
+            HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_PROBS=grad_probs is not None, ACCUMULATE=accumulate,
+            NEED_VALUES=grad_values is not None, BLOCK_S=block_s, BLOCK_D=block_d)
     # dL/dw_s = sum over tokens and sources of dL/dscore_si v_i: one (S, n B T) @ (n B T, D) product
     flat = grad_scores.permute(2, 3, 0, 1).reshape(S, n * rows)
     grad_queries = flat @ values.reshape(n * rows, dim).to(torch.float32)
@@ -248,9 +258,10 @@ def merge_forward(partial: torch.Tensor, mixed: torch.Tensor, query: torch.Tenso
     batch, seq, dim = partial.shape
     hidden = torch.empty_like(partial)
     logit = partial.new_empty(batch, seq, dtype=torch.float32)
-    _merge_forward_kernel[(batch * seq,)](partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim),
-                                          hidden, logit, float(eps), dim, HAS_NORM=key_norm,
-                                          BLOCK_D=_blocks(dim)[1])
+    with _device_of(partial):
+        _merge_forward_kernel[(batch * seq,)](partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim),
+                                              hidden, logit, float(eps), dim, HAS_NORM=key_norm,
+                                              BLOCK_D=_blocks(dim)[1])
     return hidden, logit
 
 
@@ -262,12 +273,13 @@ def merge_backward(partial, mixed, query, lse, logit, grad_hidden, grad_logit, e
     grad_mixed = partial.new_empty(batch, seq, dim, dtype=mixed.dtype) if grad_hidden is not None else None
     grad_lse = logit.new_empty(batch, seq) if grad_hidden is not None else None
     coefficient = torch.empty_like(logit)
-    _merge_backward_kernel[(batch * seq,)](
-        partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim), logit,
-        grad_hidden.contiguous() if grad_hidden is not None else logit,
-        grad_logit.contiguous() if grad_logit is not None else logit,
-        grad_partial, grad_mixed if grad_mixed is not None else logit, grad_lse if grad_lse is not None else logit,
-        coefficient, float(eps), dim, HAS_NORM=key_norm, HAS_GRAD_HIDDEN=grad_hidden is not None,
-        HAS_GRAD_LOGIT=grad_logit is not None, BLOCK_D=_blocks(dim)[1])
+    with _device_of(partial):
+        _merge_backward_kernel[(batch * seq,)](
+            partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim), logit,
+            grad_hidden.contiguous() if grad_hidden is not None else logit,
+            grad_logit.contiguous() if grad_logit is not None else logit,
+            grad_partial, grad_mixed if grad_mixed is not None else logit, grad_lse if grad_lse is not None else logit,
+            coefficient, float(eps), dim, HAS_NORM=key_norm, HAS_GRAD_HIDDEN=grad_hidden is not None,
+            HAS_GRAD_LOGIT=grad_logit is not None, BLOCK_D=_blocks(dim)[1])
     grad_query = coefficient.reshape(-1) @ partial.reshape(-1, dim).to(torch.float32)
     return grad_partial, grad_mixed, grad_lse, grad_query

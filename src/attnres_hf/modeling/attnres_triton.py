@@ -6,11 +6,14 @@ source with an online softmax) and the merge of the partial sum (phase 2), forwa
 
 The autograd Functions read the source buffer as the torch path's do (`attnres_buffer.py`): no copy of the sources
 is saved, the sources' gradients are added in place into the forward's gradient sums in eager training
-(`_SourceGrads`), and the merge recomputes its completed sources' share in backward instead of keeping it.
+(`_SourceGrads`, in the buffer's dtype, as the torch path's mixing terms), and the merge recomputes its completed
+sources' share in backward instead of keeping it.
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_buffer.py`, `attnres_two_phase.py` and, on first use, `attnres_kernels.py` (Triton).
+siblings `attnres_buffer.py` and, on first use, `attnres_kernels.py` (Triton; it travels too).
 """
+
+import sys
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -37,11 +40,11 @@ def check_triton_config(config, implementation: str) -> None:
 
 def _kernels():
     """`attnres_kernels`, imported on first use (it imports Triton: seconds, and only where it is installed)."""
-    try:
-        from . import attnres_kernels
+    try:  # (this form, `from .module import name`, is the one transformers' remote-code loader copies along)
+        from .attnres_kernels import INTERPRETED  # noqa: F401
     except ImportError as error:  # (Triton missing, or its interpreter asked for too late: the message says which)
-        raise ImportError(f"attnres_implementation='triton': {error}") from error
-    return attnres_kernels
+        raise ImportError(str(error)) from error
+    return sys.modules[f"{__name__.rpartition('.')[0]}.attnres_kernels"]
 
 
 def require_triton(config) -> None:
@@ -115,8 +118,8 @@ class _Phase1(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:]
         target, accumulate = None, False
         if any(needs):
-            if ctx.grads is not None:  # added to the slots' sums in place, in fp32 (`_SourceGrads.fp32_sums`)
-                target, accumulate = ctx.grads.fp32_sums()[:n], True
+            if ctx.grads is not None:  # added to the slots' sums in place (`_SourceGrads.sums`)
+                target, accumulate = ctx.grads.sums()[:n], True
             else:
                 target = torch.empty_like(values)
         grad_inv, grad_queries = _kernels().phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse,

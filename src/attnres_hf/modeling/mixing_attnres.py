@@ -357,7 +357,7 @@ class AttnResRouter(nn.Module):
             hidden = hidden + mix.narrow(-1, n, 1) * partial
         return hidden, weights
 
-    def _triton_direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
+    def _triton_direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_direct` by the two-phase kernels with one query (`attnres_implementation="triton"`): phase 1 over the
         completed sources, then the merge of the partial sum."""
         partial, count = state.partial, len(state.sources)
@@ -369,8 +369,10 @@ class AttnResRouter(nn.Module):
         else:
             count += 1
             hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, inv_rms is not None)
-            weights = torch.cat([probs * torch.sigmoid(lse - logit).unsqueeze(-1),
-                                 torch.sigmoid(logit - lse).unsqueeze(-1)], dim=-1)
+            weights = None  # (not asked for: `output_depth_weights`)
+            if state.keep_weights:
+                weights = torch.cat([probs * torch.sigmoid(lse - logit).unsqueeze(-1),
+                                     torch.sigmoid(logit - lse).unsqueeze(-1)], dim=-1)
         if self.rescale_output:
             hidden = hidden * self._rescale(count)
         return hidden, weights

@@ -175,15 +175,20 @@ class AttnResPreTrainedModel(PreTrainedModel):
         `benchmarks/overhead.py`). Eager, the depth mixing keeps its in-place source-gradient sums and uses the
         fused kernels of `attnres_implementation`. Embeddings, the final norm and the LM head stay eager.
 
-        With a KV cache the attention compiles once per layer (its cache index, `layer_idx`, is a constant to
-        torch), so this raises `torch._dynamo.config.recompile_limit` to at least the number of layers plus 8 (else
-        the later layers would run eager).
+        For training and prefill. With a KV cache the attention compiles once per layer (its cache index,
+        `layer_idx`, is a constant to torch): train with `use_cache=False` (gradient checkpointing turns the cache
+        off too), and for decoding compile the whole model with a static cache. So that a cached forward still
+        runs compiled, this raises dynamo's recompile limit (`torch._dynamo.config.recompile_limit`) to at least 8
+        times the number of layers (each cached configuration, prefill or decode, with or without gradients,
+        compiles the attention per layer).
 
         Args:
             **compile_kwargs: `torch.compile`'s (`backend`, `mode`, `dynamic`, `fullgraph`, `options`).
         """
         layers = self.base_model.layers
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(layers) + 8)
+        config = torch._dynamo.config  # (`cache_size_limit` before torch 2.7)
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 8 * len(layers)))
         for layer in layers:
             mixing = set(layer._mixing_type._fields)
             for name, child in layer.named_children():
