@@ -112,6 +112,14 @@ TARGETS = {  # (device type, model, mode) -> {workload: largest ratio to Llama};
 }
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return number
+
+
 def build_models(device, attn_implementation: str, knobs: list[str], shape: dict,
                  fla: bool = False, triton: bool = False) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
@@ -460,12 +468,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="eager,regional,compiled", help=f"comma-separated: {', '.join(MODES)}")
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend of the compiled modes")
     parser.add_argument("--knobs", default=",".join(KNOBS), help=f"comma-separated Block knobs, or 'none': {', '.join(KNOBS)}")
-    parser.add_argument("--train-batch", type=int, default=4)
-    parser.add_argument("--train-len", type=int, default=256)
-    parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--train-batch", type=positive_int, default=4)
+    parser.add_argument("--train-len", type=positive_int, default=256)
+    parser.add_argument("--prefill-len", type=positive_int, default=512)
+    parser.add_argument("--decode-tokens", type=positive_int, default=64)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: train, prefill, decode")
-    parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"],
+    parser.add_argument("--layers", type=positive_int, default=SMOLLM2_135M["num_hidden_layers"],
                         help="decoder layers (the SmolLM2-135M shape has 30)")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape (hidden 32, vocab 99): checks the script "
                         "runs, in seconds; its numbers mean nothing")
@@ -504,8 +512,9 @@ def main(argv: list[str] | None = None) -> None:
     args.compiled_workloads = ([w for w in args.compiled_workloads.split(",") if w] if args.compiled_workloads
                                else args.workloads)
     unknown += [w for w in args.compiled_workloads if w not in WORKLOADS]
-    if unknown:
-        parser.error(f"unknown workload: {', '.join(unknown)} (workloads: {', '.join(WORKLOADS)})")
+    if unknown or not args.compiled_workloads:
+        parser.error(f"unknown or missing workload: {', '.join(unknown) or 'none given'} "
+                     f"(workloads: {', '.join(WORKLOADS)})")
     readme = f"overhead-{torch.device(args.device).type}"
     if args.readme and (not args.results or readme_block(readme) is None
                         or not args.results.resolve().is_relative_to(ROOT.resolve())):
@@ -521,6 +530,8 @@ def main(argv: list[str] | None = None) -> None:
         args.decode_tokens = min(args.decode_tokens, 16)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device")
     if args.fla and not args.device.startswith("cuda"):
         parser.error("--fla needs --device cuda: fla's fused_attnres is a Triton kernel for CUDA tensors")
 

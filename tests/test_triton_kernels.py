@@ -331,3 +331,11 @@ def test_the_implementation_is_saved_and_loaded(kernels, tmp_path, input_ids):
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, atol=0, rtol=0)
     back = AttnResForCausalLM.from_pretrained(tmp_path, attnres_implementation="torch")
     assert back.config.attnres_implementation == "torch"
+
+
+def test_a_meta_device_forward_takes_the_torch_path(input_ids):
+    """Meta tensors (shapes only, e.g. accelerate's `init_empty_weights` checks) need no kernel and no CUDA."""
+    with torch.device("meta"):
+        model = AttnResForCausalLM(tiny_config(attnres_block_size=2, attnres_implementation="triton"))
+        logits = model(input_ids.to("meta")).logits
+    assert logits.shape == (*input_ids.shape, model.config.vocab_size) and logits.is_meta

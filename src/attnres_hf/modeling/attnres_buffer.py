@@ -150,6 +150,7 @@ class _SourceScores(torch.autograd.Function):
     def backward(ctx, grad):  # grad (B, T, S, n)
         (queries,) = ctx.saved_tensors
         values, n = ctx.buffer[: ctx.n], ctx.n
+        grad = _as(grad, queries.dtype)  # (autocast computes the forward's product, so its gradient, in its dtype)
         needs = ctx.needs_input_grad[4:]
         per_source = any(needs) and ctx.grads is None
         grad_queries = flat_grad = None
@@ -171,7 +172,7 @@ class _SourceMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buffer, grads, n, weights, *inputs):
-        ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
+        ctx.buffer, ctx.grads, ctx.n, ctx.weights_dtype = buffer, grads, n, weights.dtype
         ctx.save_for_backward(weights)
         return _mix(buffer[:n], weights)
 
@@ -181,11 +182,13 @@ class _SourceMix(torch.autograd.Function):
         (weights,) = ctx.saved_tensors
         values, n = ctx.buffer[: ctx.n], ctx.n
         batch, seq, dim = values.shape[1:]
-        grad = grad.reshape(batch * seq, -1, dim)
+        # (autocast computes the forward's product in its own dtype: the gradient arrives in it, not the buffer's)
+        grad = _as(grad, values.dtype).reshape(batch * seq, -1, dim)
+        weights = _as(weights, values.dtype)
         grad_weights = None
         if ctx.needs_input_grad[3]:
             per_token = values.reshape(n, batch * seq, dim).permute(1, 2, 0)  # (B T, D, n)
-            grad_weights = torch.bmm(grad, per_token).view(weights.shape)
+            grad_weights = torch.bmm(grad, per_token).view(weights.shape).to(ctx.weights_dtype)
         needs = ctx.needs_input_grad[4:]
         if not any(needs):
             return None, None, None, grad_weights, *_nones(needs)

@@ -208,7 +208,7 @@ def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: 
         _phase1_forward_kernel[(rows,)](values, inv_rms if inv_rms is not None else lse, queries, logits, lse, mixed,
                                         n, rows, dim, S, HAS_NORM=inv_rms is not None, BLOCK_S=block_s,
                                         BLOCK_D=block_d)
-    return torch.exp(logits - lse.unsqueeze(-1)), lse, mixed
+    return torch.softmax(logits, dim=-1), lse, mixed  # (not exp(logits - lse): fewer digits lost when sharp)
 
 
 def phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_probs, grad_values,

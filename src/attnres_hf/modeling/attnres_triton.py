@@ -62,7 +62,7 @@ def serves(state) -> bool:
     Raises:
         ValueError: on sources that are neither CUDA tensors nor interpreted.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or state.buffer.is_meta:  # (meta tensors: shapes only, the torch path's)
         return False
     if not (state.buffer.is_cuda or _kernels().INTERPRETED):
         device = state.buffer.device.type
