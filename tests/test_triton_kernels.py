@@ -6,14 +6,14 @@ gradient sums, inference, generation); the config's refusals; and the fallbacks 
 interpreter).
 
 Tolerances, from measured errors (this machine, these shapes): the kernels in fp32 are within 1.4e-5 of float64 on
-every output and gradient, relative to the largest value (bound 5e-5); in bf16, where outputs and gradients are
-bf16 roundings of fp32 arithmetic, within 1.2e-2 (bound 2e-2; bf16 keeps 8 bits). A whole fp32 model differs from
-the torch path by at most 2e-6 of the largest logit and 1.4e-5 of a parameter's largest gradient (bound 1e-4). In bf16 the two paths round differently
-(the kernels compute in fp32 and round once, but add each read's source gradients to the sums in bf16; the torch
-path rounds some products to bf16 and sums the score terms in fp32), and a tiny random model's bf16 gradients are
-1-6% from float64 either way: each path against a float64 run of the torch path, all gradients as one vector
-(relative Frobenius error), the kernels within 2x the torch path's error plus 1e-2 (measured over 4 seeds x
-Full/Block: the ratio was 0.46-1.47).
+every output and gradient, relative to the largest value (bound 5e-5); in bf16, where outputs and gradients are bf16
+roundings of fp32 arithmetic, within 1.2e-2 (bound 2e-2; bf16 keeps 8 bits). A whole fp32 model differs from the
+torch path by at most 2e-6 of the largest logit and 1.4e-5 of a parameter's largest gradient (bound 1e-4). In bf16
+the two paths round differently (the kernels compute in fp32 and round once, but add each read's source gradients to
+the sums in bf16; the torch path rounds some products to bf16 and sums the score terms in fp32), and a tiny random
+model's bf16 gradients are 1-6% from float64 either way: each path against a float64 run of the torch path, all
+gradients as one vector (relative Frobenius error), the kernels within 2x the torch path's error plus 1e-2 (measured
+over 4 seeds x Full/Block: the ratio was 0.46-1.47).
 """
 
 import pytest

@@ -177,6 +177,14 @@ if INTERPRETED and not isinstance(tl.sigmoid, InterpretedFunction):
                       "Triton (or of a library that imports it)")
 
 
+def _check_contiguous(**tensors) -> None:
+    """Raise `ValueError` naming a tensor the kernels index as contiguous that is not (`None`: not given); these are
+    written in place or are views of the source buffer, which a copy would not be."""
+    for name, tensor in tensors.items():
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})")
+
+
 def _device_of(tensor: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensors' (a model on `cuda:1`, `device_map`)."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
@@ -198,6 +206,8 @@ def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: 
         `probs (B, T, S, n)` fp32 (the softmax over the sources), `lse (B, T, S)` fp32 and `mixed (B, T, S, D)` in
         the values' dtype (`sum_i probs_i v_i`, accumulated in fp32).
     """
+    _check_contiguous(values=values)
+    inv_rms, queries = (None if inv_rms is None else inv_rms.contiguous()), queries.contiguous()
     n, batch, seq, dim = values.shape
     S, rows = queries.shape[0], batch * seq
     logits = values.new_empty(batch, seq, S, n, dtype=torch.float32)
@@ -216,6 +226,9 @@ def phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_
     """The gradients of `phase1_forward`: writes (or with `accumulate`, adds) the sources' into `grad_values`
     `(n, B, T, D)` (`None`: not needed) and returns `grad_inv (B, T, n)` fp32 (`None` without the key norm) and
     `grad_queries (S, D)` fp32. `grad_*`: the outputs' gradients or `None`."""
+    _check_contiguous(values=values, grad_values=grad_values)
+    inv_rms = None if inv_rms is None else inv_rms.contiguous()
+    queries, probs = queries.contiguous(), probs.contiguous()
     n, batch, seq, dim = values.shape
     S, rows = queries.shape[0], batch * seq
     grad_scores = probs.new_empty(batch, seq, S, n)
@@ -254,7 +267,9 @@ def merge_forward(partial: torch.Tensor, mixed: torch.Tensor, query: torch.Tenso
                   eps: float, key_norm: bool):
     """Phase 2's merge: `partial (B, T, D)` contiguous, `mixed (B, T, D)` (a router's view of phase 1's sums, unit
     stride along `D`), `query (D,)` fp32, `lse (B, T)` fp32 (a view). Returns `hidden (B, T, D)` in the partial
-    sum's dtype, `lerp(partial, mixed, sigmoid(lse - p))` in fp32 (the complement its own sigmoid), and the partial sum's logit `p (B, T)` fp32."""
+    sum's dtype, `lerp(partial, mixed, sigmoid(lse - p))` in fp32 (the complement its own sigmoid), and the partial
+    sum's logit `p (B, T)` fp32."""
+    partial, query = partial.contiguous(), query.contiguous()
     batch, seq, dim = partial.shape
     hidden = torch.empty_like(partial)
     logit = partial.new_empty(batch, seq, dtype=torch.float32)
@@ -268,6 +283,7 @@ def merge_forward(partial: torch.Tensor, mixed: torch.Tensor, query: torch.Tenso
 def merge_backward(partial, mixed, query, lse, logit, grad_hidden, grad_logit, eps: float, key_norm: bool):
     """The gradients of `merge_forward`: `grad_partial (B, T, D)` (partial's dtype), `grad_mixed (B, T, D)`
     (mixed's dtype; `None` without `grad_hidden`), `grad_lse (B, T)` fp32 (likewise) and `grad_query (D,)` fp32."""
+    partial, query, logit = partial.contiguous(), query.contiguous(), logit.contiguous()
     batch, seq, dim = partial.shape
     grad_partial = torch.empty_like(partial)
     grad_mixed = partial.new_empty(batch, seq, dim, dtype=mixed.dtype) if grad_hidden is not None else None
