@@ -471,20 +471,23 @@ def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, inpu
     torch.testing.assert_close(fast, autograd, **tolerance)
 
 
+@pytest.mark.parametrize("routers", [False, True], ids=["uniform", "random_routers"])
 @pytest.mark.parametrize("block_size", [1, 2], ids=["full", "block2"])
-def test_bf16_autocast_training_runs_and_stays_close_to_fp32(block_size, input_ids):
-    """Under autocast (`Trainer(bf16=True)` on fp32 weights) the buffer's readers get their products' gradients in
-    bf16 while the buffer is fp32: backward casts them (it raised a dtype error). Loose bound: autocast computes the
-    routers' scores in bf16 too, and the gradients were 13-18% (relative norm, worst parameter) from fp32's here,
-    the residual model's 1%."""
-    model = tiny_model(attnres_block_size=block_size).train()
+def test_bf16_autocast_training_stays_close_to_fp32(block_size, routers, input_ids):
+    """Under autocast (`Trainer(bf16=True)` on fp32 weights) the routers compute in fp32 (autocast is off inside
+    them; the partial sums keep the stream's dtype, as Llama's residual does), and the buffer's readers take
+    autocast's gradient dtypes (they raised a dtype error). Worst parameter's relative gradient error against fp32,
+    measured here: uniform routers 1.1% (the residual model's 0.9%), random sharp routers 9-11% (bf16 errors of the
+    sub-layers, amplified by sharp softmaxes; 13-18% with the routers in bf16)."""
+    model = tiny_model(attnres_block_size=block_size, routers=routers).train()
     reference = torch.autograd.grad(model(input_ids, labels=input_ids).loss, list(model.parameters()),
                                     allow_unused=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids, labels=input_ids).loss
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     assert torch.isfinite(loss)
+    bound = 0.2 if routers else 0.03
     for ours, theirs in zip(grads, reference, strict=True):
         if theirs is not None:
             assert ours is not None and torch.isfinite(ours).all()
-            assert (ours - theirs).norm() <= 0.3 * theirs.norm() + 1e-6
+            assert (ours - theirs).norm() <= bound * theirs.norm() + 1e-6

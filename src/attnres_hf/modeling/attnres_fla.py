@@ -7,14 +7,16 @@ routers) for the paper's router: softmax, key norm, one static pseudo-query, no 
 (`FLA_NEEDS`; other knobs are refused by the config). The depth weights are the torch path's (fla returns none).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-sibling `attnres_two_phase.py`. fla is an optional dependency, imported lazily inside a `try` (`_fused_attnres`):
-transformers' remote-code loader skips imports in `try` blocks, so a checkpoint loads where fla is not installed.
+siblings `attnres_two_phase.py` and `mixing_base.py`. fla is an optional dependency, imported lazily inside a `try`
+(`_fused_attnres`): transformers' remote-code loader skips imports in `try` blocks, so a checkpoint loads where fla
+is not installed.
 """
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .attnres_two_phase import _global_pre_hooks, _key_norm_reads_directly
+from .mixing_base import check_implementation
 
 FLA_NEEDS = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_key_norm": True,
              "attnres_query": "static", "attnres_num_heads": 1, "attnres_window": None,
@@ -24,14 +26,9 @@ FLA_NEEDS = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_
 
 def check_fla_config(config, implementation: str) -> None:
     """Raise `ValueError` naming the first field of `config` that `implementation="fla"` cannot compute."""
-    if implementation != "fla":
-        return
-    for name, needed in FLA_NEEDS.items():
-        value = getattr(config, name)
-        if value != needed:
-            raise ValueError(f"attnres_implementation='fla' needs {name}={needed!r} (fla's fused_attnres is the "
-                             f"paper's softmax router with a key norm and one static query), got {name}={value!r}; "
-                             "use attnres_implementation='torch'")
+    if implementation == "fla":
+        check_implementation(config, "fla", FLA_NEEDS, "fla's fused_attnres is the paper's softmax router with a key "
+                             "norm and one static query")
 
 
 def _fused_attnres():

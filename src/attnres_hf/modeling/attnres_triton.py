@@ -10,7 +10,7 @@ is saved, the sources' gradients are added in place into the forward's gradient 
 sources' share in backward instead of keeping it.
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_buffer.py` and, on first use, `attnres_kernels.py` (Triton; it travels too).
+siblings `attnres_buffer.py`, `mixing_base.py` and, on first use, `attnres_kernels.py` (Triton; it travels too).
 """
 
 import sys
@@ -19,6 +19,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .attnres_buffer import _as, _mix, _nones
+from .mixing_base import check_implementation
 
 TRITON_NEEDS = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_query": "static",
                 "attnres_num_heads": 1, "attnres_window": None, "attnres_scalar_weights": False}
@@ -28,14 +29,9 @@ without the key norm."""
 
 def check_triton_config(config, implementation: str) -> None:
     """Raise `ValueError` naming the first field of `config` that `implementation="triton"` cannot compute."""
-    if implementation != "triton":
-        return
-    for name, needed in TRITON_NEEDS.items():
-        value = getattr(config, name)
-        if value != needed:
-            raise ValueError(f"attnres_implementation='triton' needs {name}={needed!r} (the kernels compute the "
-                             f"paper's softmax router with one static query), got {name}={value!r}; use "
-                             "attnres_implementation='torch'")
+    if implementation == "triton":
+        check_implementation(config, "triton", TRITON_NEEDS, "the kernels compute the paper's softmax router with "
+                             "one static query")
 
 
 def _kernels():

@@ -24,7 +24,8 @@ from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merge_partial, _PartialMerge, _two_phase_applies)
-from .mixing_base import AttnResRMSNorm, DepthRead, DepthWrite, inverse_rms, registered_modules, stacked_norms
+from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
+                          stacked_norms)
 
 
 class ResidualState(NamedTuple):
@@ -124,6 +125,7 @@ class AttnResState(NamedTuple):
                     (handle,), grads, constants, config.attnres_implementation)
         return state._start_block()
 
+    @autocast_off(lambda self: self.sources[0].device.type)
     def _start_block(self) -> "AttnResState":
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
         sources, one product for the scores and one for the weighted sums (`Phase1`), with the query bank and
@@ -171,6 +173,7 @@ class AttnResState(NamedTuple):
         return state._start_block() if self.buffer is not None else state
 
     def _add(self, output: torch.Tensor) -> DepthWrite:
+        output = _as(output, self.sources[0].dtype)  # (under autocast the stream keeps its dtype, as Llama's residual)
         partial = output if self.partial is None else self.partial + output
         return DepthWrite(self._replace(partial=partial, sublayer=self.sublayer + 1))
 
@@ -282,6 +285,7 @@ class AttnResRouter(nn.Module):
         query = query.unflatten(-1, (self.num_heads, -1)).expand(*heads.shape[:2], self.num_heads, -1)
         return torch.einsum("btnhe,bthe->bthn", heads, query)
 
+    @autocast_off(lambda self, state: state.sources[0].device.type)
     def forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `state` into one sub-layer input.
 

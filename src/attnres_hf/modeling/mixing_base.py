@@ -20,6 +20,7 @@ Sub-layers: attention and MLP each count as one (a "layer" in the AttnRes paper)
 Travels with checkpoints as remote code: imports only torch and transformers.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -151,6 +152,32 @@ class DepthMixingMethod:
     def module_names(self) -> tuple[str, ...]:
         """Attribute names of the method's mixing modules (layer-level, then model-level)."""
         return (*self.layer_modules._fields, *self.final_modules._fields)
+
+
+def check_implementation(config, implementation: str, needs: dict, computes: str) -> None:
+    """Raise `ValueError` naming the first field of `config` that `attnres_implementation=implementation` cannot
+    compute: `needs` maps fields to the one value it computes, `computes` says what it is (for the message)."""
+    for name, needed in needs.items():
+        value = getattr(config, name)
+        if value != needed:
+            raise ValueError(f"attnres_implementation={implementation!r} needs {name}={needed!r} ({computes}), got "
+                             f"{name}={value!r}; use attnres_implementation='torch'")
+
+
+def autocast_off(device_type: Callable[..., str]):
+    """A method decorator: run it with `torch.autocast` off on the device `device_type(*args)` names, so that
+    arithmetic specified in fp32 (AttnRes's router scores, Eq. 2-3) stays fp32 under mixed precision (`Trainer(bf16=
+    True)` on fp32 weights); no cost where autocast is off."""
+    def decorate(method):
+        @functools.wraps(method)
+        def run(*args):
+            device = device_type(*args)
+            if device != "meta" and torch.is_autocast_enabled(device):  # (meta: no autocast of its own)
+                with torch.autocast(device, enabled=False):
+                    return method(*args)
+            return method(*args)
+        return run
+    return decorate
 
 
 def register_modules(owner: nn.Module, modules: NamedTuple) -> None:
