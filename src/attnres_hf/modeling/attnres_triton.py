@@ -34,13 +34,18 @@ def check_triton_config(config, implementation: str) -> None:
                              "one static query")
 
 
+_KERNELS = []  # the kernels module once imported (every read asks for it: no import statement per read)
+
+
 def _kernels():
     """`attnres_kernels`, imported on first use (it imports Triton: seconds, and only where it is installed)."""
-    try:  # (this form, `from .module import name`, is the one transformers' remote-code loader copies along)
-        from .attnres_kernels import INTERPRETED  # noqa: F401
-    except ImportError as error:  # (Triton missing, or its interpreter asked for too late: the message says which)
-        raise ImportError(str(error)) from error
-    return sys.modules[f"{__name__.rpartition('.')[0]}.attnres_kernels"]
+    if not _KERNELS:
+        try:  # (this form, `from .module import name`, is the one transformers' remote-code loader copies along)
+            from .attnres_kernels import INTERPRETED  # noqa: F401
+        except ImportError as error:  # (Triton missing, or its interpreter asked for too late: the message says which)
+            raise ImportError(str(error)) from error
+        _KERNELS.append(sys.modules[f"{__name__.rpartition('.')[0]}.attnres_kernels"])
+    return _KERNELS[0]
 
 
 def require_triton(config) -> None:

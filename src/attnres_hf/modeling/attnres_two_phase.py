@@ -146,6 +146,15 @@ def _merge_partial(partial, mixed, query, lse, eps, key_norm):
     return hidden, logit, inv, share, complement
 
 
+def _merged_weights(probs, lse, logit):
+    """The depth weights `(B, T, n + 1)` fp32 of a merged read: the completed sources' phase-1 weights `probs
+    (B, T, n)` times their share, then the partial sum's (softmax: `lse` their log-sum-exp; sigmoid scores: `lse` is
+    `None` and each weight is its own sigmoid), from the partial sum's logit `(B, T)`."""
+    if lse is None:
+        return torch.cat([probs, torch.sigmoid(logit)[..., None]], dim=-1)
+    return torch.cat([probs * torch.sigmoid(lse - logit)[..., None], torch.sigmoid(logit - lse)[..., None]], dim=-1)
+
+
 def _merge_inference(partial, mixed, query, lse, norm_eps):
     """`_merge_partial`'s merged output `(B, T, D)` alone, in the fewest operations: the no-grad path without depth
     weights (a decoded token runs one per sub-layer, and at one token each operation costs microseconds).

@@ -23,7 +23,7 @@ from .attnres_fla import fla_read, require_fla
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
-                                _merge_partial, _PartialMerge, _two_phase_applies)
+                                _merge_partial, _merged_weights, _PartialMerge, _two_phase_applies)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           stacked_norms)
 
@@ -373,10 +373,7 @@ class AttnResRouter(nn.Module):
         else:
             count += 1
             hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, inv_rms is not None)
-            weights = None  # (not asked for: `output_depth_weights`)
-            if state.keep_weights:
-                weights = torch.cat([probs * torch.sigmoid(lse - logit).unsqueeze(-1),
-                                     torch.sigmoid(logit - lse).unsqueeze(-1)], dim=-1)
+            weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
         if self.rescale_output:
             hidden = hidden * self._rescale(count)
         return hidden, weights
@@ -434,13 +431,7 @@ class AttnResRouter(nn.Module):
                 hidden = _merge_inference(partial, mixed, phase1.queries[j], lse, norm_eps)
             else:
                 hidden, logit = _merge_partial(*arguments)[:2]
-            weights = None
-            if state.keep_weights:
-                if lse is None:
-                    weights = torch.cat([probs, torch.sigmoid(logit)[..., None]], dim=-1)
-                else:
-                    completed_share, partial_share = torch.sigmoid(lse - logit), torch.sigmoid(logit - lse)
-                    weights = torch.cat([probs * completed_share.unsqueeze(-1), partial_share.unsqueeze(-1)], dim=-1)
+            weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
         if self.rescale_output:
             hidden = hidden * self._rescale(count)
         return hidden, weights
