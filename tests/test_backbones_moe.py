@@ -24,7 +24,7 @@ from attnres_hf.conversion import retrofit
 from attnres_hf.conversion.retrofit import retrofit_config
 from attnres_hf.modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM
 from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter
-from utils import perturb_mixing
+from utils import BLOCK_METHODS, perturb_mixing
 
 COMMON = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
@@ -62,7 +62,7 @@ FAMILIES = list(SOURCES)
 KIMI_FAMILIES = ("kimi_linear", "kimi_k3")
 AUX_LOSS_FAMILIES = [f for f in FAMILIES if f not in KIMI_FAMILIES]  # Kimi Linear's (and K3's) model adds no aux loss
 
-METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name == "attnres" else {})
+METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name in BLOCK_METHODS else {})
            for name in DEPTH_MIXING}
 METHODS["full-attnres"] = {"depth_mixing": "attnres", "attnres_block_size": 1}
 

@@ -204,14 +204,26 @@ def test_every_mixing_parameter_family_learns_from_the_initialisation(name, inpu
     """From the residual-exact initialisation the mixing must be able to move: no parameter group stuck at zero
     gradient (e.g. DCA's ReLU(w . k) with w = 0 under torch's ReLU'(0) = 0), except those that are constant by
     construction at step 0 (the first AttnRes router has one source; MUDDFormer's w1 sits behind w2 = 0; mHC's
-    gates multiply phi = 0; with equal streams H_res does not change the output)."""
+    gates multiply phi = 0; with equal streams H_res does not change the output; Delta AttnRes's pseudo-queries sit
+    behind its gates = 0, and learn once the gates have moved, checked after one step)."""
     model = variant_model(EXACT_AT_INIT[name], perturb=False).train()
     model(input_ids, labels=input_ids).loss.backward()
-    exempt = ("layers.0.attn_res.", ".w1", "alpha_pre", "alpha_post", "alpha_res", "b_res", "phi_res")
+    delta = model.config.depth_mixing == "delta_attnres"
+    exempt = ("layers.0.attn_res.", ".w1", "alpha_pre", "alpha_post", "alpha_res", "b_res", "phi_res",
+              *((".query",) if delta else ()))
     for param_name, param in model.named_parameters():
         if is_depth_mixing_parameter(param_name) and "key_norm" not in param_name:
             if not any(k in param_name for k in exempt):
                 assert param.grad is not None and param.grad.abs().sum() > 0, param_name
+    if delta:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith(".gate"):
+                    param.sub_(param.grad.sign() * 0.1)  # one sign-SGD step of the gates (Adam's first step)
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        queries = {n: p for n, p in model.named_parameters() if n.endswith(".query") and "layers.0.attn_res" not in n}
+        assert queries and all(p.grad.abs().sum() > 0 for p in queries.values())
 
 
 def test_invalid_combinations_raise_value_errors_naming_the_rule():
@@ -429,6 +441,29 @@ def test_attnres_ablation_knobs_two_layers_by_hand(knob, input_ids):
     model = variant_model({"attnres_block_size": 1, **KNOBS[knob]}, **TWO_LAYERS)
     logits, weights = attnres_reference(model, input_ids)
     check(model, input_ids, logits, weights)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_delta_attnres_two_layers_by_hand(block_size, input_ids):
+    """Delta AttnRes (arXiv:2605.18855) written out: the residual stream x kept, each sub-layer reads
+    `x + gate * softmax_i(w . RMSNorm(v_i)) v_i` over AttnRes's sources (the embedding, then the sub-layer outputs;
+    with blocks of 2: the completed blocks' sums and the current block's partial sum); the final norm reads x."""
+    model = variant_model({"depth_mixing": "delta_attnres", "attnres_block_size": block_size}, **TWO_LAYERS)
+    p = Parts(model, input_ids)
+    routers = [r for layer in model.model.layers for r in (layer.attn_res, layer.mlp_res)]
+    x, completed, partial, all_weights = p.embedding, [p.embedding], None, []
+    for sublayer, router in enumerate(routers):
+        if sublayer % block_size == 0 and partial is not None:  # a block closes
+            completed, partial = [*completed, partial], None
+        values = torch.stack(completed + ([partial] if partial is not None else []), dim=-2)  # (B, T, n, D)
+        weights = torch.softmax(rms(values) * router.key_norm.weight @ router.query, dim=-1)
+        all_weights.append(weights)
+        h = x + router.gate * (weights.unsqueeze(-1) * values).sum(-2)
+        out = p.attn(sublayer // 2, h) if sublayer % 2 == 0 else p.mlp(sublayer // 2, h)
+        x, partial = x + out, out if partial is None else partial + out
+    assert all(router.gate.abs() > 0.05 for router in routers)  # (perturbed: the reads enter the inputs)
+    check(model, input_ids, p.logits(x), all_weights)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_lm_eval_scores_the_converted_model_exactly_as_the_source(smollm2, tmp_p
         assert one["results"][row["task"]][row["metric"]] == row["model"], row
 
 
-@pytest.mark.parametrize("depth_mixing", ["denseformer", "muddformer", "dca", "mhc"])
+@pytest.mark.parametrize("depth_mixing", ["delta_attnres", "denseformer", "muddformer", "dca", "mhc"])
 def test_every_family_method_retrofits_smollm2_exactly(smollm2, depth_mixing):
     _, source, _, input_ids = smollm2
     model = retrofit(source, depth_mixing=depth_mixing)

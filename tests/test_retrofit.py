@@ -84,6 +84,8 @@ def test_unmapped_source_key_is_an_error_naming_it():
 
 
 FAMILY = {
+    "delta-attnres": {"depth_mixing": "delta_attnres"},
+    "delta-attnres-full": {"depth_mixing": "delta_attnres", "attnres_block_size": 1},
     "denseformer": {"depth_mixing": "denseformer"},
     "denseformer-k2-p2": {"depth_mixing": "denseformer", "denseformer_dilation": 2, "denseformer_period": 2},
     "muddformer": {"depth_mixing": "muddformer"},

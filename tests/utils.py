@@ -71,11 +71,14 @@ def counting_text(lines: int = 400, seed: int = 0, length: int = 24) -> str:
 # The depth-mixing family, parametrised from the method records
 # ---------------------------------------------------------------------------------------------------------------
 
-from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, MIXING_MODULES  # noqa: E402
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, MIXING_MODULES, has_routers  # noqa: E402
 
-METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name == "attnres" else {})
+BLOCK_METHODS = tuple(name for name in DEPTH_MIXING if has_routers(name))
+"""The methods whose routers read blocks (`attnres_block_size`): AttnRes and Delta AttnRes."""
+
+METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name in BLOCK_METHODS else {})
            for name in DEPTH_MIXING}
-"""One tiny variant per method of `DEPTH_MIXING` (Block AttnRes with blocks of 2 sub-layers)."""
+"""One tiny variant per method of `DEPTH_MIXING` (Block AttnRes and Block Delta AttnRes with blocks of 2 sub-layers)."""
 
 ATTNRES_KNOBS = {
     "window2": {"attnres_window": 2},
@@ -98,7 +101,8 @@ def perturb_mixing(model: torch.nn.Module, seed: int = 0) -> None:
         for module in model.modules():
             if isinstance(module, MIXING_MODULES):
                 for name, param in module.named_parameters():
-                    scale = 0.05 if name.startswith("phi") or name == "query_proj" else 0.5
+                    # (Delta AttnRes's gates by more: its read is added to the stream, not the whole input)
+                    scale = 0.05 if name.startswith("phi") or name == "query_proj" else 2.0 if name == "gate" else 0.5
                     param.add_(scale * torch.randn(param.shape, generator=generator))
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .._checks import check_int
+from ..modeling.depth_mixing import DEPTH_MIXING, has_routers
 from .inputs import encode_text
 from .routing import record_routing
 
@@ -91,8 +92,10 @@ def compare_pairs(
         raise ValueError("pairs is empty")
     check_int("bootstrap", bootstrap, 1, "resample")
     check_int("seed", seed)
-    if getattr(model.config, "depth_mixing", None) != "attnres":
-        raise ValueError("routing maps need an AttnRes model (depth_mixing='attnres'); this one has no routers")
+    depth_mixing = getattr(model.config, "depth_mixing", None)
+    if depth_mixing not in DEPTH_MIXING or not has_routers(depth_mixing):
+        raise ValueError(f"routing maps need a model with depth routers (depth_mixing 'attnres' or 'delta_attnres'); "
+                         f"this one has none (depth_mixing {depth_mixing!r})")
     per_pair, aligned, record = [], [], None
     for pair in pairs:
         ids_a = encode_text(tokenizer, pair["a"], chat=chat)

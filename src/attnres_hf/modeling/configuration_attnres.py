@@ -65,12 +65,14 @@ class AttnResConfig(PreTrainedConfig):
         depth_mixing (`str`, defaults to `"attnres"`):
             How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
             to the backbone family's model), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6); the rest of the
-            family: `"denseformer"` (Depth-Weighted Averages), `"muddformer"` (multiway dynamic dense connections),
+            family: `"delta_attnres"` (Delta AttnRes: the residual stream kept, AttnRes's read added to each
+            sub-layer input through a zero-initialised gate; Full or Block by `attnres_block_size`, AttnRes's
+            default knobs only), `"denseformer"` (Depth-Weighted Averages), `"muddformer"` (multiway dynamic dense connections),
             `"dca"` (DeepCrossAttention, GRN-v3 on the q/k/v inputs) and `"mhc"` (manifold-constrained
             hyper-connections). Each starts (at initialisation and after `retrofit`) as the residual model; see the
             `mixing_*.py` modules for the equations.
         attnres_block_size (`int`, *optional*):
-            Sub-layers per block (the paper's `S`). `1` is Full AttnRes (every sub-layer output is a source);
+            Sub-layers per block (the paper's `S`; also Delta AttnRes's). `1` is Full AttnRes (every sub-layer output is a source);
             otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
             (see `default_attnres_block_size`). The last block may be partial.
         attnres_rescale_output (`bool`, defaults to `False`):

@@ -18,6 +18,8 @@ from .mixing_attnres import (AttnResFinalModules, AttnResLayerModules, AttnResRo
                              attnres_source_norms)
 from .mixing_base import (AttnResRMSNorm, DepthMixingMethod, DepthRead, DepthState, DepthWrite, RoutingMap,
                           registered_modules, register_modules, stacked_norms)
+from .mixing_delta import (DeltaAttnResLayerModules, DeltaAttnResRouter, DeltaAttnResState,
+                           delta_attnres_routing_maps, delta_attnres_source_norms)
 from .mixing_dense import (DCAFinalModules, DCALayerModules, DCAState, DenseFormerLayerModules, DenseFormerState,
                            DepthWeightedAverage, GRNv3, MUDDLayerModules, MUDDState, MultiwayDynamicDense,
                            dca_routing_maps, dca_to_rows, denseformer_routing_maps, layer_source_names,
@@ -58,6 +60,24 @@ _METHODS = (
         source_norms=attnres_source_norms,
         to_rows=_per_head_rows,
         distribution=lambda config: config.attnres_score_fn == "softmax",
+    ),
+    DepthMixingMethod(
+        name="delta_attnres",
+        title="Delta Attention Residuals (Luo, Cai and Hu, arXiv:2605.18855)",
+        card="Delta Attention Residuals (Luo, Cai and Hu, arXiv:2605.18855): the residual stream kept, each sub-layer "
+        "input adds AttnRes's softmax over depth, scaled by a zero-initialised gate (Full or Block).",
+        state=DeltaAttnResState,
+        layer_modules=DeltaAttnResLayerModules,
+        module_classes=(DeltaAttnResRouter,),
+        # AttnRes's router parameters, and the gate: 0 is the residual model
+        no_weight_decay=("query", "key_norm.weight", "gate"),
+        depth_weights="one `(batch, seq_len, n_sources)` per router (`layers.0.attn_res`, `layers.0.mlp_res`, ...): "
+        "AttnRes's sources, before the gate",
+        routing_maps=delta_attnres_routing_maps,
+        source_names=attnres_source_names,
+        source_norms=delta_attnres_source_norms,
+        to_rows=_per_head_rows,
+        distribution=lambda config: True,
     ),
     DepthMixingMethod(
         name="denseformer",
@@ -131,8 +151,15 @@ DEPTH_MIXING: dict[str, DepthMixingMethod] = {method.name: method for method in 
 MIXING_MODULES = tuple(cls for method in _METHODS for cls in method.module_classes)
 """Module classes that hold depth-mixing parameters; each has `reset_parameters()` (its residual-model init)."""
 
-MIXING_MODULE_NAMES = tuple(name for method in _METHODS for name in method.module_names)
-"""Attribute names of every method's mixing modules (`attn_res`, `mlp_res`, `final_res`, `dwa`, ...)."""
+MIXING_MODULE_NAMES = tuple(dict.fromkeys(name for method in _METHODS for name in method.module_names))
+"""Attribute names of every method's mixing modules (`attn_res`, `mlp_res`, `final_res`, `dwa`, ...), each once
+(Delta AttnRes's routers have AttnRes's names)."""
+
+
+def has_routers(depth_mixing: str) -> bool:
+    """Whether the method's mixing modules are AttnRes routers (`AttnResRouter`: a pseudo-query's softmax over depth
+    sources): AttnRes and Delta AttnRes, the models the router tools read (entropy, the contradiction probe)."""
+    return any(issubclass(cls, AttnResRouter) for cls in DEPTH_MIXING[depth_mixing].module_classes)
 
 
 def _parts(name: str) -> list[str]:
@@ -179,8 +206,8 @@ def is_no_weight_decay_parameter(name: str) -> bool:
         rest = rest[1:]
     elif rest[:1] == ["modules_to_save"]:  # ... and the trained copy, per adapter
         rest = rest[2:]
-    method = next(method for method in _METHODS if module in method.module_names)
-    return ".".join(rest) in method.no_weight_decay
+    # (a module name several methods share, AttnRes's routers': any of their lists)
+    return any(".".join(rest) in method.no_weight_decay for method in _METHODS if module in method.module_names)
 
 
 def modules_to_not_convert(config) -> list[str]:
@@ -196,6 +223,7 @@ __all__ = [
     "AttnResRMSNorm",
     "AttnResRouter",
     "AttnResState",
+    "DeltaAttnResRouter",
     "DepthMixingMethod",
     "DepthRead",
     "DepthState",
@@ -205,6 +233,7 @@ __all__ = [
     "attnres_source_columns",
     "depth_mixing_module",
     "depth_mixing_parameters",
+    "has_routers",
     "is_depth_mixing_parameter",
     "is_no_weight_decay_parameter",
     "modules_to_not_convert",

@@ -119,7 +119,7 @@ class AttnResState(NamedTuple):
         if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
             layers = tuple(islice(model.layers, config.num_hidden_layers))
             routers = [router for layer in layers for router in registered_modules(layer, AttnResLayerModules)]
-            if all(type(r) is AttnResRouter for r in routers):
+            if all(type(r) in PLAIN_ROUTERS for r in routers):
                 constants = _Constants.build(config, layers, routers, embeddings)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
                     (handle,), grads, constants, config.attnres_implementation)
@@ -459,6 +459,11 @@ class AttnResRouter(nn.Module):
                 hidden = hidden + mix[..., n:] * partial.unflatten(-1, (self.num_heads, -1))
             hidden = hidden.flatten(-2)  # (B, T, H, D/H) -> (B, T, D)
         return hidden, weights
+
+
+PLAIN_ROUTERS = {AttnResRouter}
+"""Router classes whose reads phase 1 may compute ahead of time from their queries (`_Constants`); not a subclass
+that changes the read, nor another library's wrapper (PEFT's `modules_to_save`): those take the direct path."""
 
 
 class AttnResLayerModules(NamedTuple):
