@@ -503,3 +503,52 @@ def test_k3_interop_measures_a_case_and_its_round_trip(tmp_path):
     text = k3_interop.table([row])
     assert "| 5 layers, blocks of 2 (the last partial) | 5 | 2 |" in text and "bit for bit" in text
     assert "Worst fp32 case" in text
+
+
+RETROFIT_RECIPES = Path(__file__).parents[1] / "benchmarks" / "retrofit_recipes.py"
+
+
+@pytest.mark.slow
+def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search(tmp_path, one_thread, capsys):
+    """Every arm from the same function (each retrofit is exact), the search over the same scales, two seeds, the
+    paired differences to `full`, and lm-eval's three benchmarks on every seed's model, end to end on a tiny Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import TINY, counting_text, word_tokenizer
+
+    spec = importlib.util.spec_from_file_location("retrofit_recipes_benchmark", RETROFIT_RECIPES)
+    recipes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipes)
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(source)
+    results = recipes.run(source, word_tokenizer(), counting_text(60), counting_text(40, seed=1), tmp_path / "out",
+                          log=lambda line: None, steps=3, batch_size=2, seq_len=16, warmup=1, seeds=2,
+                          eval_tokens=64, validation_tokens=64, window=32, eval_questions=0)
+    arms = results["arms"]
+    assert list(arms) == list(recipes.ARMS)
+    first = {arm: row["search"][str(recipes.LR_SCALES[0])]["final_train_loss"] for arm, row in arms.items()}
+    assert all(math.isfinite(v) for v in first.values())
+    for arm, row in arms.items():
+        assert set(row["search"]) == {str(s) for s in recipes.LR_SCALES} and row["lr_scale"] in recipes.LR_SCALES
+        assert [r["seed"] for r in row["runs"]] == [0, 1] and len(row["runs"][0]["nll_per_window"]) == 2
+        if arm != "full":
+            mean, low, high = row["paired_delta_nll_vs_full"]
+            assert low <= mean <= high
+    total = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**TINY)).parameters())
+    assert arms["full"]["runs"][0]["trainable_parameters"] == total
+    d, sublayers = TINY["hidden_size"], 2 * TINY["num_hidden_layers"]
+    assert arms["attnres+full"]["runs"][0]["trainable_parameters"] == total + (sublayers + 1) * 2 * d  # + routers
+    assert arms["delta+full"]["runs"][0]["trainable_parameters"] == total + sublayers * (2 * d + 1)  # + gates, no final
+    assert arms["norms"]["runs"][0]["trainable_parameters"] == 32 * (2 * TINY["num_hidden_layers"] + 1)
+    text = recipes.report(results)
+    assert "| delta+full |" in text and "| no training | 0 |" in text and "Learning-rate search" in text
+    assert (tmp_path / "out" / "retrofit_recipes.json").is_file()
+    # lm-eval's three benchmarks on every seed's model and the source (each call builds lm-eval's tasks: ~30 s)
+    results = recipes.run(source, word_tokenizer(), counting_text(60), counting_text(40, seed=1), tmp_path / "eval",
+                          arms=["delta+full"], log=lambda line: None, steps=2, batch_size=2, seq_len=16, warmup=1,
+                          seeds=1, eval_tokens=64, validation_tokens=64, window=32, eval_questions=2)
+    for row in (results["no_training"], results["arms"]["delta+full"]):
+        assert set(row["accuracy"]) == set(recipes.BENCHMARK_NAMES)
+        assert all(0.0 <= v <= 1.0 for v in row["accuracy"].values())
+    assert "| mmlu | arc_challenge | hellaswag |" in recipes.report(results)

@@ -123,6 +123,8 @@ NOT_RUN_HERE = {
     "tests/test_benchmarks.py runs it at smoke size",
     ("docs/science.md", "## Does a retrofit learn to route?"): "two 20-minute runs on the real SmolLM2; "
     "tests/test_benchmarks.py runs the script at smoke size",
+    ("docs/science.md", "## Which retrofit helps?"): "fifteen training runs of the real SmolLM2; "
+    "tests/test_benchmarks.py runs the script end to end on a tiny Llama",
     ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
     "runs it at a tiny shape",
     ("docs/speed.md", "## Compiling: `compile_repeated_blocks`"): "a line about a model it does not define; "

@@ -148,6 +148,33 @@ def test_router_queries_norms_and_biases_get_no_weight_decay(tmp_path):
     assert not [n for n in decayed if n.endswith((".query", ".bias")) or "norm" in n]
 
 
+@pytest.mark.parametrize("depth_mixing", ["attnres", "delta_attnres", "mhc"])
+def test_the_depth_mixing_parameters_train_at_their_own_learning_rate(depth_mixing, tmp_path):
+    """`router_learning_rate`: every depth-mixing parameter, and nothing else, in groups at that rate (decay kept as
+    the record says); the scheduler scales both from their own peak; a bad value is refused before training."""
+    model = prepare_model(tiny_model(depth_mixing=depth_mixing), "full")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e-4, weight_decay=0.1,
+                             lr_scheduler_type="linear", max_steps=10)
+    trainer = AttnResTrainer(model=model, args=args, router_learning_rate=5e-3)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = trainer.optimizer.param_groups
+    routers = [g for g in groups if g.get("depth_mixing")]
+    assert {names[id(p)] for g in routers for p in g["params"]} == {n for n in names.values() if is_router_parameter(n)}
+    assert all(g["lr"] == 5e-3 for g in routers) and all(g["lr"] == 1e-4 for g in groups if g not in routers)
+    assert sum(len(g["params"]) for g in groups) == len(names)  # each parameter once
+    decayed = set(trainer.get_decay_parameter_names(model))
+    assert all((g["weight_decay"] > 0) == all(names[id(p)] in decayed for p in g["params"]) for g in groups if g["params"])
+    trainer.optimizer.step()  # (no gradients: nothing moves)
+    trainer.lr_scheduler.step()
+    assert [g["lr"] for g in groups] == pytest.approx([g["initial_lr"] * 0.9 for g in groups])
+    trainer.create_optimizer()  # (called again: not split twice)
+    assert len(trainer.optimizer.param_groups) == len(groups)
+    for bad, error in ((0.0, ValueError), (-1e-3, ValueError), (float("nan"), ValueError), ("5e-3", TypeError)):
+        with pytest.raises(error, match="router_learning_rate"):
+            AttnResTrainer(model=model, args=args, router_learning_rate=bad)
+
+
 def test_data_files_jsonl_and_dataset_folders(tmp_path):
     from datasets import Dataset
 

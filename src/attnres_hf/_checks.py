@@ -29,6 +29,17 @@ def check_fraction(name: str, value) -> float:
     return value
 
 
+def check_learning_rate(name: str, value) -> float | None:
+    """`value` if it is `None` or a finite positive number (a learning rate)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or None, got {value!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive finite learning rate, got {value!r}")
+    return value
+
+
 def check_model_source(path: str, what: str = "model folder") -> None:
     """Raise `FileNotFoundError` unless `path` is an existing folder or reads as a Hub id (`owner/name`, loaded
     from the local Hub cache when offline)."""

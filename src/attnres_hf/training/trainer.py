@@ -22,7 +22,8 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
-from .._checks import check_fraction, check_int, check_model_source, check_paths
+from .._checks import check_fraction, check_int, check_learning_rate, check_model_source, check_paths
+from ..modeling.depth_mixing import DEPTH_MIXING, has_routers, is_depth_mixing_parameter
 from .adapters import save_base_quantization
 from .data import packed_lm_dataset
 from .recipes import (
@@ -62,6 +63,10 @@ class AttnResArguments:
     lora_target_parameters: list[str] | None = field(
         default=None, metadata={"help": "mixture-of-experts models: stacked expert weights to adapt as well, e.g. "
                                 "mlp.experts.gate_up_proj mlp.experts.down_proj"})
+    router_learning_rate: float | None = field(default=None, metadata={
+        "help": "the depth-mixing parameters' own peak learning rate (routers, gates, DWAs, ...; the same schedule), "
+        "e.g. 5e-3 beside --learning_rate 5e-5 for --method full, as Delta AttnRes's fine-tuning recipe; "
+        "default: --learning_rate"})
     entropy_batches: int = field(default=4, metadata={"help": "eval batches used for the depth-weight entropy"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in output_dir"})
     trust_remote_code: bool = field(default=False, metadata={
@@ -80,6 +85,7 @@ class AttnResArguments:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         check_int("seq_len", self.seq_len, 2, "tokens")
         check_int("entropy_batches", self.entropy_batches, 0)
+        check_learning_rate("router_learning_rate", self.router_learning_rate)
         if self.output_router_logits is not None and not isinstance(self.output_router_logits, bool):
             raise TypeError(f"output_router_logits must be True, False or None, got {self.output_router_logits!r}")
         for name, kind in (("text_field", str), ("resume", bool), ("trust_remote_code", bool)):
@@ -121,7 +127,8 @@ def depth_entropy(model, batches) -> dict:
     """Mean entropy (nats) of the depth weights over routers and tokens, and the same as a fraction of the uniform
     distribution's entropy `log(n_sources)` (1.0 = uniform, as at a retrofit; 0 = one source). Routers with a single
     source are skipped."""
-    if getattr(model.config, "depth_mixing", None) != "attnres":  # a baseline or a non-AttnRes model
+    depth_mixing = getattr(model.config, "depth_mixing", None)
+    if depth_mixing not in DEPTH_MIXING or not has_routers(depth_mixing):  # a baseline or a model without routers
         return {}
     entropies, ratios = [], []
     with torch.no_grad():
@@ -145,9 +152,11 @@ class AttnResTrainer(Trainer):
     `output_router_logits`), the training logs carry its mean over the logged steps as `aux_loss` (the `loss` already
     includes `router_aux_loss_coef * aux_loss`, as the model computes it)."""
 
-    def __init__(self, *args, entropy_batches: int = 4, **kwargs):
+    def __init__(self, *args, entropy_batches: int = 4, router_learning_rate: float | None = None, **kwargs):
+        check_learning_rate("router_learning_rate", router_learning_rate)
         super().__init__(*args, **kwargs)
         self.entropy_batches = entropy_batches
+        self.router_learning_rate = router_learning_rate
         self._aux_losses: list[torch.Tensor] = []
         if self.args.device.type == "cpu":
             self.args.dataloader_pin_memory = False  # nothing to pin to; torch warns on every dataloader
@@ -159,6 +168,25 @@ class AttnResTrainer(Trainer):
         from ..modeling.depth_mixing import is_no_weight_decay_parameter
 
         return [name for name in super().get_decay_parameter_names(model) if not is_no_weight_decay_parameter(name)]
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """Trainer's optimizer; with `router_learning_rate`, each of its parameter groups split in two, the
+        depth-mixing parameters (`is_depth_mixing_parameter`) in a group of their own at that peak learning rate
+        (the scheduler, made after the optimizer, scales each group from its own)."""
+        optimizer = super().create_optimizer(model)
+        if self.router_learning_rate is None or any(group.get("depth_mixing") for group in optimizer.param_groups):
+            return optimizer
+        names = {id(param): name for name, param in (self.model if model is None else model).named_parameters()}
+        routers = []
+        for group in optimizer.param_groups:
+            mixing = [p for p in group["params"] if is_depth_mixing_parameter(names.get(id(p), ""))]
+            moved = {id(p) for p in mixing}
+            group["params"] = [p for p in group["params"] if id(p) not in moved]
+            if mixing:
+                routers.append({**group, "params": mixing, "lr": self.router_learning_rate, "depth_mixing": True})
+        for group in routers:  # (before any step: no optimizer state to move)
+            optimizer.add_param_group(group)
+        return optimizer
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
@@ -310,6 +338,7 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
         data_collator=default_data_collator,
         processing_class=tokenizer,
         entropy_batches=args.entropy_batches,
+        router_learning_rate=args.router_learning_rate,
         callbacks=[*(callbacks or []), LearningRateSchedule.from_args(training_args),
                    *([SameScheduleLength(checkpoint, resumed["max_steps"])] if resumed else [])],
     )
