@@ -2,6 +2,7 @@
 before any model loads."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -93,8 +94,10 @@ def test_routing_compare_with_chat(routing_model, tmp_path, capsys):
     (["--text", ""], "the input is empty"),
     (["--data", "MISSING"], "--data: no file"),
     (["--text", "w5", "--chat", "--tokenizer-less"], None),
+    (["--text", "w5", "--html", "EXISTING"], "already exists; pass --force (force=True) to replace it"),
+    (["--text", "w5", "--html", "FOLDER"], "is a folder; give the page's file path"),
 ], ids=["span-one-number", "span-words", "span-out-of-range", "token-out-of-range", "empty", "missing-data",
-        "unknown-flag"])
+        "unknown-flag", "html-exists", "html-folder"])
 def test_routing_map_checks_its_input_before_loading_the_model(argv, message, routing_model, tmp_path, capsys,
                                                                monkeypatch):
     import transformers
@@ -104,7 +107,9 @@ def test_routing_map_checks_its_input_before_loading_the_model(argv, message, ro
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
     _, folder = routing_model
-    argv = [a.replace("MISSING", str(tmp_path / "missing.txt")) for a in argv]
+    (tmp_path / "existing.html").write_text("mine")
+    places = {"MISSING": tmp_path / "missing.txt", "EXISTING": tmp_path / "existing.html", "FOLDER": tmp_path}
+    argv = [str(places.get(a, a)) for a in argv]
     if message is None:
         with pytest.raises(SystemExit):
             main(["routing", str(folder), *argv])
@@ -113,6 +118,65 @@ def test_routing_map_checks_its_input_before_loading_the_model(argv, message, ro
     assert main(["routing", str(folder), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attnres routing map: error: ") and message in err and len(err.splitlines()) == 1
+
+
+def explorer_data(path) -> dict:
+    """The data a routing explorer page holds (its JSON script element)."""
+    (data,) = re.findall(r'<script type="application/json" id="explorer-data">(.*?)</script>', path.read_text(),
+                         re.DOTALL)
+    return json.loads(data)
+
+
+@pytest.mark.slow
+def test_routing_map_and_compare_write_the_explorer_page(routing_model, tmp_path, capsys):
+    _, folder = routing_model
+    page = tmp_path / "pages" / "map.html"
+    argv = ["routing", str(folder), "--text", "w5 w6 w7", "--output-dir", str(tmp_path / "o"), "--html", str(page)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"summary.json and {page}")
+    saved, data = np.load(tmp_path / "o" / "routing.npz"), explorer_data(page)
+    assert [i["tokens"] for i in data["inputs"]] == [saved["tokens"].tolist()] == [["<s>", "w5", "w6", "w7"]]
+    assert data["rows"] == saved["routers"].tolist() and data["title"] == "m: depth routing"
+    page.write_text("mine")
+    assert main(argv) == 2 and "already exists; pass --force" in capsys.readouterr().err
+    assert page.read_text() == "mine"
+    assert main([*argv, "--force"]) == 0 and explorer_data(page)["inputs"][0]["tokens"][-1] == "w7"
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"a": "w5 w10 w11", "b": "w50 w10 w11"}) + "\n"
+                     + json.dumps({"a": "w6 w12", "b": "w7 w12", "name": "second"}) + "\n")
+    assert main(["routing", "compare", str(folder), "--pairs", str(pairs), "--bootstrap", "10", "--output-dir",
+                 str(tmp_path / "c"), "--html", str(tmp_path / "pair.html"), "--html-pair", "1"]) == 0
+    assert "the explorer of pair 1 to" in capsys.readouterr().out
+    data = explorer_data(tmp_path / "pair.html")
+    assert [(i["label"], i["tokens"]) for i in data["inputs"]] == [("a", ["<s>", "w6", "w12"]),
+                                                                   ("b", ["<s>", "w7", "w12"])]
+    assert data["title"] == "m: depth routing, pair 1 (second), b against a"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--html", "PAGE", "--html-pair", "1"], "--html-pair 1: --pairs has 1 pairs (indices 0 to 0)"),
+    (["--html", "PAGE", "--html-pair", "-1"], "--html-pair -1: --pairs has 1 pairs"),
+    (["--html-pair", "0"], "--html-pair chooses the pair of the --html page; give --html PATH too"),
+    (["--html", "EXISTING"], "already exists; pass --force"),
+], ids=["pair-out-of-range", "pair-negative", "pair-without-html", "html-exists"])
+def test_routing_compare_checks_its_page_before_loading_the_model(argv, message, routing_model, tmp_path, capsys,
+                                                                  monkeypatch):
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    _, folder = routing_model
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"a": "w5 w6", "b": "w7 w6"}) + "\n")
+    (tmp_path / "existing.html").write_text("mine")
+    places = {"PAGE": tmp_path / "page.html", "EXISTING": tmp_path / "existing.html"}
+    argv = [str(places.get(a, a)) for a in argv]
+    assert main(["routing", "compare", str(folder), "--pairs", str(tmp_path / "pairs.jsonl"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnres routing compare: error: ") and message in err
+    assert not (tmp_path / "page.html").exists() and (tmp_path / "existing.html").read_text() == "mine"
 
 
 def test_routing_refuses_folders_without_routers_before_loading(tmp_path, capsys):

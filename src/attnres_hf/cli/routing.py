@@ -1,4 +1,5 @@
-"""`attnres routing MODEL --text ...` (= `routing map`), `routing compare`, `routing dynamics`: depth routing."""
+"""`attnres routing MODEL --text ...` (= `routing map`), `routing compare`, `routing dynamics`: depth routing;
+`--html` on `map` and `compare` also writes the routing explorer page (`analysis.explorer`)."""
 
 import argparse
 import json
@@ -26,6 +27,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--token", type=int, default=None, help="token index for the per-token map (default: last)")
     parser.add_argument("--span", default=None, help="token span START:END for the per-token map (mean over it)")
     parser.add_argument("--output-dir", default="outputs/routing")
+    parser.add_argument("--html", metavar="PATH", default=None,
+                        help="also write the routing explorer, one self-contained page: the text as tokens, each "
+                        "token's map, alpha or alpha*||v||, the mean over tokens (refused if PATH exists, unless "
+                        "--force)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --html file")
     add_trust_remote_code(parser)
 
     parser = add_command(family, "compare", run_compare, help="depth-weight shift after the difference in paired "
@@ -36,6 +42,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true", help="read each text as a user turn of the chat template")
     parser.add_argument("--bootstrap", type=positive_int, default=2000)
     parser.add_argument("--output-dir", default="outputs/routing-compare")
+    parser.add_argument("--html", metavar="PATH", default=None,
+                        help="also write the routing explorer of one pair (--html-pair): both texts token by token "
+                        "and the difference b - a of their maps (refused if PATH exists, unless --force)")
+    parser.add_argument("--html-pair", type=int, default=None, metavar="N",
+                        help="the pair the --html page shows: its index in --pairs (0-based; default 0, the first)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --html file")
     add_trust_remote_code(parser)
 
     parser = add_command(
@@ -57,10 +69,13 @@ def run_map(args: argparse.Namespace) -> int:
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..analysis import encode_text, record_routing, summarize
+    from ..analysis import encode_text, record_routing, summarize, write_routing_explorer
+    from ..analysis.explorer import check_explorer_path
     from ..analysis.plots import plot_average_routing, plot_token_routing
 
     check_model_folder(args.model, attnres=True)
+    if args.html is not None:
+        check_explorer_path(args.html, args.force)
     check_tokenizer_folder(args.model, args.trust_remote_code)
     text = args.text if args.text is not None else read_text_file(args.data)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -78,12 +93,15 @@ def run_map(args: argparse.Namespace) -> int:
                         tokens=np.array(record.tokens))
     summary = summarize(record)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.html is not None:
+        write_routing_explorer(record, args.html, title=f"{name}: depth routing", force=args.force)
     print(f"{'router':<20}{'sources':>8}{'entropy/max':>12}{'embedding':>11}{'recent':>8}{'long jumps':>11}  sinks")
     for row in summary["routers"]:
         ratio = "n/a" if row["entropy_ratio"] is None else f"{row['entropy_ratio']:.3f}"
         print(f"{row['router']:<20}{row['n_sources']:>8}{ratio:>12}{row['embedding_mass']:>11.3f}"
               f"{row['recent_mass']:>8.3f}{row['long_jump_mass']:>11.3f}  {', '.join(row['sinks'])}")
-    print(f"wrote {out}/routing_average.png, routing_tokens.png, routing.npz, summary.json")
+    print(f"wrote {out}/routing_average.png, routing_tokens.png, routing.npz, summary.json"
+          + ("" if args.html is None else f" and {args.html}"))
     return 0
 
 
@@ -120,8 +138,11 @@ def run_compare(args: argparse.Namespace) -> int:
 
     check_model_folder(args.model, attnres=True)
     pairs = load_pairs(EXAMPLE_PAIRS if args.pairs == "example" else args.pairs)
+    html_pair = check_html_pair(args, len(pairs))
     model, tokenizer = load_model_and_tokenizer(args.model, args.trust_remote_code)
     result = compare_pairs(model, tokenizer, pairs, bootstrap=args.bootstrap, chat=args.chat)
+    if args.html is not None:
+        write_pair_explorer(model, tokenizer, pairs[html_pair], html_pair, args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_shift(result["routers"], result["sources"], result["shift"], out / "shift.png",
@@ -136,8 +157,34 @@ def run_compare(args: argparse.Namespace) -> int:
     (out / "compare.json").write_text(json.dumps({"largest_shift_per_router": rows, "aligned_tokens":
                                                   result["aligned_tokens"], "max_abs_shift": result["max_abs_shift"]},
                                                  indent=2) + "\n")
-    print(f"wrote {out}/shift.png and compare.json")
+    print(f"wrote {out}/shift.png and compare.json"
+          + ("" if args.html is None else f"; the explorer of pair {html_pair} to {args.html}"))
     return 0
+
+
+def check_html_pair(args: argparse.Namespace, n_pairs: int) -> int:
+    """The index of the pair `routing compare --html` shows, checked (with the --html path) before any model loads."""
+    from ..analysis.explorer import check_explorer_path
+
+    if args.html is None:
+        if args.html_pair is not None:
+            raise ValueError("--html-pair chooses the pair of the --html page; give --html PATH too")
+        return 0
+    check_explorer_path(args.html, args.force)
+    index = 0 if args.html_pair is None else args.html_pair
+    if not 0 <= index < n_pairs:
+        raise ValueError(f"--html-pair {index}: --pairs has {n_pairs} pairs (indices 0 to {n_pairs - 1})")
+    return index
+
+
+def write_pair_explorer(model, tokenizer, pair: dict, index: int, args: argparse.Namespace) -> None:
+    """The routing explorer of one pair: texts `a` and `b`, each read as `routing compare` reads it."""
+    from ..analysis import encode_text, record_routing, write_routing_explorer
+
+    records = [record_routing(model, encode_text(tokenizer, pair[key], chat=args.chat), tokenizer) for key in "ab"]
+    name = f" ({pair['name']})" if "name" in pair else ""
+    write_routing_explorer(records, args.html, labels=["a", "b"], force=args.force,
+                           title=f"{Path(args.model).name}: depth routing, pair {index}{name}, b against a")
 
 
 def run_dynamics(args: argparse.Namespace) -> int:
