@@ -53,6 +53,8 @@ def test_demo_runs_its_steps_in_order_and_writes_the_summary(tiny_source, tmp_pa
         assert label in summary and label in printed
     assert f"tokens of {results['perplexity']['text']})" in summary  # the README: the summary names the text source
     assert (out / "routing_average.png").is_file() and not (out / "train_text.txt").exists()
+    assert (out / "routing_explorer.html").is_file() and "routing_tokens.png, routing_explorer.html" in printed
+    assert 'id="explorer-data"' in (out / "routing_explorer.html").read_text()
 
 
 def test_demo_without_training_skips_its_steps_and_replaces_only_an_earlier_demo(tiny_source, tmp_path, capsys,

@@ -6,9 +6,9 @@ Block AttnRes with `convert` (verified against the source); compare with the pap
 held-out perplexity of source and converted model; score both with lm-eval on MMLU and ARC-Challenge questions;
 train the routers alone for a few steps on other text and measure again, beside a control that trains only the
 RMSNorm weights (no routing) with the same steps, learning rate and data, so that the routers' gain is not mistaken
-for depth routing when most of it is adaptation to the text; draw the depth-routing maps of the trained model;
-answer a chat prompt. Everything lands in `output_dir` (an earlier demo output there is replaced; any other
-existing folder is refused): the converted model folder, `demo.json` and `summary.md`.
+for depth routing when most of it is adaptation to the text; draw the depth-routing maps of the trained model and
+write its routing explorer page; answer a chat prompt. Everything lands in `output_dir` (an earlier demo output there
+is replaced; any other existing folder is refused): the converted model folder, `demo.json` and `summary.md`.
 """
 
 import json
@@ -244,8 +244,8 @@ def norms_control_step(state: DemoState) -> None:
 
 
 def routing_maps_step(state: DemoState) -> None:
-    """Depth-routing maps of the router-trained model on a held-out paragraph ..."""
-    from .analysis import record_routing, summarize
+    """Depth-routing maps and the routing explorer page of the router-trained model on a held-out paragraph ..."""
+    from .analysis import record_routing, summarize, write_routing_explorer
     from .analysis.plots import plot_average_routing, plot_token_routing
 
     out = state.settings.output_dir
@@ -254,6 +254,7 @@ def routing_maps_step(state: DemoState) -> None:
     plot_token_routing(record, out / "routing_tokens.png", len(record.tokens) - 8, len(record.tokens),
                        title="router-trained AttnRes SmolLM2, last 8 tokens")
     (out / "routing_summary.json").write_text(json.dumps(summarize(record), indent=2) + "\n")
+    write_routing_explorer(record, out / "routing_explorer.html", title="router-trained AttnRes SmolLM2: depth routing")
 
 
 def chat_step(state: DemoState) -> None:
@@ -381,6 +382,6 @@ def run_demo(
     (settings.output_dir / "demo.json").write_text(json.dumps(state.results, indent=2) + "\n")
     print(text)
     print(f"\nWrote {settings.output_dir}/: summary.md, demo.json, the model folders"
-          f"{', routing_average.png, routing_tokens.png' if train_steps else ''}"
+          f"{', routing_average.png, routing_tokens.png, routing_explorer.html' if train_steps else ''}"
           f"{', eval/ (results.json, table.md, table.png)' if state.results['evaluation'] else ''}")
     return state.results
