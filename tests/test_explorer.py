@@ -114,6 +114,8 @@ def test_the_page_is_self_contained_and_keeps_token_text_as_text(tmp_path):
     assert "<title>&lt;b&gt;my&lt;/b&gt; &amp; model</title>" in page
     data = page_data(page)
     assert data["inputs"][0]["display"] == NASTY and data["title"] == "<b>my</b> & model"
+    # the data once (the token "__DATA__" is not filled in), the title filled in
+    assert page.count('"significant_digits": 5') == 1 and page.count("__DATA__") == 1 and "__TITLE__" not in page
 
 
 @pytest.mark.parametrize("records, kwargs, error, message", [
