@@ -129,8 +129,9 @@ def test_the_page_is_self_contained_and_keeps_token_text_as_text(tmp_path):
     ("pair", {"title": 5}, TypeError, "title must be a string"),
     ("pair", {"path": "existing.html"}, FileExistsError, "already exists; pass --force"),
     ("pair", {"path": "."}, IsADirectoryError, "is a folder"),
+    ("pair", {"path": "new_folder/"}, IsADirectoryError, "is a folder"),  # (a name that says it is one)
 ], ids=["not-records", "none", "three", "two-models", "one-label", "same-labels", "token-count", "title", "exists",
-        "folder"])
+        "folder", "folder-name"])
 def test_write_routing_explorer_refuses_bad_input(records, kwargs, error, message, tmp_path):
     a, b = pair_of_records({"attnres_block_size": 2})
     other = pair_of_records(METHODS["denseformer"])[0]
@@ -138,7 +139,8 @@ def test_write_routing_explorer_refuses_bad_input(records, kwargs, error, messag
     (tmp_path / "existing.html").write_text("mine")
     kwargs = {"path": "new.html"} | kwargs
     with pytest.raises(error, match=message):
-        write_routing_explorer(records, tmp_path / kwargs.pop("path"), **kwargs)
+        path = kwargs.pop("path")  # (a string keeps a trailing slash, which a Path drops)
+        write_routing_explorer(records, f"{tmp_path}/{path}" if path.endswith("/") else tmp_path / path, **kwargs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.html"]  # nothing written, no staging file left
     assert (tmp_path / "existing.html").read_text() == "mine"
     write_routing_explorer([a, b], tmp_path / "existing.html", force=True)

@@ -173,6 +173,21 @@ def test_the_depth_mixing_parameters_train_at_their_own_learning_rate(depth_mixi
     for bad, error in ((0.0, ValueError), (-1e-3, ValueError), (float("nan"), ValueError), ("5e-3", TypeError)):
         with pytest.raises(error, match="router_learning_rate"):
             AttnResTrainer(model=model, args=args, router_learning_rate=bad)
+    # routers alone: no group left empty, so the logged rate (the first group's) is the routers'
+    routers_only = prepare_model(tiny_model(depth_mixing=depth_mixing), "routers")
+    trainer = AttnResTrainer(model=routers_only, args=args, router_learning_rate=5e-3)
+    assert [g["lr"] for g in trainer.create_optimizer().param_groups if g["params"]] == [5e-3] * len(
+        trainer.optimizer.param_groups)
+
+
+@pytest.mark.parametrize("method", ["full", "routers"])
+def test_a_router_learning_rate_without_trainable_depth_mixing_parameters_is_an_error(method, tmp_path):
+    model = tiny_model(depth_mixing="residual") if method == "full" else tiny_model().requires_grad_(False)
+    if method == "routers":
+        model.lm_head.weight.requires_grad_(True)  # (something trains, but no router)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    with pytest.raises(ValueError, match="router_learning_rate is set, but the model has no trainable depth-mixing"):
+        AttnResTrainer(model=model, args=args, router_learning_rate=5e-3).create_optimizer()
 
 
 def test_data_files_jsonl_and_dataset_folders(tmp_path):
@@ -323,11 +338,13 @@ def _midway(folder, out, record=True):
     import shutil
 
     shutil.copytree(folder / "run" / "checkpoint-2", out / "checkpoint-2")
-    if not record:  # as written by a plain Trainer run, or by attnres before the schedule was recorded
-        state_file = out / "checkpoint-2" / "trainer_state.json"
-        state = json.loads(state_file.read_text())
+    state_file = out / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    if record is False:  # as written by a plain Trainer run, or by attnres before the schedule was recorded
         del state["stateful_callbacks"]["LearningRateSchedule"]
-        state_file.write_text(json.dumps(state))
+    elif record is not True:  # a number: as a run with --router_learning_rate record writes it
+        state["stateful_callbacks"]["LearningRateSchedule"]["args"]["router_learning_rate"] = record
+    state_file.write_text(json.dumps(state))
     return out
 
 
@@ -364,8 +381,14 @@ def test_resuming_a_finished_schedule_is_refused_before_loading(extra, finished_
     # Without the record: the length from trainer_state.json, the learning rate from scheduler.pt's base_lrs
     (["--max-steps", "8"], "--max-steps 8 (the checkpoint's run: 4)", False),
     (["--max-steps", "4", "--lr", "1e-2"], "--lr 0.01 (the checkpoint's run: 0.0002)", False),
+    # The depth-mixing parameters' own rate: added, dropped or changed (the optimizer's groups differ, or the rate)
+    (["--max-steps", "4", "--router_learning_rate", "5e-3"], "--router_learning_rate 0.005 (the checkpoint's run: "
+     "unset)", True),
+    (["--max-steps", "4"], "--router_learning_rate unset (the checkpoint's run: 0.005)", 5e-3),
+    (["--max-steps", "4", "--router_learning_rate", "1e-1"], "--router_learning_rate 0.1 (the checkpoint's run: "
+     "0.005)", 5e-3),
 ], ids=["longer", "shorter", "lr", "scheduler", "warmup", "warmup-ratio", "max-steps-unset", "plain-longer",
-        "plain-lr"])
+        "plain-lr", "router-lr-added", "router-lr-dropped", "router-lr-changed"])
 def test_resuming_with_settings_that_change_the_schedule_is_refused_before_loading(extra, change, record, finished_run,
                                                                                   tmp_path, capsys, monkeypatch):
     out = _midway(finished_run, tmp_path / "cut", record)

@@ -75,8 +75,9 @@ def check_explorer_path(path: str | os.PathLike, force: bool = False) -> Path:
     """
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a file path for the page, got {path!r}")
+    named = os.fspath(path)
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() or named.endswith(("/", os.sep)):  # (a folder, or a name that says it is one)
         raise IsADirectoryError(f"{path} is a folder; give the page's file path, e.g. {path / 'routing.html'}")
     if path.exists() and not force:
         raise FileExistsError(f"{path} already exists; pass --force (force=True) to replace it")

@@ -73,7 +73,12 @@ class DeltaAttnResRouter(AttnResRouter):
     """AttnRes's router (`AttnResRouter`: pseudo-query `query`, key norm `key_norm`) plus the gate `gate`, a learned
     scalar (shape `()`, zero-initialised), whose read is added to the residual stream: `h = x + gate * sum_i alpha_i
     v_i`. The gate makes the retrofit exact (`h = x` at zero, bit for bit); the pseudo-query gets its first gradient
-    once the gate has moved."""
+    once the gate has moved.
+
+    The pseudo-query starts random, `N(0, initializer_range^2)` (AttnRes's starts at zero), as in the authors'
+    released code: the sources sum to the stream, so a uniform read is `x / n` and `h = (1 + gate / n) x`, a change
+    of scale the sub-layer's pre-norm cancels: the gate's gradient would be only the norm's `eps` effect (1e-5 to 1e-7
+    of a weight's on a tiny model), and the routing could not start learning."""
 
     def __init__(self, config, sublayer: int):
         super().__init__(config, sublayer)
@@ -81,6 +86,7 @@ class DeltaAttnResRouter(AttnResRouter):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         super().reset_parameters(std)
+        init.normal_(self.query, mean=0.0, std=std)
         init.zeros_(self.gate)
 
     @autocast_off(lambda self, state: state.hidden.device.type)

@@ -33,15 +33,17 @@ class LearningRateSchedule(TrainerCallback, ExportableState):
     given: `max_steps` is -1 for a run sized by `num_train_epochs`), for `check_resume_schedule`."""
 
     def __init__(self, learning_rate: float, lr_scheduler_type: str, lr_scheduler_kwargs: dict | None,
-                 warmup_steps: float, max_steps: int, num_train_epochs: float):
+                 warmup_steps: float, max_steps: int, num_train_epochs: float,
+                 router_learning_rate: float | None = None):
         self.settings = {"learning_rate": learning_rate, "lr_scheduler_type": lr_scheduler_type,
                          "lr_scheduler_kwargs": lr_scheduler_kwargs or {}, "warmup_steps": warmup_steps,
-                         "max_steps": max_steps, "num_train_epochs": num_train_epochs}
+                         "max_steps": max_steps, "num_train_epochs": num_train_epochs,
+                         "router_learning_rate": router_learning_rate}
 
     @classmethod
-    def from_args(cls, args: TrainingArguments) -> "LearningRateSchedule":
+    def from_args(cls, args: TrainingArguments, router_learning_rate: float | None = None) -> "LearningRateSchedule":
         return cls(args.learning_rate, _scheduler_type(args), args.lr_scheduler_kwargs, args.warmup_steps,
-                   args.max_steps, args.num_train_epochs)
+                   args.max_steps, args.num_train_epochs, router_learning_rate)
 
     def state(self) -> dict:
         return {"args": dict(self.settings), "attributes": {}}
@@ -107,15 +109,16 @@ def _warmup(warmup_steps: float, max_steps: int) -> int:
     return TrainingArguments.get_warmup_steps(SimpleNamespace(warmup_steps=warmup_steps), max_steps)
 
 
-def check_resume_schedule(checkpoint: str | Path, args: TrainingArguments) -> dict:
-    """Raise unless resuming `checkpoint` with `args` continues the checkpoint's learning-rate schedule unchanged;
-    return `read_checkpoint_schedule(checkpoint)`.
+def check_resume_schedule(checkpoint: str | Path, args: TrainingArguments,
+                          router_learning_rate: float | None = None) -> dict:
+    """Raise unless resuming `checkpoint` with `args` (and the depth-mixing parameters' `router_learning_rate`)
+    continues the checkpoint's learning-rate schedule unchanged; return `read_checkpoint_schedule(checkpoint)`.
 
     Raises:
         ValueError: the checkpoint's schedule already ended (`global_step >= max_steps`), or `args` change its
             length (`max_steps`; a run sized by steps resumed with `max_steps` unset, or by epochs with another
-            `num_train_epochs`), its `learning_rate`, `lr_scheduler_type`, `lr_scheduler_kwargs` or its warmup
-            length in steps. The message names the checkpoint's step and `max_steps` and the settings to resume with
+            `num_train_epochs`), its `learning_rate`, `router_learning_rate` (its optimizer's parameter groups too:
+            set or unset), `lr_scheduler_type`, `lr_scheduler_kwargs` or its warmup length in steps. The message names the checkpoint's step and `max_steps` and the settings to resume with
             (or to start a new run from the checkpoint's weights). A run sized by epochs whose data or batch size
             changed is caught by `SameScheduleLength` when the Trainer starts, before the first step.
         FileNotFoundError: the checkpoint has no `trainer_state.json`.
@@ -148,6 +151,11 @@ def check_resume_schedule(checkpoint: str | Path, args: TrainingArguments) -> di
         if (args.lr_scheduler_kwargs or {}) != settings["lr_scheduler_kwargs"]:
             changes.append(("--lr_scheduler_kwargs", f"'{json.dumps(args.lr_scheduler_kwargs or {})}'",
                             f"'{json.dumps(settings['lr_scheduler_kwargs'])}'"))
+        old_router = settings.get("router_learning_rate")  # (absent from checkpoints before it existed: unset)
+        if (old_router is None) != (router_learning_rate is None) or (
+                old_router is not None and not math.isclose(router_learning_rate, old_router, rel_tol=1e-9)):
+            changes.append(("--router_learning_rate", "unset" if router_learning_rate is None else router_learning_rate,
+                            "unset" if old_router is None else old_router))
         new, old = _warmup(args.warmup_steps, total), _warmup(settings["warmup_steps"], total)
         if new != old:  # the warmup's length in steps over the checkpoint's schedule (a ratio or a count)
             changes.append(("--warmup_steps", args.warmup_steps, settings["warmup_steps"]))

@@ -184,7 +184,13 @@ class AttnResTrainer(Trainer):
             group["params"] = [p for p in group["params"] if id(p) not in moved]
             if mixing:
                 routers.append({**group, "params": mixing, "lr": self.router_learning_rate, "depth_mixing": True})
-        for group in routers:  # (before any step: no optimizer state to move)
+        if not routers:
+            raise ValueError("router_learning_rate is set, but the model has no trainable depth-mixing parameters "
+                             f"(depth_mixing {getattr(self.model.config, 'depth_mixing', None)!r}, or all frozen)")
+        # (before any step: no optimizer state to move; a group left empty is dropped, so that the logged learning
+        # rate, the first group's, is the routers' when they alone train)
+        optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+        for group in routers:
             optimizer.add_param_group(group)
         return optimizer
 
@@ -313,7 +319,8 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
             "continue it, or choose another --output-dir"
         )
     checkpoint = existing if args.resume else None
-    resumed = check_resume_schedule(checkpoint, training_args) if checkpoint is not None else None
+    resumed = (check_resume_schedule(checkpoint, training_args, args.router_learning_rate)
+               if checkpoint is not None else None)
     _check_before_loading(args)
     if checkpoint is not None and training_args.process_index == 0:
         print(f"Resuming from {checkpoint}", flush=True)
@@ -339,7 +346,7 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
         processing_class=tokenizer,
         entropy_batches=args.entropy_batches,
         router_learning_rate=args.router_learning_rate,
-        callbacks=[*(callbacks or []), LearningRateSchedule.from_args(training_args),
+        callbacks=[*(callbacks or []), LearningRateSchedule.from_args(training_args, args.router_learning_rate),
                    *([SameScheduleLength(checkpoint, resumed["max_steps"])] if resumed else [])],
     )
     # The held-out loss before training comes from the Trainer's own first evaluation (`eval_on_start`): calling
