@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -100,8 +101,8 @@ def report(results: dict, seeds: int) -> str:
     first = next(iter(results.values()))[0]["curve"]
     steps = [s for s, _ in first]
     picks = sorted({steps[0], steps[len(steps) // 2], steps[-1]})
-    rows = ["| arm | val loss, mean | per seed | paired Δ vs baseline | paired Δ vs Full AttnRes | training loss at step "
-            + ", ".join(map(str, picks)) + " (mean of the logged interval, seed mean) | embedding's weight: final "
+    rows = ["| arm | val loss, mean | per seed | paired Δ vs baseline | paired Δ vs Full AttnRes | training loss at "
+            f"step {', '.join(map(str, picks))} (mean of the logged interval, seed mean) | embedding's weight: final "
             "router; sub-layer routers (uniform) |", "|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         losses = [r["val_loss"] for r in runs]
@@ -139,8 +140,8 @@ def main(argv=None):
     unknown = sorted(set(names) - set(arms()))
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {list(arms())}")
-    for flag in ("seeds", "jobs", "log_every"):
-        if getattr(args, flag) < 1:
+    for flag in ("seeds", "jobs", "log_every", "steps"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     preset = ablation.PRESETS[args.preset]
     if args.steps:
@@ -152,11 +153,15 @@ def main(argv=None):
             preset.vocab_size, preset.max_chars_per_book).get_vocab_size()}))
     runs = [(name, seed) for name in names for seed in range(args.seeds)]
     results = {name: [None] * args.seeds for name in names}
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(args.jobs, len(runs)), mp_context=context) as pool:
-        futures = [pool.submit(train, preset, name, seed, train_data, val_data, args.log_every) for name, seed in runs]
-        for future in futures:
-            name, seed, result = future.result()
+    with ExitStack() as stack:
+        if args.jobs > 1:  # one single-threaded process per run; 1: every run in this process
+            pool = stack.enter_context(ProcessPoolExecutor(min(args.jobs, len(runs)),
+                                                           mp_context=multiprocessing.get_context("spawn")))
+            done = (f.result() for f in [pool.submit(train, preset, name, seed, train_data, val_data,
+                                                     args.log_every) for name, seed in runs])
+        else:
+            done = (train(preset, name, seed, train_data, val_data, args.log_every) for name, seed in runs)
+        for name, seed, result in done:
             results[name][seed] = result
             print(f"{name} seed {seed}: val {result['val_loss']:.4f}, training loss "
                   f"{' '.join(f'{s}:{x:.3f}' for s, x in result['curve'])}, routing {result['routing']} "

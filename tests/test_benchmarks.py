@@ -552,3 +552,40 @@ def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search
         assert set(row["accuracy"]) == set(recipes.BENCHMARK_NAMES)
         assert all(0.0 <= v <= 1.0 for v in row["accuracy"].values())
     assert "| mmlu | arc_challenge | hellaswag |" in recipes.report(results)
+
+
+SLIDING_WINDOW = BENCHMARKS / "sliding_window.py"
+
+
+@pytest.fixture(scope="module")
+def sliding_window():
+    spec = importlib.util.spec_from_file_location("sliding_window_benchmark", SLIDING_WINDOW)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sliding_window_alternative_lifts_the_final_routers_window_only(sliding_window, input_ids):
+    preset = sliding_window.ablation.PRESETS["smoke"]
+    overrides = sliding_window.arms()["W=2 + final router reads all"][0]
+    windowed = sliding_window.build(preset, overrides, False, seed=0)
+    lifted = sliding_window.build(preset, overrides, True, seed=0)
+    assert [w.shape[-1] for w in windowed(input_ids, output_depth_weights=True).depth_weights] == [1, 2, 3, 3, 3]
+    assert [w.shape[-1] for w in lifted(input_ids, output_depth_weights=True).depth_weights] == [1, 2, 3, 3, 5]
+
+
+def test_sliding_window_runs_its_arms_on_paired_backbones(sliding_window, tmp_path, one_thread, capsys):
+    arms = ["baseline", "Full AttnRes", "W=2", "W=2 + final router reads all"]
+    argv = ["--preset", "smoke", "--seeds", "2", "--steps", "2", "--log-every", "1", "--jobs", "1", "--arms",
+            ",".join(arms), "--output", str(tmp_path / "window.json"), "--results", str(tmp_path / "docs" / "w.md")]
+    sliding_window.main(argv)
+    results = json.loads((tmp_path / "window.json").read_text())["results"]
+    assert list(results) == arms and all(len(runs) == 2 for runs in results.values())
+    assert all(math.isfinite(r["val_loss"]) and [s for s, _ in r["curve"]] == [1, 2]
+               for runs in results.values() for r in runs)
+    final_sources = {name: len(runs[0]["routing"].get("final weights", ())) for name, runs in results.items()}
+    assert final_sources == {"baseline": 0, "Full AttnRes": 5, "W=2": 3, "W=2 + final router reads all": 5}
+    printed = capsys.readouterr().out
+    final = printed[printed.rindex("preset smoke ("):]
+    assert "| W=2 + final router reads all |" in final
+    assert_results_fragment(tmp_path / "docs" / "w.md", "sliding_window.py", argv, final)
