@@ -119,6 +119,8 @@ NOT_RUN_HERE = {
     "runs their smoke presets",
     ("docs/science.md", "### The input-dependent query"): "a benchmark of about an hour; tests/test_benchmarks.py "
     "runs it at smoke size",
+    ("docs/science.md", "### The sliding window's gap: the final router's window"): "a benchmark of about 36 "
+    "minutes on 2 shared cores; tests/test_benchmarks.py runs it at smoke size",
     ("docs/science.md", "## Structured task vs memorisation"): "a benchmark of about 17 minutes; "
     "tests/test_benchmarks.py runs it at smoke size",
     ("docs/science.md", "## Does a retrofit learn to route?"): "two 20-minute runs on the real SmolLM2; "

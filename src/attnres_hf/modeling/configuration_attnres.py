@@ -89,9 +89,11 @@ class AttnResConfig(PreTrainedConfig):
         attnres_key_norm (`bool`, defaults to `True`):
             RMSNorm the keys (Eq. 3). `False` scores the raw sources, `w . v_i`; the router then has no `key_norm`.
         attnres_window (`int`, *optional*):
-            Sliding window over depth: each router sees the embedding plus only the `W` most recent other sources
-            (completed sources and the current block's partial sum). Drops sources, so no initialisation reproduces
-            the residual model and `retrofit` refuses it.
+            Sliding window over depth: each router, the final one before the head included, sees the embedding plus
+            only the `W` most recent other sources (completed sources and the current block's partial sum; with
+            Full AttnRes the `W` most recent sub-layer outputs). Drops sources, so no initialisation reproduces
+            the residual model and `retrofit` refuses it. The windowed final router is what makes the variant train
+            behind the baseline at small scale (docs/science.md, `benchmarks/sliding_window.py`).
         attnres_query (`str`, defaults to `"static"`):
             `"static"`: the learned pseudo-query `w_l`. `"input_dependent"`: `w_l + W_l RMSNorm(v_last)`, a projection
             of the most recent source (a `(hidden_size, hidden_size)` parameter `query_proj`, zero-initialised).
