@@ -1,10 +1,10 @@
 import re
 
 import pytest
-from utils import tiny_config
 
 from attnres_hf import AttnResConfig, default_attnres_block_size
 from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS
+from utils import tiny_config
 
 
 @pytest.mark.parametrize(
