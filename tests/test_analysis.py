@@ -97,6 +97,14 @@ def test_compare_reports_zero_for_identical_inputs_and_detects_a_change():
     np.testing.assert_allclose(single["shift"][-1], (wb - wa).double().numpy(), atol=1e-7)
     significant = (result["low"] > 0) | (result["high"] < 0)
     assert significant.any()
+    # values="contributions": the same shift of alpha * ||v||, RoutingRecord.contributions over the aligned positions
+    record_a, record_b = (record_routing(model, ids[0], tokenizer) for ids in (ids_a, ids_b))
+    expected = record_b.contributions[:, -20:].mean(1) - record_a.contributions[:, -20:].mean(1)
+    contributions = compare_pairs(model, tokenizer, changed[:1], bootstrap=10, values="contributions")
+    np.testing.assert_allclose(contributions["shift"], expected, atol=1e-9)
+    assert not np.allclose(np.nan_to_num(contributions["shift"]), np.nan_to_num(single["shift"]))
+    with pytest.raises(ValueError, match="values must be one of"):
+        compare_pairs(model, tokenizer, changed, values="norms")
 
 
 def test_aligned_suffix():

@@ -3,7 +3,7 @@
 Each pair `(a, b)` is tokenised; the positions after the first differing token are aligned from the end (the
 shared suffix), so position `k` of the suffix is the same text in both. Per router and source, the shift is the mean
 over pairs of (mean alpha over the aligned suffix in `b`) minus (the same in `a`), with a percentile bootstrap
-interval over pairs.
+interval over pairs; `values="contributions"` compares `alpha_i * ||v_i||` (what reaches the router's output) instead.
 """
 
 import json
@@ -71,10 +71,16 @@ def aligned_suffix(ids_a: list[int], ids_b: list[int]) -> int:
     return suffix
 
 
+VALUES = ("weights", "contributions")
+"""What `compare_pairs` compares: the depth weights alpha, or the contributions alpha * ||v|| (`RoutingRecord`)."""
+
+
 def compare_pairs(
-    model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0, chat: bool = False
+    model, tokenizer, pairs: list[dict], bootstrap: int = 2000, seed: int = 0, chat: bool = False,
+    values: str = "weights",
 ) -> dict:
-    """Shift of the depth weights (b minus a) after the difference, per router and source.
+    """Shift of the depth weights (b minus a) after the difference, per router and source (`values="contributions"`:
+    of `alpha_i * ||v_i||`, in the units of the value norms, L2 per token).
 
     Each text is encoded with `encode_text` (`chat=True`: as the user turn of the chat template). Returns `routers`,
     `sources`, `shift` (`(n_routers, n_sources)`, NaN where a router cannot read a source), `low`/`high` (95%
@@ -82,7 +88,7 @@ def compare_pairs(
 
     Raises:
         TypeError: `pairs` is not a list of `{"a": str, "b": str}` dicts, or `bootstrap`/`seed` not integers.
-        ValueError: no pairs, `bootstrap < 1`, or no pair with aligned tokens after its difference (and the errors
+        ValueError: no pairs, `bootstrap < 1`, `values` not one of `VALUES`, or no pair with aligned tokens after its difference (and the errors
             of `record_routing` for a model without routers).
     """
     if not isinstance(pairs, (list, tuple)) or not all(
@@ -92,6 +98,8 @@ def compare_pairs(
         raise ValueError("pairs is empty")
     check_int("bootstrap", bootstrap, 1, "resample")
     check_int("seed", seed)
+    if values not in VALUES:
+        raise ValueError(f"values must be one of {VALUES}, got {values!r}")
     depth_mixing = getattr(model.config, "depth_mixing", None)
     if depth_mixing not in DEPTH_MIXING or not has_routers(depth_mixing):
         raise ValueError(f"routing maps need a model with depth routers (depth_mixing 'attnres' or 'delta_attnres'); "
@@ -106,8 +114,9 @@ def compare_pairs(
             continue
         record_a = record_routing(model, ids_a, tokenizer)
         record = record_routing(model, ids_b, tokenizer)
-        mean_a = record_a.weights[:, -suffix:].mean(axis=1)
-        mean_b = record.weights[:, -suffix:].mean(axis=1)
+        read_a, read_b = (r.weights if values == "weights" else r.contributions for r in (record_a, record))
+        mean_a = read_a[:, -suffix:].mean(axis=1)
+        mean_b = read_b[:, -suffix:].mean(axis=1)
         per_pair.append(mean_b - mean_a)
     if not per_pair:
         raise ValueError("no pair has tokens after its difference that align in both texts")
