@@ -88,8 +88,8 @@ def compare_pairs(
 
     Raises:
         TypeError: `pairs` is not a list of `{"a": str, "b": str}` dicts, or `bootstrap`/`seed` not integers.
-        ValueError: no pairs, `bootstrap < 1`, `values` not one of `VALUES`, or no pair with aligned tokens after its difference (and the errors
-            of `record_routing` for a model without routers).
+        ValueError: no pairs, `bootstrap < 1`, `values` not one of `VALUES`, or no pair with aligned tokens after its
+            difference (and the errors of `record_routing` for a model without routers).
     """
     if not isinstance(pairs, (list, tuple)) or not all(
             isinstance(p, dict) and isinstance(p.get("a"), str) and isinstance(p.get("b"), str) for p in pairs):
