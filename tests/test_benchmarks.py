@@ -589,3 +589,56 @@ def test_sliding_window_runs_its_arms_on_paired_backbones(sliding_window, tmp_pa
     final = printed[printed.rindex("preset smoke ("):]
     assert "| W=2 + final router reads all |" in final
     assert_results_fragment(tmp_path / "docs" / "w.md", "sliding_window.py", argv, final)
+
+
+@pytest.mark.slow  # about 7 s
+def test_trained_routing_smoke_trains_both_arms_and_writes_its_fragment(tmp_path, monkeypatch, one_thread, capsys):
+    """`benchmarks/trained_routing.py --smoke` end to end on tiny books: both arms on the same batches, the curve,
+    per-router entropy intervals, sinks, the probe in alpha and alpha * ||v||, the fragment, and a saved model that
+    `attnres routing` reads."""
+    from attnres_hf import assets
+    from attnres_hf.cli import main
+    from utils import counting_text
+
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("trained_routing_benchmark", BENCHMARKS / "trained_routing.py")
+    trained_routing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trained_routing)
+    cache = tmp_path / "cache"
+    (cache / "gutenberg").mkdir(parents=True)
+    for i, name in enumerate(list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]):
+        (cache / "gutenberg" / f"{name}.txt").write_text(counting_text(60, seed=i).replace("\n", "\n\n"))
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(cache))
+    monkeypatch.setattr(trained_routing.ablation, "_BPE", {})  # a tokenizer of these books, not a cached one
+    out, fragment = tmp_path / "out", tmp_path / "docs" / "trained_routing.md"
+    argv = ["--smoke", "--out", str(out), "--results", str(fragment)]
+    trained_routing.main(argv)
+    printed = capsys.readouterr().out
+    results = json.loads((out / "trained_routing.json").read_text())
+    arms = results["arms"]
+    assert list(arms) == ["baseline", "Block AttnRes"] and arms["baseline"]["curve"]["step"] == [0, 3, 6]
+    # the same initial backbone and batches: the first losses agree to the routers' uniform start
+    assert arms["baseline"]["train_loss_per_step"][0] == pytest.approx(arms["Block AttnRes"]["train_loss_per_step"][0],
+                                                                       rel=1e-2)
+    assert arms["Block AttnRes"]["curve"]["entropy_ratio"][0][1:] == [pytest.approx(1.0)] * 8  # uniform at step 0
+    assert arms["baseline"]["curve"]["entropy_ratio"] == [None] * 3
+    assert all(math.isfinite(results["held_out"][arm]["loss"]) for arm in arms)
+    assert math.isfinite(results["paired_delta"]["mean"]) and results["paired_delta"]["low"] is not None
+    routers = results["routers"]
+    assert len(routers) == 9 and routers[0]["entropy_ratio"] is None  # the first router reads the embedding only
+    assert all(0 < r["low"] <= r["entropy_ratio"] <= r["high"] <= 1 + 1e-9 for r in routers[1:])
+    assert all(isinstance(r["non_uniform"], bool) and isinstance(r["sinks"], list) for r in routers[1:])
+    for values in ("weights", "contributions"):
+        probe = results["probe"][values]
+        assert probe["pairs_used"] == 12 and len(probe["largest_shifts"]) == 9
+        assert all(math.isfinite(row["shift"]) and row["low"] <= row["high"] for row in probe["largest_shifts"])
+    final = printed[printed.index("Shape: 4 decoder layers"):printed.rindex("\nwall time")]
+    assert final.rstrip() == trained_routing.report(results)
+    for line in ("| step | 0 | 3 | 6 |", "| held-out loss, Block AttnRes |", "| entropy / uniform, mean |",
+                 "| router | n | curve", "| final | 5 |", "- measurably non-uniform: ",
+                 "- depth-wise attention sinks: ", "| router | α: source |", "- α·‖v‖: 12 pairs"):
+        assert line in final, line
+    assert_results_fragment(fragment, "trained_routing.py", argv, final)
+    # the saved Block AttnRes model and its tokenizer are what `attnres routing` reads
+    assert main(["routing", str(out / "model"), "--text", "w5 w6 w7 w8", "--output-dir", str(tmp_path / "map")]) == 0
+    assert (tmp_path / "map" / "summary.json").is_file() and (out / "baseline" / "tokenizer.json").is_file()
