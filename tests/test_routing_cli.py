@@ -213,7 +213,7 @@ def test_routing_names_a_missing_tokenizer(tmp_path, capsys):
     ({"pairs": []}, ValueError, "pairs is empty"),
     ({"bootstrap": 0}, ValueError, "bootstrap must be at least 1"),
     ({"bootstrap": 2.5}, TypeError, "bootstrap must be an integer"),
-    ({"model": tiny_model(depth_mixing="residual")}, ValueError, "need an AttnRes model"),
+    ({"model": tiny_model(depth_mixing="residual")}, ValueError, "need a model with depth routers"),
 ], ids=["path-not-pairs", "missing-b", "no-pairs", "bootstrap-0", "bootstrap-float", "no-routers"])
 def test_compare_pairs_refuses_bad_arguments(kwargs, error, message):
     call = {"model": tiny_model(), "tokenizer": bos_tokenizer(), "pairs": [{"a": "w5 w6", "b": "w7 w6"}]} | kwargs
