@@ -127,6 +127,8 @@ NOT_RUN_HERE = {
     "tests/test_benchmarks.py runs the script at smoke size",
     ("docs/science.md", "## Which retrofit helps?"): "fifteen training runs of the real SmolLM2; "
     "tests/test_benchmarks.py runs the script end to end on a tiny Llama",
+    ("docs/science.md", "## Routing trained from scratch"): "a run of half an hour to an hour on 2 shared cores; "
+    "tests/test_benchmarks.py runs it with --smoke",
     ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
     "runs it at a tiny shape",
     ("docs/speed.md", "## Compiling: `compile_repeated_blocks`"): "a line about a model it does not define; "
