@@ -71,9 +71,9 @@ def counting_text(lines: int = 400, seed: int = 0, length: int = 24) -> str:
 # The depth-mixing family, parametrised from the method records
 # ---------------------------------------------------------------------------------------------------------------
 
-from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, MIXING_MODULES, has_routers  # noqa: E402
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, MIXING_MODULES, ROUTER_METHODS  # noqa: E402
 
-BLOCK_METHODS = tuple(name for name in DEPTH_MIXING if has_routers(name))
+BLOCK_METHODS = ROUTER_METHODS
 """The methods whose routers read blocks (`attnres_block_size`): AttnRes and Delta AttnRes."""
 
 METHODS = {name: {"depth_mixing": name} | ({"attnres_block_size": 2} if name in BLOCK_METHODS else {})

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .._checks import check_int
-from ..modeling.depth_mixing import DEPTH_MIXING, has_routers
+from ..modeling.depth_mixing import DEPTH_MIXING, ROUTER_METHODS, has_routers
 from .inputs import encode_text
 from .routing import record_routing
 
@@ -102,7 +102,7 @@ def compare_pairs(
         raise ValueError(f"values must be one of {VALUES}, got {values!r}")
     depth_mixing = getattr(model.config, "depth_mixing", None)
     if depth_mixing not in DEPTH_MIXING or not has_routers(depth_mixing):
-        raise ValueError(f"routing maps need a model with depth routers (depth_mixing 'attnres' or 'delta_attnres'); "
+        raise ValueError(f"routing maps need a model with depth routers (depth_mixing one of {ROUTER_METHODS}); "
                          f"this one has none (depth_mixing {depth_mixing!r})")
     per_pair, aligned, record = [], [], None
     for pair in pairs:

@@ -89,7 +89,7 @@ def positive_int(text: str) -> int:
 
 def check_model_folder(path: str, attnres: bool = False) -> None:
     """Raise before anything loads unless `path` is a model folder (with config.json); with `attnres`, one whose
-    model has depth routers (`depth_mixing="attnres"` or `"delta_attnres"`, `has_routers`).
+    model has depth routers (`depth_mixing` one of `ROUTER_METHODS`).
 
     Raises:
         FileNotFoundError: no folder or no config.json there. ValueError: not an AttnRes model with routers.
@@ -101,13 +101,15 @@ def check_model_folder(path: str, attnres: bool = False) -> None:
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a model folder (no config.json there)")
     if attnres:
+        from ..modeling.depth_mixing import ROUTER_METHODS, has_routers
+
         model_type = json.loads(config_file.read_text()).get("model_type")
         depth_mixing = None
         if model_type == "attnres":
             from ..modeling import AttnResConfig
-            from ..modeling.depth_mixing import has_routers
 
             depth_mixing = AttnResConfig.from_pretrained(path).depth_mixing
         if depth_mixing is None or not has_routers(depth_mixing):
             raise ValueError(f"{path} has no depth routers (model_type {model_type!r}, depth_mixing {depth_mixing!r}): "
-                             "routing maps read an AttnRes model; `attnres convert SOURCE OUT` makes one")
+                             f"routing maps read a model with depth_mixing one of {ROUTER_METHODS}; "
+                             "`attnres convert SOURCE OUT` makes one")

@@ -162,6 +162,10 @@ def has_routers(depth_mixing: str) -> bool:
     return any(issubclass(cls, AttnResRouter) for cls in DEPTH_MIXING[depth_mixing].module_classes)
 
 
+ROUTER_METHODS = tuple(name for name in DEPTH_MIXING if has_routers(name))
+"""The `depth_mixing` methods whose models have depth routers (`has_routers`), in `DEPTH_MIXING`'s order."""
+
+
 def _parts(name: str) -> list[str]:
     return name.split(".")
 
@@ -234,6 +238,7 @@ __all__ = [
     "depth_mixing_module",
     "depth_mixing_parameters",
     "has_routers",
+    "ROUTER_METHODS",
     "is_depth_mixing_parameter",
     "is_no_weight_decay_parameter",
     "modules_to_not_convert",

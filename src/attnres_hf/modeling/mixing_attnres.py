@@ -25,7 +25,7 @@ from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, requ
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merge_partial, _merged_weights, _PartialMerge, _two_phase_applies)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
-                          stacked_norms)
+                          routed_sublayers, stacked_norms)
 
 
 class ResidualState(NamedTuple):
@@ -61,6 +61,7 @@ def attnres_source_norms(state: "AttnResState") -> torch.Tensor:
     return norms
 
 
+@routed_sublayers
 class AttnResState(NamedTuple):
     """Depth state of Block AttnRes (paper Eq. 6; Full AttnRes is block size 1).
 
@@ -181,18 +182,6 @@ class AttnResState(NamedTuple):
         state = self.begin_sublayer()
         hidden, weights = router(state)
         return DepthRead(state, hidden, None, () if weights is None else (weights,))
-
-    def read_attn(self, mixing) -> DepthRead:
-        return self._route(mixing.attn_res)
-
-    def write_attn(self, mixing, output: torch.Tensor) -> DepthWrite:
-        return self._add(output)
-
-    def read_mlp(self, mixing) -> DepthRead:
-        return self._route(mixing.mlp_res)
-
-    def write_mlp(self, mixing, output: torch.Tensor) -> DepthWrite:
-        return self._add(output)
 
     def read_final(self, mixing) -> DepthRead:
         # The last block stays a partial sum: the same sources and numbers as closing it first.

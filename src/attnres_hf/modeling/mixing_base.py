@@ -87,6 +87,30 @@ class DepthState(Protocol):
         """The input of the final norm, from the model-level mixing modules `mixing`."""
 
 
+def routed_sublayers(state_cls: type) -> type:
+    """Class decorator: the sub-layer hooks of a depth state whose sub-layer inputs are its routers' reads,
+    `state._route(router)` with the layer's `attn_res` / `mlp_res`, and whose writes are `state._add(output)`
+    (AttnRes's and Delta AttnRes's states: one home for the four hooks; a `NamedTuple` cannot take a mixin)."""
+
+    def read_attn(self, mixing) -> DepthRead:
+        return self._route(mixing.attn_res)
+
+    def write_attn(self, mixing, output: torch.Tensor) -> DepthWrite:
+        return self._add(output)
+
+    def read_mlp(self, mixing) -> DepthRead:
+        return self._route(mixing.mlp_res)
+
+    def write_mlp(self, mixing, output: torch.Tensor) -> DepthWrite:
+        return self._add(output)
+
+    for hook in (read_attn, write_attn, read_mlp, write_mlp):
+        hook.__qualname__ = f"{state_cls.__qualname__}.{hook.__name__}"
+        hook.__doc__ = getattr(DepthState, hook.__name__).__doc__
+        setattr(state_cls, hook.__name__, hook)
+    return state_cls
+
+
 class NoModules(NamedTuple):
     """The mixing modules of a method that adds none (at this level)."""
 

@@ -30,9 +30,10 @@ from transformers import initialization as init
 from .attnres_buffer import _as
 from .attnres_reference import attnres_routing_maps
 from .mixing_attnres import PLAIN_ROUTERS, AttnResRouter, AttnResState, attnres_source_norms
-from .mixing_base import DepthRead, DepthWrite, autocast_off
+from .mixing_base import DepthRead, DepthWrite, autocast_off, routed_sublayers
 
 
+@routed_sublayers
 class DeltaAttnResState(NamedTuple):
     """Depth state of Delta AttnRes: the residual stream `x_l` and AttnRes's sources (`AttnResState`, whose source
     buffer, two-phase block inference and gradient paths serve the reads unchanged)."""
@@ -52,18 +53,6 @@ class DeltaAttnResState(NamedTuple):
     def _add(self, output: torch.Tensor) -> DepthWrite:
         depth = self.depth._add(output).state  # (casts an autocast output to the stream's dtype)
         return DepthWrite(DeltaAttnResState(self.hidden + _as(output, self.hidden.dtype), depth))
-
-    def read_attn(self, mixing) -> DepthRead:
-        return self._route(mixing.attn_res)
-
-    def write_attn(self, mixing, output: torch.Tensor) -> DepthWrite:
-        return self._add(output)
-
-    def read_mlp(self, mixing) -> DepthRead:
-        return self._route(mixing.mlp_res)
-
-    def write_mlp(self, mixing, output: torch.Tensor) -> DepthWrite:
-        return self._add(output)
 
     def read_final(self, mixing) -> DepthRead:
         return DepthRead(self, self.hidden)
