@@ -1,7 +1,8 @@
 """Which retrofit helps? Five fine-tuning recipes of the real SmolLM2-135M, on the same batches and budget.
 
 From the same source checkpoint, each arm trains with the same batches in the same order, the same steps, warm-up and
-optimizer, and the same learning-rate search (`LR_SCALES` times the arm's base rates, chosen on a validation split):
+optimizer, and the same learning-rate search (`LR_SCALES`, or `--lr-scales`, times the arm's base rates, chosen on a
+validation split):
 
 - `full`: full fine-tuning of the source model (the residual model, `depth_mixing="residual"`: the source exactly);
 - `attnres+full`: the Block AttnRes retrofit, every parameter trained, the routers at their own learning rate
@@ -114,10 +115,11 @@ def benchmark_accuracy(model, tokenizer, limit: int) -> dict:
 
 
 def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, arms=tuple(ARMS), log=print,
-        **overrides) -> dict:
-    """The experiment (module docstring); `overrides`: `DEFAULTS` fields. `source`: an HF folder (or a model)."""
+        lr_scales=LR_SCALES, **overrides) -> dict:
+    """The experiment (module docstring); `overrides`: `DEFAULTS` fields; `lr_scales`: the search's scales of
+    `BASE_LR`. `source`: an HF folder (or a model)."""
     settings = DEFAULTS | overrides
-    settings |= {"lr_scales": list(LR_SCALES), "base_lr": BASE_LR,
+    settings |= {"lr_scales": list(lr_scales), "base_lr": BASE_LR,
                  "optimizer": "AdamW(0.9/0.999, weight decay 0), linear warm-up then constant, clip 1.0, fp32"}
     out.mkdir(parents=True, exist_ok=True)
     train_ids = torch.tensor(tokenizer(train_text)["input_ids"])
@@ -140,7 +142,7 @@ def run(source, tokenizer, train_text: str, held_out_text: str, out: Path, arms=
     for arm in arms:
         trains = ARMS[arm][1]
         search, models = {}, {}
-        for scale in LR_SCALES:  # seed 0, every scale
+        for scale in settings["lr_scales"]:  # seed 0, every scale
             torch.manual_seed(0)
             model = build(source, arm)
             report = train(model, param_groups(model, trains, scale), train_blocks, orders[0], settings, log,
@@ -230,6 +232,9 @@ def main(argv=None):
     for name, value in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {tuple(ARMS)}")
+    parser.add_argument("--lr-scales", default=",".join(map(str, LR_SCALES)),
+                        help="comma-separated scales of the base rates the search tries on seed 0 (default: "
+                             f"{','.join(map(str, LR_SCALES))})")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="outputs/retrofit_recipes")
     parser.add_argument("--results", metavar="PATH", type=results_path,
@@ -239,6 +244,12 @@ def main(argv=None):
     arms = [a.strip() for a in args.arms.split(",")]
     if unknown := sorted(set(arms) - set(ARMS)):
         parser.error(f"unknown arms {unknown}; choose from {tuple(ARMS)}")
+    try:
+        lr_scales = [float(v) for v in args.lr_scales.split(",")]
+    except ValueError:
+        parser.error(f"--lr-scales must be comma-separated numbers, got {args.lr_scales!r}")
+    if not all(math.isfinite(v) and v > 0 for v in lr_scales) or len(set(lr_scales)) != len(lr_scales):
+        parser.error(f"--lr-scales must be distinct positive numbers, got {args.lr_scales!r}")
     for name in (*DEFAULTS, "threads"):
         if getattr(args, name) < (0 if name == "eval_questions" else 1):
             parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'eval_questions' else 1}")
@@ -254,7 +265,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(source)
     train_text = assets.text_split("train", max_chars_per_book=40_000)
     held_out_text, described = assets.text_split("held_out"), assets.text_source()
-    results = run(source, tokenizer, train_text, held_out_text, Path(args.out), arms=arms,
+    results = run(source, tokenizer, train_text, held_out_text, Path(args.out), arms=arms, lr_scales=lr_scales,
                   log=lambda line: print(line, flush=True), **settings)
     results["text"] = described
     results["wall_seconds"] = round(time.perf_counter() - started, 1)

@@ -509,7 +509,7 @@ RETROFIT_RECIPES = Path(__file__).parents[1] / "benchmarks" / "retrofit_recipes.
 
 
 @pytest.mark.slow
-def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search(tmp_path, one_thread, capsys):
+def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search(tmp_path, one_thread, monkeypatch):
     """Every arm from the same function (each retrofit is exact), the search over the same scales, two seeds, the
     paired differences to `full`, and lm-eval's three benchmarks on every seed's model, end to end on a tiny Llama."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -524,13 +524,13 @@ def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(source)
     results = recipes.run(source, word_tokenizer(), counting_text(60), counting_text(40, seed=1), tmp_path / "out",
                           log=lambda line: None, steps=3, batch_size=2, seq_len=16, warmup=1, seeds=2,
-                          eval_tokens=64, validation_tokens=64, window=32, eval_questions=0)
+                          eval_tokens=64, validation_tokens=64, window=32, eval_questions=0, lr_scales=(0.1, 1.0))
     arms = results["arms"]
     assert list(arms) == list(recipes.ARMS)
-    first = {arm: row["search"][str(recipes.LR_SCALES[0])]["final_train_loss"] for arm, row in arms.items()}
+    first = {arm: row["search"]["0.1"]["final_train_loss"] for arm, row in arms.items()}
     assert all(math.isfinite(v) for v in first.values())
     for arm, row in arms.items():
-        assert set(row["search"]) == {str(s) for s in recipes.LR_SCALES} and row["lr_scale"] in recipes.LR_SCALES
+        assert set(row["search"]) == {"0.1", "1.0"} and row["lr_scale"] in (0.1, 1.0)
         assert [r["seed"] for r in row["runs"]] == [0, 1] and len(row["runs"][0]["nll_per_window"]) == 2
         if arm != "full":
             mean, low, high = row["paired_delta_nll_vs_full"]
@@ -544,14 +544,34 @@ def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search
     text = recipes.report(results)
     assert "| delta+full |" in text and "| no training | 0 |" in text and "Learning-rate search" in text
     assert (tmp_path / "out" / "retrofit_recipes.json").is_file()
-    # lm-eval's three benchmarks on every seed's model and the source (each call builds lm-eval's tasks: ~30 s)
+    # lm-eval's three benchmarks on every seed's model and the source: the run's calls (counted), then one real call
+    real_accuracy, calls = recipes.benchmark_accuracy, []
+
+    def accuracy(model, tokenizer, limit):  # lm-eval for the first model only; the same numbers' shape after it
+        calls.append(limit)
+        if len(calls) == 1:
+            return real_accuracy(model, tokenizer, limit)
+        return dict.fromkeys(recipes.BENCHMARK_NAMES, 0.5)
+
+    monkeypatch.setattr(recipes, "benchmark_accuracy", accuracy)
     results = recipes.run(source, word_tokenizer(), counting_text(60), counting_text(40, seed=1), tmp_path / "eval",
                           arms=["delta+full"], log=lambda line: None, steps=2, batch_size=2, seq_len=16, warmup=1,
-                          seeds=1, eval_tokens=64, validation_tokens=64, window=32, eval_questions=2)
-    for row in (results["no_training"], results["arms"]["delta+full"]):
+                          seeds=2, eval_tokens=64, validation_tokens=64, window=32, eval_questions=2)
+    assert calls == [2, 2, 2]  # the source, then each seed's model; the first through lm-eval (~30 s: its tasks)
+    for row in (results["no_training"], *results["arms"]["delta+full"]["runs"]):
         assert set(row["accuracy"]) == set(recipes.BENCHMARK_NAMES)
         assert all(0.0 <= v <= 1.0 for v in row["accuracy"].values())
     assert "| mmlu | arc_challenge | hellaswag |" in recipes.report(results)
+
+
+@pytest.mark.parametrize("value", ["x", "0.4,-1", "0.4,0.4", "nan", "0.4,"])
+def test_retrofit_recipes_refuses_bad_lr_scales_before_loading(value, capsys):
+    spec = importlib.util.spec_from_file_location("retrofit_recipes_benchmark", RETROFIT_RECIPES)
+    recipes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipes)
+    with pytest.raises(SystemExit):
+        recipes.main(["--lr-scales", value])
+    assert "--lr-scales must be" in capsys.readouterr().err
 
 
 SLIDING_WINDOW = BENCHMARKS / "sliding_window.py"
