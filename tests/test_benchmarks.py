@@ -557,7 +557,7 @@ def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search
     results = recipes.run(source, word_tokenizer(), counting_text(60), counting_text(40, seed=1), tmp_path / "eval",
                           arms=["delta+full"], log=lambda line: None, steps=2, batch_size=2, seq_len=16, warmup=1,
                           seeds=2, eval_tokens=64, validation_tokens=64, window=32, eval_questions=2)
-    assert calls == [2, 2, 2]  # the source, then each seed's model; the first through lm-eval (~30 s: its tasks)
+    assert calls == [2, 2, 2]  # the source, then each seed's model; the first through lm-eval (its tasks take seconds)
     for row in (results["no_training"], *results["arms"]["delta+full"]["runs"]):
         assert set(row["accuracy"]) == set(recipes.BENCHMARK_NAMES)
         assert all(0.0 <= v <= 1.0 for v in row["accuracy"].values())

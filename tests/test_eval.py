@@ -91,6 +91,27 @@ def model_dirs(tmp_path_factory):
     return folder
 
 
+def test_one_task_manager_per_pack_and_data_folder(tmp_path, monkeypatch):
+    """Runs share lm-eval's `TaskManager` (its index of every YAML file costs seconds): one per (pack, data folder),
+    with that folder in its metadata; another folder gets its own."""
+    import lm_eval.tasks
+
+    built = []
+
+    class Manager:
+        def __init__(self, include_path, metadata):
+            built.append((include_path, metadata))
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Manager)
+    harness._task_manager.cache_clear()
+    try:
+        first, again, other = (harness.task_manager(tmp_path / d) for d in ("a", "a", "b"))
+        assert first is again and other is not first
+        assert built == [(str(harness.task_dir()), {"data_dir": str(tmp_path / d)}) for d in ("a", "b")]
+    finally:
+        harness._task_manager.cache_clear()  # the other tests build lm-eval's own
+
+
 @pytest.mark.slow
 def test_the_pack_has_one_yaml_per_benchmark_and_lm_eval_knows_every_task(data_dir):
     names = {path.stem for path in harness.task_dir().glob("*.yaml")}
