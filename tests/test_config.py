@@ -15,7 +15,8 @@ from utils import tiny_config
         pytest.param(dict(attnres_block_size=-2), "attnres_block_size must be 1", id="block-size-negative"),
         pytest.param(dict(num_key_value_heads=8), "num_key_value_heads (8) must not exceed num_attention_heads (4)", id="more-kv-heads"),
         pytest.param(dict(num_key_value_heads=3), "must be a multiple of num_key_value_heads", id="kv-heads-not-dividing"),
-        pytest.param(dict(depth_mixing="hyper"), f"depth_mixing must be one of {DEPTH_MIXING_METHODS}, got hyper", id="unknown-depth-mixing"),
+        pytest.param(dict(depth_mixing="hyper"), f"depth_mixing must be one of {DEPTH_MIXING_METHODS}, got hyper",
+                     id="unknown-depth-mixing"),
         pytest.param(dict(hidden_size=30), "not a multiple of the number of attention heads", id="hidden-not-divisible"),  # LlamaConfig's rule
         pytest.param(dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive finite number", id="negative-eps"),
         pytest.param(dict(layer_types=["full_attention"]), "one entry per layer", id="layer-types-length"),

@@ -118,9 +118,10 @@ def check_resume_schedule(checkpoint: str | Path, args: TrainingArguments,
         ValueError: the checkpoint's schedule already ended (`global_step >= max_steps`), or `args` change its
             length (`max_steps`; a run sized by steps resumed with `max_steps` unset, or by epochs with another
             `num_train_epochs`), its `learning_rate`, `router_learning_rate` (its optimizer's parameter groups too:
-            set or unset), `lr_scheduler_type`, `lr_scheduler_kwargs` or its warmup length in steps. The message names the checkpoint's step and `max_steps` and the settings to resume with
-            (or to start a new run from the checkpoint's weights). A run sized by epochs whose data or batch size
-            changed is caught by `SameScheduleLength` when the Trainer starts, before the first step.
+            set or unset), `lr_scheduler_type`, `lr_scheduler_kwargs` or its warmup length in steps. The message
+            names the checkpoint's step and `max_steps` and the settings to resume with (or to start a new run from
+            the checkpoint's weights). A run sized by epochs whose data or batch size changed is caught by
+            `SameScheduleLength` when the Trainer starts, before the first step.
         FileNotFoundError: the checkpoint has no `trainer_state.json`.
     """
     found = read_checkpoint_schedule(checkpoint)
