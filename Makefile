@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.attnres-installed
 
-.PHONY: demo test test-fast docs install bench clean
+.PHONY: demo test test-fast docs install browser bench clean
 
 install: $(STAMP)
 
@@ -21,8 +21,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/attnres demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# The routing explorer's page tests drive Debian's chromium (tests/test_explorer.py): installed here where this user
+# may (root, apt-get); elsewhere those tests skip and the run's summary says what they need.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "Installing Debian's chromium for the browser tests"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "Could not install chromium: the browser tests will skip"; \
+	  else echo "No /usr/bin/chromium (apt-get install chromium as root): the browser tests will skip"; fi; \
+	fi
 
 # The inner loop: the tests not marked slow (CI runs `make test`).
 test-fast: $(STAMP)

@@ -263,6 +263,10 @@ def main(argv=None):
 
     source = Path(args.model) if args.model else smollm2_hf_folder()
     tokenizer = AutoTokenizer.from_pretrained(source)
+    if settings["eval_questions"]:  # the benchmarks' local data (kept where prepared), before an hour of training
+        from attnres_hf.eval.data import prepare_offline
+
+        prepare_offline(benchmarks=BENCHMARK_NAMES)
     train_text = assets.text_split("train", max_chars_per_book=40_000)
     held_out_text, described = assets.text_split("held_out"), assets.text_source()
     results = run(source, tokenizer, train_text, held_out_text, Path(args.out), arms=arms, lr_scales=lr_scales,

@@ -14,6 +14,22 @@ if not torch.cuda.is_available():
 from utils import TINY, counting_text, tiny_model, word_tokenizer
 
 
+def pytest_configure(config):
+    """No test reads benchmark data that an earlier command prepared (`make demo`, `attnres eval prepare-data`): the
+    run's default eval-data folder is a new empty one, so a test evaluating on a benchmark makes its rows (
+    `tests/eval_fixtures.py`) or prepares them itself. Downloads stay in the project cache (`$ATTNRES_HF_CACHE`):
+    each is fetched on demand and digest-checked, and `.ci/run` points that cache at an empty folder as well."""
+    import tempfile
+
+    config._attnres_eval_data = tempfile.TemporaryDirectory(prefix="attnres-test-eval-data-")
+    os.environ["ATTNRES_EVAL_DATA"] = config._attnres_eval_data.name
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "_attnres_eval_data"):
+        config._attnres_eval_data.cleanup()
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """Benchmarks' `main()` run in-process set one torch thread and flush denormals for their own runs; keep that

@@ -514,6 +514,7 @@ def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search
     paired differences to `full`, and lm-eval's three benchmarks on every seed's model, end to end on a tiny Llama."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from eval_fixtures import write_offline_fixture
     from utils import TINY, counting_text, word_tokenizer
 
     spec = importlib.util.spec_from_file_location("retrofit_recipes_benchmark", RETROFIT_RECIPES)
@@ -554,6 +555,8 @@ def test_retrofit_recipes_run_every_arm_on_the_same_batches_with_the_same_search
         return dict.fromkeys(recipes.BENCHMARK_NAMES, 0.5)
 
     monkeypatch.setattr(recipes, "benchmark_accuracy", accuracy)
+    # the benchmarks' data: a few rows of each, made here (not what `attnres eval prepare-data` left in the cache)
+    monkeypatch.setenv("ATTNRES_EVAL_DATA", str(write_offline_fixture(tmp_path / "eval-data", recipes.BENCHMARK_NAMES)))
     results = recipes.run(source, word_tokenizer(), counting_text(60), counting_text(40, seed=1), tmp_path / "eval",
                           arms=["delta+full"], log=lambda line: None, steps=2, batch_size=2, seq_len=16, warmup=1,
                           seeds=2, eval_tokens=64, validation_tokens=64, window=32, eval_questions=2)

