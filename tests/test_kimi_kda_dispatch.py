@@ -14,15 +14,17 @@ import textwrap
 import pytest
 import torch
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
-from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
 from attnres_hf.conversion import retrofit
 from attnres_hf.modeling.backbones_moe import KDA_KERNELS, kda_by_device
+from attnres_hf.modeling.backbones_moe import kimi as lazy_kimi
 from test_backbones_moe import COMMON, KIMI, ids
 from utils import perturb_mixing
 
 KDA = {"chunk_kimi_delta_attention": "chunk_kda", "recurrent_kimi_delta_attention": "fused_recurrent_kda"}
 """transformers' KDA functions and the fla kernel each resolves to where fla is installed."""
+
+kimi = lazy_kimi.load()  # transformers' module, imported (and its KDA dispatched) when Kimi Linear is first used
 
 
 class CudaLooking(torch.Tensor):
@@ -121,6 +123,9 @@ IMPORT_SCRIPT = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         import attnres_hf
+        assert not any(name == "fla" or name.startswith("fla.") for name in sys.modules)  # imported on first use
+        from attnres_hf.modeling.backbones_moe import kimi
+        kimi.load()  # Kimi Linear's first use: transformers' module imports fla
         import fla.utils.hardware
         # the filter ends with the import: the warning fla gives at import shows again when fla asks again
         fla.utils.hardware.get_available_device.cache_clear()
@@ -132,8 +137,8 @@ IMPORT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow  # a fresh interpreter imports the package (about 7 s)
 def test_importing_the_package_prints_no_triton_warning():
-    """`import attnres_hf` imports fla (through transformers' kimi_linear module) without fla's "Triton is not
-    supported on current platform" warning; the filter is the import's only: afterwards fla's warning shows again.
+    """`import attnres_hf` imports no fla; Kimi Linear's first use imports it (through transformers' kimi_linear
+    module) without fla's "Triton is not supported on current platform" warning; the filter is the import's only: afterwards fla's warning shows again.
     (A subprocess with `-W error::UserWarning` would not test this: the error makes transformers fall back to torch.)"""
     pytest.importorskip("fla")
     result = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], capture_output=True, text=True, check=False)

@@ -7,13 +7,13 @@ from ._common import add_command, add_writing_options
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    from ..conversion.export import EXPORT_FORMATS
-
     parser = add_command(commands, "export", run_export,
                          help="write an AttnRes model as flash-linear-attention's or Kimi K3's checkpoint")
     parser.add_argument("model", help="an AttnRes model folder (written by attnres convert or save_pretrained)")
     parser.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
-    parser.add_argument("--to", required=True, choices=list(EXPORT_FORMATS),
+    # No `choices=EXPORT_FORMATS`: reading it imports the conversion package (and fla through Kimi K3's module) at
+    # every `attnres` start; `export` refuses another value in one line.
+    parser.add_argument("--to", required=True, metavar="FORMAT",
                         help="fla: flash-linear-attention's TransformerForCausalLM (config, names, [1, hidden] "
                              "pseudo-queries); k3-layout: Kimi K3's text checkpoint (a kimi_k3 model)")
     add_writing_options(parser)

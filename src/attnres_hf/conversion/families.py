@@ -20,16 +20,20 @@ from ..modeling.depth_mixing import is_depth_mixing_parameter
 SUPPORTED_MODEL_TYPES = tuple(BACKBONES)
 """Source `model_type`s that retrofit and `attnres convert` accept (one per backbone adapter)."""
 
+# The records as declared (`BACKBONES.immediate`): reading llama.cpp's layout of each family imports no family's
+# modeling code. A record behind a loader (Kimi K3's, whose module imports fla) has no GGUF layout and is not read.
+_GGUF_RECORDS = BACKBONES.immediate()
+
 GGUF_ARCHITECTURES: dict[str, str] = {
-    model_type: adapter.gguf_architecture for model_type, adapter in BACKBONES.items() if adapter.gguf_architecture
+    adapter.model_type: adapter.gguf_architecture for adapter in _GGUF_RECORDS if adapter.gguf_architecture
 }
 """`model_type -> general.architecture` of its GGUF files (llama.cpp writes Mistral 7B as `llama`)."""
 
-GGUF_PERMUTED_QK = frozenset(adapter.gguf_architecture for adapter in BACKBONES.values() if adapter.gguf_permuted_qk)
+GGUF_PERMUTED_QK = frozenset(adapter.gguf_architecture for adapter in _GGUF_RECORDS if adapter.gguf_permuted_qk)
 """GGUF architectures whose q/k rows (weights and biases) llama.cpp stores interleaved per head for its rope."""
 
 GGUF_NORM_OFFSETS: dict[str, float] = {
-    adapter.gguf_architecture: adapter.gguf_norm_offset for adapter in BACKBONES.values() if adapter.gguf_norm_offset
+    adapter.gguf_architecture: adapter.gguf_norm_offset for adapter in _GGUF_RECORDS if adapter.gguf_norm_offset
 }
 """GGUF architecture -> the constant llama.cpp adds to every `*norm.weight` (Gemma's `(1 + w)` norms: 1)."""
 
@@ -47,7 +51,7 @@ def check_supported(config: PretrainedConfig) -> str:
             f"unsupported model_type {model_type!r}: retrofit supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     try:
-        BACKBONES[model_type].check_config(config)
+        BACKBONES.declared(model_type).check_config(config)
     except ValueError as error:
         raise UnsupportedSourceError(str(error)) from None
     return model_type

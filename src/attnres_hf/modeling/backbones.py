@@ -67,28 +67,31 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from transformers.models.gemma2 import modeling_gemma2 as gemma2
 from transformers.models.gemma2.configuration_gemma2 import Gemma2Config
-from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.gemma3.configuration_gemma3 import Gemma3TextConfig
-from transformers.models.granite import modeling_granite as granite
 from transformers.models.granite.configuration_granite import GraniteConfig
-from transformers.models.llama import modeling_llama as llama
 from transformers.models.llama.configuration_llama import LlamaConfig
-from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.mistral.configuration_mistral import MistralConfig
-from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.phi3.configuration_phi3 import Phi3Config
-from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
-from transformers.models.qwen3 import modeling_qwen3 as qwen3
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
-from transformers.models.smollm3 import modeling_smollm3 as smollm3
 from transformers.models.smollm3.configuration_smollm3 import SmolLM3Config
 
-from .backbones_base import BackboneAdapter, KeyValueInputs, SubLayer, default_attention_masks, default_layer_types
-from .backbones_k3 import K3_BACKBONES  # Kimi K3's text model
+from .backbones_base import (BackboneAdapter, BackboneTable, KeyValueInputs, LazyModule, SubLayer,
+                             default_attention_masks, default_layer_types)
 from .backbones_moe import MOE_BACKBONES  # mixture-of-experts families and Kimi Linear
+
+# The families' modeling modules, imported when a family is first used (`BackboneTable`): `import attnres_hf` imports
+# none of them.
+gemma2 = LazyModule("transformers.models.gemma2.modeling_gemma2")
+gemma3 = LazyModule("transformers.models.gemma3.modeling_gemma3")
+granite = LazyModule("transformers.models.granite.modeling_granite")
+llama = LazyModule("transformers.models.llama.modeling_llama")
+mistral = LazyModule("transformers.models.mistral.modeling_mistral")
+phi3 = LazyModule("transformers.models.phi3.modeling_phi3")
+qwen2 = LazyModule("transformers.models.qwen2.modeling_qwen2")
+qwen3 = LazyModule("transformers.models.qwen3.modeling_qwen3")
+smollm3 = LazyModule("transformers.models.smollm3.modeling_smollm3")
 
 
 KEY_VALUE_METHODS = ("muddformer", "dca")
@@ -195,15 +198,30 @@ _DENSE = (
     ),
 )
 
-BACKBONES: dict[str, BackboneAdapter] = {adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES, *K3_BACKBONES)}
-"""`model_type` of a backbone config -> its adapter: the one list of backbone families."""
+def _kimi_k3() -> BackboneAdapter:
+    # K3's module defines its classes on Kimi Linear's and GLM-5-Next's (which imports fla where it is installed), so
+    # the whole module is imported when the family is first used. (A relative import statement, which transformers'
+    # remote-code loader follows to copy the file.)
+    from .backbones_k3 import K3_BACKBONES
+
+    (adapter,) = K3_BACKBONES
+    return adapter
+
+
+BACKBONES: BackboneTable = BackboneTable({**{adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES)},
+                                          "kimi_k3": _kimi_k3})  # Kimi K3's text model
+"""`model_type` of a backbone config -> its adapter: the one list of backbone families. A family's modeling code is
+imported when its adapter is first read (`BACKBONES[model_type]`, `backbone_adapter`); `BACKBONES.declared` reads a
+record without it."""
 
 DEFAULT_BACKBONE = "llama"
 """The backbone of a config that names none (and of legacy flat AttnRes configs without Qwen/Mistral features)."""
 
 
-def backbone_adapter(config) -> BackboneAdapter:
-    """The adapter of `config`'s backbone (an `AttnResConfig`, or a family config itself).
+def backbone_record(config) -> BackboneAdapter:
+    """The record of `config`'s backbone (an `AttnResConfig`, or a family config itself) as declared, without the
+    family's modeling code (`BACKBONES.declared`): what a config reads (`config_class`, `check_config`,
+    `key_value_inputs`, `model_type`).
 
     Raises:
         ValueError: if the family has no adapter, naming the supported ones.
@@ -214,7 +232,22 @@ def backbone_adapter(config) -> BackboneAdapter:
         raise ValueError(
             f"unsupported backbone model_type {model_type!r}: AttnRes supports {', '.join(BACKBONES)}"
         )
-    return BACKBONES[model_type]
+    return BACKBONES.declared(model_type)
+
+
+def backbone_adapter(config) -> BackboneAdapter:
+    """The adapter of `config`'s backbone (an `AttnResConfig`, or a family config itself), its classes resolved: the
+    family's modeling code is imported the first time, and its recorders join `recorded_outputs()`.
+
+    Raises:
+        ValueError: if the family has no adapter, naming the supported ones.
+    """
+    model_type = backbone_record(config).model_type
+    adapter = BACKBONES[model_type]
+    if model_type not in _RECORDING:
+        _add_recorders(adapter)
+        _RECORDING.add(model_type)
+    return adapter
 
 
 def init_backbone_weights(adapter: BackboneAdapter, config, module: nn.Module) -> None:
@@ -227,16 +260,25 @@ def init_backbone_weights(adapter: BackboneAdapter, config, module: nn.Module) -
     adapter.pretrained_model._init_weights(proxy, module)
 
 
+_RECORDED_OUTPUTS: dict = {}
+_RECORDING: set[str] = set()
+
+
 def recorded_outputs() -> dict:
-    """`_can_record_outputs` for every family at once (transformers keys that table by model class, and one AttnRes
-    class serves every backbone): each key maps to the list of every family's recorders."""
-    table = {}
-    for adapter in BACKBONES.values():
-        for key, recorder in adapter.can_record_outputs().items():
-            recorders = recorder if isinstance(recorder, list) else [recorder]
-            table.setdefault(key, [])
-            table[key] += [r for r in recorders if not any(_records(known, r) for known in table[key])]
-    return table
+    """`_can_record_outputs` of the AttnRes models: transformers keys that table by model class, and one AttnRes class
+    serves every backbone, so each key maps to the list of the recorders of every family served so far
+    (`backbone_adapter` adds a family's the first time it serves one, before any model of it is built). One dict,
+    extended in place: transformers keeps the class's dict object (`PreTrainedModel.__init__`), and a family's
+    modeling code is imported only when the family is used."""
+    return _RECORDED_OUTPUTS
+
+
+def _add_recorders(adapter: BackboneAdapter) -> None:
+    table = _RECORDED_OUTPUTS
+    for key, recorder in adapter.can_record_outputs().items():
+        recorders = recorder if isinstance(recorder, list) else [recorder]
+        table.setdefault(key, [])
+        table[key] += [r for r in recorders if not any(_records(known, r) for known in table[key])]
 
 
 def _records(known, recorder) -> bool:
@@ -251,5 +293,5 @@ def _records(known, recorder) -> bool:
 
 
 __all__ = ["BACKBONES", "BackboneAdapter", "DEFAULT_BACKBONE", "KEY_VALUE_METHODS", "KeyValueInputs", "SubLayer",
-           "backbone_adapter", "default_attention_masks", "default_layer_types", "init_backbone_weights",
-           "recorded_outputs"]
+           "backbone_adapter", "backbone_record", "default_attention_masks", "default_layer_types",
+           "init_backbone_weights", "recorded_outputs"]

@@ -66,8 +66,11 @@ with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
 
 from .backbones_base import BackboneAdapter, SubLayer
-from .backbones_moe import (EXPERT_ROUTING, ExpertRouting, check_kimi_linear, kimi, kimi_attention_masks, kimi_cache,
-                            kimi_decoder_layer)  # `kimi`: transformers' module, KDA dispatched by device
+from .backbones_moe import (EXPERT_ROUTING, ExpertRouting, check_kimi_linear, kimi_attention_masks, kimi_cache,
+                            kimi_decoder_layer)
+from .backbones_moe import kimi as _kimi_linear
+
+kimi = _kimi_linear.load()  # transformers' module, KDA dispatched by device (this module is imported on first use)
 
 SITU = "situ"
 

@@ -47,23 +47,40 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-from transformers.models.mixtral import modeling_mixtral as mixtral
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
-from transformers.models.olmoe import modeling_olmoe as olmoe
 from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
-from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2_moe
 from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
-from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.utils.output_capturing import OutputRecorder
 
-from .backbones_base import BackboneAdapter, SubLayer
+from .backbones_base import BackboneAdapter, LazyModule, SubLayer
 
-with warnings.catch_warnings():
-    # transformers' kimi_linear module imports flash-linear-attention where it is installed (to pick its KDA kernels),
-    # and fla warns at import on every machine without a GPU; every other warning of that import is kept.
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
-    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+# The families' modeling modules, imported when a family is first used (`backbones_base.BackboneTable`).
+mixtral = LazyModule("transformers.models.mixtral.modeling_mixtral")
+olmoe = LazyModule("transformers.models.olmoe.modeling_olmoe")
+qwen2_moe = LazyModule("transformers.models.qwen2_moe.modeling_qwen2_moe")
+qwen3_moe = LazyModule("transformers.models.qwen3_moe.modeling_qwen3_moe")
+
+
+def _import_kimi_linear():
+    """transformers' `modeling_kimi_linear`, its KDA functions dispatched by device (`kda_by_device`)."""
+    with warnings.catch_warnings():
+        # transformers' kimi_linear module imports flash-linear-attention where it is installed (to pick its KDA
+        # kernels), and fla warns at import on every machine without a GPU; every other warning of it is kept.
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
+        from transformers.models.kimi_linear import modeling_kimi_linear
+    kda_by_device("chunk_kimi_delta_attention", modeling_kimi_linear)
+    kda_by_device("recurrent_kimi_delta_attention", modeling_kimi_linear)
+    _NOT_PASSED_BY_KIMI.update({
+        modeling_kimi_linear.KimiLinearDeltaAttention: ("position_ids", "use_cache", "position_embeddings"),
+        modeling_kimi_linear.KimiLinearAttention: ("position_embeddings",),
+    })
+    return modeling_kimi_linear
+
+
+kimi = LazyModule("transformers.models.kimi_linear.modeling_kimi_linear", _import_kimi_linear)
+"""transformers' Kimi Linear module, imported (and its KDA dispatched by device) when Kimi Linear or K3 is first
+used: it imports fla where fla is installed. `kimi.load()` is the module."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +150,7 @@ KDA_KERNELS: dict[str, tuple[Callable, Callable]] = {}
 dispatches: the function as transformers decorated it (fla's kernel where fla is installed) and its own torch one."""
 
 
-def kda_by_device(name: str) -> None:
+def kda_by_device(name: str, module=None) -> None:
     """Replace `kimi.<name>` (`chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`) by a dispatcher on the
     device of its first argument, the queries `(batch, seq_len, heads, head_dim)`; idempotent.
 
@@ -148,7 +165,8 @@ def kda_by_device(name: str) -> None:
     module's global is replaced, so `KimiLinearForCausalLM` and the AttnRes model in one process dispatch alike. A
     plain branch on `tensor.is_cuda`, which torch.compile traces (a guard on the device).
     """
-    decorated = getattr(kimi, name)
+    module = kimi.load() if module is None else module  # `module`: while `kimi` loads
+    decorated = getattr(module, name)
     if getattr(decorated, "attnres_by_device", False):  # already replaced (by this module or a remote-code copy)
         return
     torch_function = inspect.unwrap(decorated)
@@ -166,11 +184,7 @@ def kda_by_device(name: str) -> None:
         return elsewhere(query, *args, **{key: value for key, value in kwargs.items() if key in accepted})
 
     by_device.attnres_by_device = True
-    setattr(kimi, name, by_device)
-
-
-kda_by_device("chunk_kimi_delta_attention")
-kda_by_device("recurrent_kimi_delta_attention")
+    setattr(module, name, by_device)
 
 
 def kimi_attention_masks(config, layer_types, **mask_kwargs) -> dict:
@@ -186,10 +200,7 @@ def kimi_cache(config) -> DynamicCache:
     return DynamicCache(config=getattr(config, "backbone", config))
 
 
-_NOT_PASSED_BY_KIMI = {
-    kimi.KimiLinearDeltaAttention: ("position_ids", "use_cache", "position_embeddings"),
-    kimi.KimiLinearAttention: ("position_embeddings",),
-}
+_NOT_PASSED_BY_KIMI: dict[type, tuple[str, ...]] = {}  # filled when `kimi` loads: KDA's and MLA's classes
 """Keyword arguments the AttnRes decoder gives every attention module that `KimiLinearDecoderLayer` does not give
 this one: KDA's keywords reach its kernels (`causal_conv1d_fn`, `chunk_kda`), which take no unknown ones; MLA has
 no rope."""

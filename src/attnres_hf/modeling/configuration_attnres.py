@@ -31,7 +31,7 @@ from transformers.utils.type_validators import interval
 
 from .attnres_fla import check_fla_config
 from .attnres_triton import check_triton_config
-from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_adapter
+from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_record
 from .backbones_moe import EXPERT_ROUTING
 from .depth_mixing import DEPTH_MIXING
 
@@ -210,7 +210,7 @@ class AttnResConfig(PreTrainedConfig):
                 "attnres_block_size must be 1 (Full AttnRes) or a positive even number of sub-layers "
                 f"(so every block starts at an attention sub-layer), got {size!r}"
             )
-        adapter = backbone_adapter(self)
+        adapter = backbone_record(self)  # as declared: a config imports no family modeling code
         adapter.check_config(self.backbone)
         if self.depth_mixing in KEY_VALUE_METHODS and adapter.key_value_inputs is None:
             raise ValueError(
@@ -357,7 +357,7 @@ def _build_backbone(backbone, kwargs: dict):
         model_type = fields.pop("model_type", DEFAULT_BACKBONE) if isinstance(backbone, dict) else backbone
     if model_type not in BACKBONES:
         raise ValueError(f"unsupported backbone model_type {model_type!r}: AttnRes supports {', '.join(BACKBONES)}")
-    config_class = BACKBONES[model_type].config_class
+    config_class = BACKBONES.declared(model_type).config_class  # the record as declared: no family modeling code
     own = set(AttnResConfig.__dataclass_fields__) | {"attn_implementation", "experts_implementation", "auto_map"}
     family = (set(config_class.__dataclass_fields__) - _BASE_FIELDS) | _LEGACY_FIELDS
     fields |= {name: kwargs.pop(name) for name in list(kwargs) if name in family and name not in own}
