@@ -84,11 +84,14 @@ def test_gguf_file_converts_to_the_hf_originals_logits(name, file_type, tmp_path
     assert (logits(converted) - logits(source)).abs().max().item() <= 1e-5
     verification = _report(tmp_path / "out")["verification"]
     assert verification["greedy_match"] and verification["max_abs_logit_delta"] <= 1e-5
-    tied = source.config.tie_word_embeddings
-    assert verification["gguf_tensors_checked"] == len(source.state_dict()) - tied
+    held = len(source.state_dict()) - source.config.tie_word_embeddings
+    # by default a sample: every weight outside the layers, and each layer weight in the first and last layer
+    per_layer, layers = sum(k.startswith("model.layers.0.") for k in source.state_dict()), source.config.num_hidden_layers
+    sampled = held - per_layer * (layers - 2)
+    assert (verification["gguf_tensors_checked"], verification["gguf_tensors"]) == (sampled, held)
     assert verification["gguf_max_abs_delta"] == 0.0
-    assert f"| GGUF tensors equal to the file's (dequantised) | {len(source.state_dict()) - tied}, max abs delta 0 |" in (
-        tmp_path / "out" / "README.md").read_text()
+    assert (f"| GGUF tensors equal to the file's (dequantised) | {sampled} of {held} (a sample: each tensor kind in "
+            "the first and last block), max abs delta 0 |") in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name", ["llama-attn-mlp-bias", "qwen3-head-dim-16"])
@@ -145,7 +148,8 @@ def test_verification_compares_the_weights_with_the_files_tensors(tmp_path, monk
     source = gguf_source("llama-attn-mlp-bias")
     gguf_path = write_gguf(source, tmp_path / "tiny.gguf")
     model, config = retrofit(gguf_path), load_source_config(gguf_path)
-    assert check_against_gguf(model, gguf_path, config) == {"gguf_tensors_checked": 51, "gguf_max_abs_delta": 0.0}  # 16 a layer
+    assert check_against_gguf(model, gguf_path, config) == {"gguf_tensors_checked": 51, "gguf_tensors": 51,
+                                                            "gguf_max_abs_delta": 0.0}  # 16 a layer
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.bias[3] += 1e-3
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias differs from tensor "
@@ -163,6 +167,84 @@ def test_verification_compares_the_weights_with_the_files_tensors(tmp_path, monk
     monkeypatch.setattr(retrofit_module, "check_gguf_coverage", lambda *a: None)
     with pytest.raises(ValueError, match=dropped):
         retrofit(gguf_path)
+
+
+def test_the_sampled_gguf_check_reads_each_tensor_kind_in_the_first_and_last_block(tmp_path):
+    """The default weight check (`sample=True`, `attnres convert` without --verify-all) compares every tensor outside
+    the blocks and each kind of block tensor in the first and last block: a wrong value there is caught, one in a
+    middle block only by the complete check."""
+    import gguf
+
+    from attnres_hf.conversion import sampled_gguf_tensors
+
+    source = gguf_source("llama-attn-mlp-bias")
+    gguf_path = write_gguf(source, tmp_path / "tiny.gguf")
+    model, config = retrofit(gguf_path), load_source_config(gguf_path)
+    names = [tensor.name for tensor in gguf.GGUFReader(gguf_path).tensors]
+    kinds, last = {name.split(".", 2)[2] for name in names if name.startswith("blk.")}, config.num_hidden_layers - 1
+    assert last == 2 and len(kinds) == 16
+    assert set(sampled_gguf_tensors(names)) == ({name for name in names if not name.startswith("blk.")}
+                                                | {f"blk.{block}.{kind}" for block in (0, last) for kind in kinds})
+    assert check_against_gguf(model, gguf_path, config, sample=True) == {
+        "gguf_tensors_checked": 3 + 2 * 16, "gguf_tensors": 51, "gguf_max_abs_delta": 0.0}
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-3
+    assert check_against_gguf(model, gguf_path, config, sample=True)["gguf_max_abs_delta"] == 0.0
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight differs from tensor blk\.1\."):
+        check_against_gguf(model, gguf_path, config)
+    for layer, module in ((0, "self_attn.k_proj.bias"), (last, "self_attn.q_proj.weight"), (None, "model.norm.weight")):
+        target = model.get_parameter(module if layer is None else f"model.layers.{layer}.{module}")
+        with torch.no_grad():
+            target.view(-1)[1] += 1e-3
+        with pytest.raises(ValueError, match="differs from tensor"):
+            check_against_gguf(model, gguf_path, config, sample=True)
+        with torch.no_grad():
+            target.view(-1)[1] -= 1e-3
+
+
+def test_convert_says_what_the_gguf_check_compared_and_verify_all_compares_every_weight(tmp_path, capsys):
+    source = gguf_source("llama-head-dim-16")
+    gguf_path = write_gguf(source, tmp_path / "tiny.gguf")
+    held = len(source.state_dict())
+    assert run_cli(gguf_path, tmp_path / "sampled") == 0
+    out = capsys.readouterr().out
+    assert f"weights equal to the GGUF file's tensors: {3 + 2 * 9} of {held} (sampled: each tensor kind" in out
+    assert run_cli(gguf_path, tmp_path / "all", "--verify-all") == 0
+    assert f"weights equal to the GGUF file's tensors: {held} of {held}, max |delta| 0" in capsys.readouterr().out
+    verification = _report(tmp_path / "all")["verification"]
+    assert (verification["gguf_tensors_checked"], verification["gguf_tensors"]) == (held, held)
+    assert f"| {held} of {held}, max abs delta 0 |" in (tmp_path / "all" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--blok-size", "4", "SRC", "OUT"], "unrecognized arguments: --blok-size OUT (--blok-size: did you mean --block-size?)"),
+    (["SRC", "OUT", "--blok-size=4"], "(--blok-size: did you mean --block-size?)"),
+    (["SRC", "OUT", "--verify_all"], "(--verify_all: did you mean --verify-all?)"),
+    (["SRC", "OUT", "--ful", "--forse"], "(--ful: did you mean --full?; --forse: did you mean --force?)"),
+])
+def test_a_misspelt_option_is_named_with_the_nearest_one_before_anything_loads(argv, says, tmp_path, capsys,
+                                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(*argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and err.strip().splitlines()[-1].startswith("attnres convert: error")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_number_for_source_says_it_is_an_options_value(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("4", "OUT") == 2
+    assert capsys.readouterr().err == ("attnres convert: error: SOURCE 4 does not exist: a number there is the value "
+                                       "of a misspelt or missing option (--block-size 4?)\n")
+
+
+def test_convert_help_tells_what_block_size_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "sub-layers per block: 1 (Full AttnRes, as --full) or an even number" in help_text
+    assert "--verify-all" in help_text and "(even;" not in help_text
 
 
 @pytest.mark.slow

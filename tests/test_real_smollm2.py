@@ -119,4 +119,4 @@ def test_the_cached_hf_copy_holds_every_tensor_of_the_gguf_file(smollm2):
     the head is tied), dequantised by the `gguf` package, equal the HF copy's weights exactly."""
     _, source, _, _ = smollm2
     check = check_against_gguf(source, assets.smollm2_gguf(), complete=True)
-    assert check == {"gguf_tensors_checked": 272, "gguf_max_abs_delta": 0.0}
+    assert check == {"gguf_tensors_checked": 272, "gguf_tensors": 272, "gguf_max_abs_delta": 0.0}

@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-from ._common import with_default_subcommand
+from ._common import unrecognized_arguments, with_default_subcommand
 
 COMMAND_MODULES = ("convert", "export", "train", "eval", "routing", "info", "serve", "demo")
 """Modules of this package that each `register(commands)` a command family, in `attnres --help` order."""
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = with_default_subcommand(parser.commands, list(sys.argv[1:] if argv is None else argv))
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "pass_through", False):
-        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.parser.error(unrecognized_arguments(args.parser, rest))  # with "did you mean --block-size?"
     args.rest, args.argv = rest, argv  # `argv`: for a pass-through command that parses its own arguments in order
     try:
         return args.func(args)

@@ -32,6 +32,31 @@ def with_default_subcommand(commands: argparse._SubParsersAction, argv: list[str
     return [argv[0], default, *argv[1:]]
 
 
+def misspelt_options(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`"--blok-size: did you mean --block-size?"` for each option of `args` that `parser` does not know and that is
+    close to one it does (difflib), in order."""
+    import difflib
+
+    known = [option for option, action in parser._option_string_actions.items()
+             if option.startswith("--") and action.help != argparse.SUPPRESS]  # never hint a hidden option
+    hints = []
+    for arg in args:
+        option = arg.split("=", 1)[0]
+        if option.startswith("--") and option not in known:
+            close = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{option}: did you mean {close[0]}?")
+    return hints
+
+
+def unrecognized_arguments(parser: argparse.ArgumentParser, rest: list[str]) -> str:
+    """The one-line usage error for arguments `parser` does not know, with `misspelt_options`' hints. argparse reads
+    the value after an unknown option as a positional (`attnres convert --blok-size 4 SRC OUT` takes `4` for SOURCE),
+    so the hint names the option, not what argparse made of its value."""
+    hints = misspelt_options(parser, rest)
+    return f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 def load_model_and_tokenizer(path: str, trust_remote_code: bool = False):
     """`(model in eval mode, tokenizer)` from a model folder (`check_tokenizer_folder` first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

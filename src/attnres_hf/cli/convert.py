@@ -18,8 +18,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("output_dir", help="folder to write (refused if it exists, unless --force)")
     parser.add_argument("--gguf-file", help="GGUF file name inside SOURCE when SOURCE is a folder")
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--block-size", type=positive_int, help="sub-layers per block (even; default about 8 blocks; an fla or K3 "
-                                                                  "AttnRes checkpoint keeps its own)")
+    size.add_argument("--block-size", type=positive_int,
+                      help="sub-layers per block: 1 (Full AttnRes, as --full) or an even number, so that each block "
+                           "starts at an attention sub-layer (default about 8 blocks; an fla or K3 AttnRes checkpoint "
+                           "keeps its own)")
     size.add_argument("--full", action="store_true", help="Full AttnRes (block size 1)")
     parser.add_argument("--depth-mixing", default="attnres", choices=list(DEPTH_MIXING_METHODS),
                         help="the method; every one starts exactly as the source (default: attnres)")
@@ -29,12 +31,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--paper-mean", action="store_true",
                         help="routers output the plain mean of their sources (the paper) instead of the rescaled "
                              "mean that reproduces the source's logits to float noise")
+    parser.add_argument("--verify-all", action="store_true",
+                        help="a GGUF source: compare every weight with the file's dequantised tensors (minutes for a "
+                             "large file); default: each kind of tensor in the first and last block, which checks "
+                             "every rule of the mapping, and the report says how many of how many")
     add_writing_options(parser)
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ..conversion import convert
 
+    if args.source.isdigit() and not Path(args.source).exists():  # a value whose option argparse did not know
+        raise FileNotFoundError(f"SOURCE {args.source} does not exist: a number there is the value of a misspelt "
+                                f"or missing option (--block-size {args.source}?)")
     overrides = {"attnres_rescale_output": False} if args.paper_mean else {}
     report = convert(
         args.source,
@@ -46,6 +57,7 @@ def run_convert(args: argparse.Namespace) -> int:
         force=args.force,
         max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code,
+        verify_all=args.verify_all,
         **overrides,
     )
     check = report["verification"]
@@ -62,5 +74,10 @@ def run_convert(args: argparse.Namespace) -> int:
                             else ""))
     if "greedy_match" in check:
         print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
+    if "gguf_tensors_checked" in check:
+        sampled = check["gguf_tensors_checked"] < check["gguf_tensors"]
+        print(f"weights equal to the GGUF file's tensors: {check['gguf_tensors_checked']} of {check['gguf_tensors']}"
+              + (" (sampled: each tensor kind in the first and last block; --verify-all checks every one)"
+                 if sampled else "") + f", max |delta| {check['gguf_max_abs_delta']:.3g}")
     print(f"wrote {args.output_dir}")
     return 0

@@ -156,12 +156,12 @@ def model_card(report: dict) -> ModelCard:
         f"functions (`conversion_report.json`) |\n| exact (max delta within 1e-4 of max abs logit, same top tokens) | "
         f"{verification['exact']} |\n" if compared else ""
     )
-    gguf_row = (
-        f"| GGUF tensors equal to the file's (dequantised) | {verification['gguf_tensors_checked']}, max abs delta "
-        f"{verification['gguf_max_abs_delta']:.3g} |\n"
-        if "gguf_tensors_checked" in verification
-        else ""
-    )
+    gguf_row = ""
+    if "gguf_tensors_checked" in verification:
+        checked, held = verification["gguf_tensors_checked"], verification["gguf_tensors"]
+        sample = "" if checked == held else " (a sample: each tensor kind in the first and last block)"
+        gguf_row = (f"| GGUF tensors equal to the file's (dequantised) | {checked} of {held}{sample}, max abs delta "
+                    f"{verification['gguf_max_abs_delta']:.3g} |\n")
     if "max_abs_logit_delta" in verification:
         rows = (f"| max abs logit delta vs source | {verification['max_abs_logit_delta']:.3g} |\n"
                 f"| mean abs logit delta | {verification['mean_abs_logit_delta']:.3g} |\n"
@@ -261,8 +261,13 @@ def _write_folder(folder: Path, model, tokenizer, report: dict, max_shard_size: 
     (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
+def _checked(verify_all: bool) -> str:
+    """What the GGUF weight check reads, for the progress lines."""
+    return "every weight" if verify_all else "a sample of the weights (each tensor kind in the first and last block)"
+
+
 def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
-                     source_name, max_shard_size) -> None:
+                     source_name, max_shard_size, verify_all) -> None:
     """Types and values of `convert`'s own arguments (one-line `TypeError`/`ValueError`), before any file is read."""
     if not isinstance(source, PreTrainedModel):
         check_path_argument(source, "source (an HF folder, a .gguf file or a PreTrainedModel)")
@@ -281,6 +286,8 @@ def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mi
         raise TypeError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}")
     if source_name is not None and not isinstance(source_name, str):
         raise TypeError(f"source_name must be a str or None, got {source_name!r}")
+    if not isinstance(verify_all, bool):
+        raise TypeError(f"verify_all must be True or False, got {verify_all!r}")
     check_max_shard_size(max_shard_size)
 
 
@@ -297,6 +304,7 @@ def convert(
     source_name: str | None = None,
     max_shard_size: str = "5GB",
     trust_remote_code: bool = False,
+    verify_all: bool = False,
     **config_overrides,
 ) -> dict:
     """Retrofit `source` into AttnRes, verify it against the source, and write a complete folder to `output_dir`.
@@ -318,6 +326,11 @@ def convert(
         source_name: how the report and model card name the source (e.g. its Hub id); default: its path.
         trust_remote_code: run the source folder's own tokenizer code (a `tokenizer_config.json` `auto_map`, as
             Kimi's tokenizers have); without it such a folder is refused (`load_tokenizer`).
+        verify_all: a GGUF source: compare every weight of the loaded and the converted model with the file's
+            dequantised tensors. Default: every kind of tensor in the first and the last block
+            (`sampled_gguf_tensors`; SmolLM2: 20 of 272 weights), which checks each rule of the file-to-model
+            mapping; the report's `gguf_tensors_checked` of `gguf_tensors` says which. The logits are compared
+            either way.
         **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
 
     Returns:
@@ -335,7 +348,7 @@ def convert(
             option that would change its trained routers (`ValueError`), fla not installed (`ImportError`).
     """
     _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
-                     source_name, max_shard_size)
+                     source_name, max_shard_size, verify_all)
     output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
     if tokenizer is None and not isinstance(source, PreTrainedModel) and Path(source).is_dir():
         check_tokenizer_code(source, trust_remote_code)
@@ -378,13 +391,19 @@ def convert(
         else:
             source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
             retrofit_config(source_config, **overrides)  # invalid options fail here
+            folder, file_name = split_gguf_path(source, gguf_file)
+            if tokenizer is None and file_name is not None:  # built from the file's vocabulary: not instant
+                print(f"Converting the tokenizer of {file_name} ...", flush=True)
             tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
-            source_model, name = load_source(source, gguf_file, dtype=load_dtype), str(source)
+            if file_name is not None:
+                print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
+                      flush=True)
+            source_model = load_source(source, gguf_file, dtype=load_dtype, verify_all=verify_all, config=source_config)
+            name = str(source)
             if target_dtype == "auto":  # the checkpoint's own dtype is written; verification still runs in fp32
                 target_dtype = source_model.dtype
                 source_model = source_model.float()
-            folder, file_name = split_gguf_path(source, gguf_file)
             if file_name is None:  # also a UserWarning of load_source_config
                 unused = unused_config_keys(folder / "config.json", source_config)
         model = retrofit(source_model, progress=True, **overrides)
@@ -416,8 +435,9 @@ def convert(
         verification = verify_conversion(source_model, model, input_ids)
     if gguf_file is not None or (not isinstance(source, PreTrainedModel) and Path(source).suffix == ".gguf"):
         folder, file_name = split_gguf_path(source, gguf_file)
-        print(f"Checking every weight against the tensors of {file_name} ...", flush=True)
-        verification |= check_against_gguf(model, folder / file_name, source_config=source_model.config)
+        print(f"Checking {_checked(verify_all)} of the converted model against {file_name} ...", flush=True)
+        verification |= check_against_gguf(model, folder / file_name, source_config=source_model.config,
+                                           sample=not verify_all, progress=verify_all)
     if tokenizer is not None:
         for which in ("source", "converted"):
             if f"{which}_continuation_ids" in verification:

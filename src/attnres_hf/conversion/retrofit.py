@@ -295,19 +295,27 @@ def load_source_config(source: str | os.PathLike, gguf_file: str | None = None):
 
 
 def load_source(
-    source: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32
+    source: str | os.PathLike, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+    verify_all: bool = False, *, config=None,
 ) -> PreTrainedModel:
     """Load a causal LM of a supported family (`SUPPORTED_MODEL_TYPES`) from an HF folder or a GGUF file (families with
     a `GGUF_ARCHITECTURES` entry) in `dtype`, or with `"auto"` in the dtype transformers' `from_pretrained` reads
     from the checkpoint.
 
     The family and files are checked first (see `load_source_config`). A GGUF file is dequantised by transformers'
-    GGUF loader with the config completed from the file, then every weight is compared with the file's own tensor
-    (`check_against_gguf`, in fp32): every tensor of the file is in the model, or a `ValueError` names it. The GGUF
+    GGUF loader with the config completed from the file, then its weights are compared with the file's own tensors
+    (`check_against_gguf`, in fp32): every tensor of the file is in the model, or a `ValueError` names it; the values
+    of a sample of tensors (every kind, in the first and last block: `sampled_gguf_tensors`) are compared, of every
+    tensor with `verify_all` (each dequantised on the CPU: minutes for a large file). The GGUF
     model's generation config stops on every end token of the file (`gguf_stop_token_ids`), as llama.cpp does.
+
+    `config`: what `load_source_config(source, gguf_file)` returned, where the caller has it (reading a GGUF file's
+    config parses the whole file: ~10 s for SmolLM2's on 2 cores); read here when `None`.
     """
     dtype = check_dtype(dtype, auto=True)
-    config = load_source_config(source, gguf_file)
+    if not isinstance(verify_all, bool):
+        raise TypeError(f"verify_all must be True or False, got {verify_all!r}")
+    config = load_source_config(source, gguf_file) if config is None else config
     path, gguf_file = split_gguf_path(source, gguf_file)
     try:
         if gguf_file is None:
@@ -318,7 +326,7 @@ def load_source(
                                                      dtype="auto" if dtype == "auto" else torch.float32)
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files
         raise ValueError(f"{path}: the weights cannot be read, the file is truncated or corrupt ({error})") from None
-    check_against_gguf(model, path / gguf_file, complete=True)
+    check_against_gguf(model, path / gguf_file, complete=True, sample=not verify_all, progress=verify_all)
     stop = gguf_stop_token_ids(path / gguf_file)
     if stop:  # transformers' GGUF loader reads the eos id only; llama.cpp stops on every one
         model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
