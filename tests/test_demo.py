@@ -110,6 +110,33 @@ def test_summary_renderer_reports_a_failed_check_loudly():
     assert "> line one\n> line two" in markdown
 
 
+def test_the_summary_prints_paths_without_the_home_folder(tmp_path, monkeypatch):
+    """The summary is shared and pasted: a path under the working folder is printed relative to it, one under the
+    home folder (the cache's default) as `~/...`, any other as it is."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    (work / "outputs").mkdir(parents=True)
+    (home / ".cache").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert demo.shown_path(home / ".cache" / "attnres-hf" / "smollm2" / "hf-v2") == "~/.cache/attnres-hf/smollm2/hf-v2"
+    assert demo.shown_path(work / "outputs" / "demo") == "outputs/demo"
+    assert demo.shown_path("outputs/demo") == "outputs/demo"
+    assert demo.shown_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+    results = {
+        "model_dir": str(work / "outputs" / "demo" / "m"), "attnres_block_size": 8, "num_attnres_blocks": 8,
+        "num_sublayers": 60,
+        "verification": {"max_abs_logit_delta": 1e-4, "num_probe_tokens": 86, "greedy_new_tokens": 32,
+                         "greedy_match": True},
+        "plain_mean_verification": {"max_abs_logit_delta": 4e-2, "argmax_agreement": 1.0},
+        "perplexity": {"source": {"perplexity": 10.0, "tokens": 100}, "converted": {"perplexity": 10.0},
+                       "text": "LAMBADA"},
+        "router_training": None, "evaluation": None, "wall_time_s": 3.0, "chat": {"answers": {}},
+    }
+    text, markdown = demo.render_summary(results, home / ".cache" / "attnres-hf" / "smollm2" / "hf-v2")
+    assert str(home) not in text and str(work) not in markdown
+    assert "~/.cache/attnres-hf/smollm2/hf-v2" in text and "outputs/demo/m (Block AttnRes" in text
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"attnres_block_size": 3}, ValueError, "attnres_block_size must be 1"),
     ({"ppl_tokens": "4096"}, TypeError, "ppl_tokens must be an integer"),

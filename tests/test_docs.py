@@ -92,6 +92,7 @@ RUN_HERE = {
     ("docs/development.md", "## Tests"): "test_setup_commands_name_real_targets_and_extras",
     ("docs/quantization.md", "# Quantisation"): "test_quantization_and_qlora_recipes_run_as_written",
     ("docs/training.md", "# Training"): "test_training_recipes_run_as_written",
+    ("docs/training.md", "## From Python"): "test_training_from_python_runs_as_written",
 }
 """(page, section) -> the test below that runs its blocks as written."""
 
@@ -318,6 +319,25 @@ def test_training_recipes_run_as_written(tmp_path, monkeypatch):
     assert routers["eval_loss_after"] < routers["eval_loss_before"]
     assert json.loads(Path("runs/lora/train_summary.json").read_text())["method"] == "lora"
     assert Path("runs/lora/adapter_model.safetensors").is_file()
+
+
+def test_training_from_python_runs_as_written(tmp_path, monkeypatch):
+    """The page's Python blocks: `train` with real arguments, then `load_adapter` and `merge_lora`; the same run on
+    an `AttnResTrainer` of one's own. The merged model computes the adapted one's logits."""
+    readme_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with_train, with_trainer = run_section("docs/training.md", "## From Python")
+    summary = with_train["summary"]
+    assert summary["method"] == "lora" and summary["steps"] == 20
+    assert summary["eval_loss_before"] is not None and summary["eval_loss_after"] is not None
+    ids = torch.arange(3, 19).unsqueeze(0)
+    with torch.no_grad():
+        adapted, merged = with_train["adapted"](ids).logits, with_train["merged"](ids).logits
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)  # test_train.py's merge tolerance
+    assert Path("out/attnres-model-lora/model.safetensors").is_file()
+    assert Path("runs/trainer-lora/adapter_model.safetensors").is_file()
+    assert with_trainer["trainer"].state.global_step == 20
+    assert any(k.startswith("eval_depth_entropy_ratio") for e in with_trainer["trainer"].state.log_history for k in e)
 
 
 @pytest.mark.slow

@@ -327,7 +327,7 @@ def test_qlora_trains_saves_reloads_and_merges(four_bit_model_dir):
     out = root / "qlora"
     assert main(["train", str(root / "model"), "--data", str(root / "train.txt"), "--output-dir", str(out),
                  "--method", "qlora", "--max-steps", "8", "--lr", "1e-2", "--lora_r", "4", "--seq-len", "64",
-                 "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--seed", "0", "--eval_steps", "8",
+                 "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--seed", "0", "--eval_strategy", "steps", "--eval_steps", "8",
                  "--save_steps", "8", "--logging_steps", "4"]) == 0
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["method"] == "qlora"

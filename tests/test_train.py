@@ -26,7 +26,7 @@ def run_train(folder, out, *extra):
 def test_router_only_training_changes_only_routers_and_lowers_held_out_loss(tiny_model_dir):
     before = load_file(tiny_model_dir / "model" / "model.safetensors")
     assert run_train(tiny_model_dir, tiny_model_dir / "out", "--method", "routers", "--max-steps", "60", "--lr", "1e-2",
-                     "--eval_steps", "60", "--save_steps", "60") == 0
+                     "--eval_strategy", "steps", "--eval_steps", "60", "--save_steps", "60") == 0
     after = load_file(tiny_model_dir / "out" / "model.safetensors")
     assert set(before) == set(after)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -444,11 +444,71 @@ def test_an_incomplete_checkpoint_is_refused_before_loading(damage, says, finish
     assert says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spelling", ["--model X", "--model=X"])
-def test_the_model_goes_as_the_help_spells_it_too(tiny_model_dir, spelling):
-    """`attnres train --model FOLDER ...` (the option the help lists) trains as the positional form does."""
-    out, folder = tiny_model_dir / f"out-{spelling[7]}", str(tiny_model_dir / "model")
-    model = ["--model", folder] if spelling == "--model X" else [f"--model={folder}"]
-    assert main(["train", *model, "--data", str(tiny_model_dir / "train.txt"), "--output-dir", str(out), *COMMON,
-                 "--max-steps", "1"]) == 0
-    assert (out / "model.safetensors").is_file()
+@pytest.mark.parametrize("argv", [["--model", "M"], ["--model=M"], ["M", "--model", "M"]],
+                         ids=["option", "option=", "both"])
+def test_the_model_goes_first_the_one_way_the_help_spells_it(argv, tiny_model_dir, capsys, monkeypatch):
+    """`attnres train MODEL ...` is the one form (the pages' and the help's); `--model` is refused in one line,
+    before anything loads, saying how to write it."""
+    folder = str(tiny_model_dir / "model")
+    _no_loading(monkeypatch)
+    argv = [folder if arg == "M" else arg.replace("=M", f"={folder}") for arg in argv]
+    assert main(["train", *argv, "--data", str(tiny_model_dir / "train.txt"), "--output-dir",
+                 str(tiny_model_dir / "out"), *COMMON, "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("attnres train: error: the model folder comes first, as MODEL: attnres train MODEL --data FILE ... "
+                   "(attnres train --help lists every option)\n")
+    assert not (tiny_model_dir / "out").exists()
+
+
+def test_train_help_lists_model_once_and_says_evaluation_is_opt_in(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--model " not in out and "--model MODEL" not in out
+    assert out.startswith("usage: attnres train MODEL --data FILE")
+    assert "Evaluation is opt-in: --eval-strategy steps evaluates" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--max-step", "--max-step: did you mean --max-steps?"),
+    ("--learning-rat", "--learning-rat: did you mean --learning-rate?"),
+    ("--eval_strategie", "--eval_strategie: did you mean --eval_strategy?"),
+])
+def test_a_misspelt_train_option_names_the_nearest_one_before_loading(flag, says, tiny_model_dir, capsys,
+                                                                      monkeypatch):
+    _no_loading(monkeypatch)
+    assert run_train(tiny_model_dir, tiny_model_dir / "out", flag, "5") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"attnres train: error: unrecognized arguments: {flag} 5 ({says}; attnres train --help")
+    assert len(err.strip().splitlines()) == 1 and not (tiny_model_dir / "out").exists()
+
+
+class CountEvaluations(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+@pytest.mark.parametrize("strategy, eval_steps, evaluated_at", [
+    ("no", None, []),  # TrainingArguments' default: no pass over the held-out blocks at all
+    ("steps", 2, [0, 2, 4]),  # before, every 2 steps; the Trainer's own pass at the last step is the "after"
+    ("steps", 3, [0, 3, 4]),  # 3 does not divide 4: one more pass after the last step
+], ids=["off", "dividing", "not-dividing"])
+def test_evaluation_is_opt_in_and_the_last_pass_is_not_repeated(strategy, eval_steps, evaluated_at, tiny_model_dir,
+                                                                 capsys):
+    counter = CountEvaluations()
+    ours = AttnResArguments(model=str(tiny_model_dir / "model"), data=[str(tiny_model_dir / "train.txt")],
+                            method="routers", seq_len=64, entropy_batches=1)
+    args = TrainingArguments(output_dir=str(tiny_model_dir / "out"), max_steps=4, per_device_train_batch_size=4,
+                             eval_strategy=strategy, eval_steps=eval_steps, save_strategy="no", seed=0,
+                             disable_tqdm=True, report_to="none")
+    summary = train(ours, args, callbacks=[counter])
+    assert counter.steps == evaluated_at
+    out = capsys.readouterr().out
+    if strategy == "no":
+        assert summary["eval_loss_before"] is summary["eval_loss_after"] is summary["depth_entropy_ratio_after"] is None
+        assert "eval                  not evaluated (--eval-strategy steps" in out
+    else:
+        assert summary["eval_loss_before"] > 0 and summary["eval_loss_after"] > 0
+        assert 0 < summary["depth_entropy_ratio_after"] <= 1 and "eval perplexity" in out

@@ -185,20 +185,22 @@ def router_training_step(state: DemoState) -> None:
     state.results["router_training"] = train(
         AttnResArguments(model=str(state.model_dir), data=[str(train_file)], method="routers",
                          seq_len=settings.train_seq_len, eval_fraction=0.02, entropy_batches=1),
-        _training_arguments(settings, trained_dir),
+        # evaluated before the first step and at the last (one pass each): the summary's before/after and entropy
+        _training_arguments(settings, trained_dir, eval_strategy="steps", eval_steps=settings.train_steps),
     )
     trained = AutoModelForCausalLM.from_pretrained(trained_dir).eval()
     state.models["router_trained"] = trained
     state.results["perplexity"]["router_trained"] = perplexity(trained, state.held_out_ids, window=settings.window)
 
 
-def _training_arguments(settings: DemoSettings, output_dir: Path):
-    """The router run's optimisation, shared by the norms-only control."""
+def _training_arguments(settings: DemoSettings, output_dir: Path, **overrides):
+    """The router run's optimisation, shared by the norms-only control; `overrides`: further TrainingArguments."""
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=str(output_dir), max_steps=settings.train_steps, per_device_train_batch_size=4,
                              learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                             logging_steps=5, eval_strategy="no", save_strategy="no", report_to="none", seed=0)
+                             logging_steps=5, save_strategy="no", report_to="none", seed=0,
+                             **{"eval_strategy": "no", **overrides})
 
 
 def norm_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -275,14 +277,26 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def shown_path(path: str | Path) -> str:
+    """`path` as the summary prints it: relative to the working folder when inside it, else `~/...` when inside the
+    home folder (the cache's default place), else as it is; a summary shared or pasted carries no home path."""
+    path = Path(path)
+    for base, prefix in ((Path.cwd(), ""), (Path.home(), "~/")):
+        try:
+            return prefix + str(path.resolve().relative_to(base.resolve()))
+        except ValueError:
+            continue
+    return str(path)
+
+
 def summary_rows(results: dict, source_folder: str | Path) -> list[tuple[str, str]]:
     """The summary table of `demo.json`'s `results`: `(label, value)` rows."""
     verification, mean_check, ppl = results["verification"], results["plain_mean_verification"], results["perplexity"]
     size, blocks = results["attnres_block_size"], results["num_attnres_blocks"]
     sublayers = results.get("num_sublayers")
     rows = [
-        ("source checkpoint (HF copy)", str(source_folder)),
-        ("converted model", f"{results['model_dir']} (Block AttnRes: {blocks} blocks of {size} sub-layers over "
+        ("source checkpoint (HF copy)", shown_path(source_folder)),
+        ("converted model", f"{shown_path(results['model_dir'])} (Block AttnRes: {blocks} blocks of {size} sub-layers over "
                             f"{sublayers}{', the last partial' if sublayers % size else ''})"),
         ("max |delta logits| vs source", f"{verification['max_abs_logit_delta']:.2e} on "
                                          f"{verification['num_probe_tokens']} probe tokens"),

@@ -240,13 +240,14 @@ class AttnResTrainer(Trainer):
         return metrics
 
 
-def _first_eval(log_history: list[dict]) -> dict:
-    """Merge the log entries of the first evaluation (loss, perplexity and entropy are logged separately)."""
+def _eval_at(log_history: list[dict], step: int | None = None) -> dict:
+    """Merge the log entries of the evaluation at `step` (default: the first evaluation); loss, perplexity and
+    entropy are logged separately. `{}` if there was none."""
     entries = [e for e in log_history if any(k.startswith("eval_") for k in e)]
     if not entries:
         return {}
-    first_step = entries[0].get("step")
-    return {k: v for e in entries if e.get("step") == first_step for k, v in e.items()}
+    step = entries[0].get("step") if step is None else step
+    return {k: v for e in entries if e.get("step") == step for k, v in e.items()}
 
 
 def _count(model) -> tuple[int, int]:
@@ -287,6 +288,11 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     of an uninterrupted run. Resuming keeps the checkpoint's learning-rate schedule: the same `max_steps` (or
     `num_train_epochs`), `learning_rate`, `lr_scheduler_type`, `lr_scheduler_kwargs` and warmup; anything else is
     refused (`check_resume_schedule`), since the Trainer would silently mix the two schedules.
+
+    Evaluation follows `training_args.eval_strategy` (TrainingArguments' default `"no"`: none, and the summary's
+    `eval_*` and `depth_entropy_ratio_after` are `None`). With `"steps"` or `"epoch"`, the held-out blocks are also
+    evaluated before the first step (a fresh run) and after the last (the Trainer's own evaluation at the last step
+    when its schedule made one, else one more), which the summary's `eval_*_before` / `_after` report.
 
     Every random draw (weights the checkpoint lacks, LoRA adapters, data order, dropout) comes after seeding with
     `training_args.seed` (`full_determinism` honoured), so two runs with the same settings give identical losses
@@ -351,10 +357,12 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     )
     # The held-out loss before training comes from the Trainer's own first evaluation (`eval_on_start`): calling
     # `evaluate()` before `train()` under DDP desynchronises the replicas' first optimizer step.
-    training_args.eval_on_start = checkpoint is None
+    evaluating = training_args.eval_strategy != "no"  # opt-in, as in TrainingArguments
+    training_args.eval_on_start = evaluating and checkpoint is None
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    before = _first_eval(trainer.state.log_history)
-    after = trainer.evaluate()
+    before = _eval_at(trainer.state.log_history) if evaluating else {}
+    # the Trainer evaluated at the last step if eval_steps divides it (or per epoch): not a second pass of the same
+    after = (_eval_at(trainer.state.log_history, trainer.state.global_step) or trainer.evaluate()) if evaluating else {}
     trainer.save_model()
     trainable, total = _count(model)
     summary = {
@@ -396,6 +404,9 @@ def format_summary(summary: dict) -> str:
         f"depth entropy / max   {number(summary['depth_entropy_ratio_after'], '.4f')} (1 = uniform routing)",
         f"wall time             {summary['wall_time_s']:.0f} s",
     ]
+    if summary["eval_loss_before"] is None and summary["eval_loss_after"] is None:  # evaluation is opt-in
+        lines[3:6] = ["eval                  not evaluated (--eval-strategy steps, TrainingArguments(eval_strategy="
+                      "'steps'), evaluates the held-out blocks before, during and after)"]
     if summary.get("aux_loss_last") is not None:  # a mixture-of-experts model trained with its load-balancing loss
         lines.insert(-1, f"experts' aux loss     {summary['aux_loss_last']:.4f} (last logged, load balancing)")
     return "\n".join(lines)
