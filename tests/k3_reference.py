@@ -4,8 +4,8 @@ Written from the K3 specs (`k3_spec_modules.md` = "M", `k3_spec_layout.md` = "L"
 It deliberately imports neither `attnres_hf` nor `transformers.models.*`: it is what the library's K3 backbone and
 loader are tested against.
 
-Public: `tiny_k3_text_config`, `DELETE`, `MXFP4_OVERRIDES`, `write_k3_checkpoint`, `k3_reference_logits`,
-`k3_reference_depth_weights`, `mxfp4_encode`, `mxfp4_decode`.
+Public: `tiny_k3_text_config`, `DELETE`, `MXFP4_OVERRIDES`, `RELEASE_MLA_LATENT_NORM_EPS`, `K3_CONFIG_DEFAULTS`,
+`write_k3_checkpoint`, `k3_reference_logits`, `k3_reference_depth_weights`, `mxfp4_encode`, `mxfp4_decode`.
 """
 
 import copy
@@ -15,6 +15,22 @@ import os
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+
+RELEASE_MLA_LATENT_NORM_EPS = 1e-6
+"""The eps of MLA's latent norms (`q_a_layernorm`, `kv_a_layernorm`) in K3's released `modeling_kimi_linear.py`: it
+builds them as `KimiRMSNorm(rank)`, the class's default eps, whatever `rms_norm_eps` says, while every other norm there
+passes `eps=config.rms_norm_eps` (DeepSeek-V3's MLA, which it adapts, does the same). Read in two public copies of the
+release's file (commit c5d1dd4): Ascend/MindSpeed-MM `mindspeed_mm/fsdp/models/kimi_k3/modeling_kimi_linear.py` and
+576469377/MiniFrontier `minifrontier/models/minikimik3/upstream_layers.py`. torchtitan's `kimi_k3` and an MLX port
+build them at `rms_norm_eps` instead. A parameter of the reference (`mla_latent_norm_eps`), so that a test can tell
+the two choices apart rather than mirror one."""
+
+K3_CONFIG_DEFAULTS = {"rms_norm_eps": 1e-6, "routed_scaling_factor": 1.0, "num_shared_experts": 0,
+                      "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_expert_group": 1, "topk_group": 1,
+                      "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "tie_word_embeddings": False}
+"""What K3's released config class (`configuration_kimi_k3.KimiLinearConfig`, as NVIDIA/TensorRT-LLM's
+`tensorrt_llm/_torch/configs/kimi_linear.py` mirrors it) reads for a field a text config leaves out, for the fields
+this reference reads."""
 
 DELETE = object()
 """Sentinel: `tiny_k3_text_config(key=DELETE)` removes `key` (also inside a `linear_attn_config` override)."""
@@ -345,20 +361,22 @@ def _kda(W, p, x, cfg):
     return F.linear(o.reshape(B, T, H * K), W[p + "o_proj.weight"])
 
 
-def _mla(W, p, x, cfg):
-    """M §4: NoPE MLA (rope channels kept, never rotated) with the per-channel sigmoid output gate."""
+def _mla(W, p, x, cfg, latent_eps):
+    """M §4: NoPE MLA (rope channels kept, never rotated) with the per-channel sigmoid output gate; its latent norms
+    at `latent_eps`."""
     if not cfg.get("mla_use_nope", True):
         raise NotImplementedError("the reference implements only NoPE MLA (mla_use_nope true)")
     B, T, _ = x.shape
     nh, dn, dr, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     if cfg.get("q_lora_rank"):
-        q = F.linear(_rms_norm(F.linear(x, W[p + "q_a_proj.weight"]), W[p + "q_a_layernorm.weight"], 1e-6),
+        q = F.linear(_rms_norm(F.linear(x, W[p + "q_a_proj.weight"]), W[p + "q_a_layernorm.weight"], latent_eps),
                     W[p + "q_b_proj.weight"])
     else:
         q = F.linear(x, W[p + "q_proj.weight"])
     q = q.view(B, T, nh, dn + dr)
     k_pass, k_rot = F.linear(x, W[p + "kv_a_proj_with_mqa.weight"]).split([cfg["kv_lora_rank"], dr], -1)
-    kv = F.linear(_rms_norm(k_pass, W[p + "kv_a_layernorm.weight"], 1e-6), W[p + "kv_b_proj.weight"])
+    kv = F.linear(_rms_norm(k_pass, W[p + "kv_a_layernorm.weight"], latent_eps),
+                  W[p + "kv_b_proj.weight"])
     k_nope, v = kv.view(B, T, nh, dn + dv).split([dn, dv], -1)
     k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, nh, dr)], -1)  # k_rot shared by all heads
     scores = torch.einsum("bthd,bshd->bhts", q, k) * (dn + dr) ** -0.5
@@ -420,15 +438,18 @@ def _attn_res(partial, blocks, W, name, eps):
     return (weights[..., None] * values).sum(-2), weights
 
 
-def _forward(state_dict, text_config, input_ids, attention_mask):
-    cfg = text_config.get("text_config", text_config)
+def _forward(state_dict, text_config, input_ids, attention_mask, mla_latent_norm_eps):
+    cfg = K3_CONFIG_DEFAULTS | text_config.get("text_config", text_config)  # a field left out reads K3's default
+    latent_eps = cfg["rms_norm_eps"] if mla_latent_norm_eps is None else mla_latent_norm_eps
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
         raise NotImplementedError("the K3 reference supports no padding: attention_mask must be all ones")
     W, eps, block = _text_weights(state_dict), cfg["rms_norm_eps"], cfg.get("attn_res_block_size")
 
     def attention(i, h):
         h = _rms_norm(h, W[f"layers.{i}.input_layernorm.weight"], eps)
-        return (_kda if _is_kda(cfg, i) else _mla)(W, f"layers.{i}.self_attn.", h, cfg)
+        if _is_kda(cfg, i):
+            return _kda(W, f"layers.{i}.self_attn.", h, cfg)
+        return _mla(W, f"layers.{i}.self_attn.", h, cfg, latent_eps)
 
     def mlp(i, h):
         p = f"layers.{i}."
@@ -464,21 +485,25 @@ def _forward(state_dict, text_config, input_ids, attention_mask):
     return F.linear(_rms_norm(x, W["norm.weight"], eps), head), reads
 
 
-def k3_reference_logits(state_dict, text_config, input_ids, attention_mask=None) -> torch.Tensor:
+def k3_reference_logits(state_dict, text_config, input_ids, attention_mask=None, *,
+                        mla_latent_norm_eps=RELEASE_MLA_LATENT_NORM_EPS) -> torch.Tensor:
     """K3 text forward in float64 -> logits `[batch, seq, vocab]`.
 
     `state_dict`: K3 HF names with the `language_model.model.` or `model.` prefix (vision tensors ignored; experts
     dequantised, or packed `weight_packed`/`weight_scale` pairs). `text_config`: the raw text config (a top-level
     multimodal config is accepted too). `input_ids` `[batch, seq]`. Padding is unsupported: an `attention_mask`
-    with zeros raises.
+    with zeros raises. `mla_latent_norm_eps`: the eps of MLA's latent norms (the release's, by default; `None` is the
+    config's `rms_norm_eps`, torchtitan's choice). A field the text config leaves out reads `K3_CONFIG_DEFAULTS`.
     """
-    return _forward(state_dict, text_config, input_ids, attention_mask)[0]
+    return _forward(state_dict, text_config, input_ids, attention_mask, mla_latent_norm_eps)[0]
 
 
-def k3_reference_depth_weights(state_dict, text_config, input_ids, attention_mask=None) -> list:
+def k3_reference_depth_weights(state_dict, text_config, input_ids, attention_mask=None, *,
+                               mla_latent_norm_eps=RELEASE_MLA_LATENT_NORM_EPS) -> list:
     """The AttnRes reads in execution order as `(kind, layer, weights [batch, seq, n_sources])` float64 tuples.
 
     kind is "attn" (layers >= 1), "mlp" (every layer) or "final" (layer None); order: layer 0 mlp, layer 1 attn,
     layer 1 mlp, ..., final. Sources are [sealed blocks..., live partial sum] (M §7). Empty for a plain residual.
+    `mla_latent_norm_eps` as for `k3_reference_logits`.
     """
-    return _forward(state_dict, text_config, input_ids, attention_mask)[1]
+    return _forward(state_dict, text_config, input_ids, attention_mask, mla_latent_norm_eps)[1]

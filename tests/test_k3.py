@@ -31,10 +31,11 @@ from attnres_hf.conversion import convert, export
 from attnres_hf.conversion.k3_layout import backbone_from_k3
 from attnres_hf.conversion.k3_source import check_k3_tensors, k3_overrides, k3_source, load_k3_model
 from attnres_hf.conversion.retrofit import retrofit_config
+from attnres_hf.modeling.backbones_k3 import KimiK3Config
 from attnres_hf.training import prepare_model
 from attnres_hf.training.recipes import is_router_parameter
-from k3_reference import (DELETE, MXFP4_OVERRIDES, k3_reference_depth_weights, k3_reference_logits,
-                          tiny_k3_text_config, write_k3_checkpoint)
+from k3_reference import (DELETE, MXFP4_OVERRIDES, RELEASE_MLA_LATENT_NORM_EPS, k3_reference_depth_weights,
+                          k3_reference_logits, tiny_k3_text_config, write_k3_checkpoint)
 from utils import tiny_model
 
 k3_module = sys.modules["attnres_hf.conversion.k3_source"]  # the module, whose function `k3_source` shares its name
@@ -159,6 +160,22 @@ def test_depth_weights_equal_the_reference_read_for_read(tmp_path, k3_converted,
     for mine, (kind, layer, theirs) in zip(ours[1:], reads):
         assert mine.shape == theirs.shape, (kind, layer)
         assert float((mine.double() - theirs).abs().max()) <= DEPTH_TOL, (kind, layer)
+
+
+@pytest.mark.parametrize("eps", [1e-5, 0.1, 1.0])
+def test_mla_latent_norms_run_at_the_releases_eps_whatever_rms_norm_eps_says(tmp_path, eps):
+    """K3's released code builds MLA's latent norms (`q_a_layernorm`, `kv_a_layernorm`) at 1e-6 whatever
+    `rms_norm_eps` says (`RELEASE_MLA_LATENT_NORM_EPS`); torchtitan's `kimi_k3` builds them at `rms_norm_eps`. The
+    imported model equals the reference with the release's eps at every `rms_norm_eps` (the other norms follow it), and
+    at 0.1 and 1.0 the reference with torchtitan's choice is far from it (measured 0.64 and 0.17 of max |logits|; at
+    the release's 1e-5 the two are 2e-5 apart, under any tolerance here)."""
+    cfg = tiny_k3_text_config(rms_norm_eps=eps)
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0)
+    logits = logits_of(imported(tmp_path / "k3"))
+    assert relative(logits, k3_reference_logits(state, cfg, IDS)) <= REL_TOL
+    assert RELEASE_MLA_LATENT_NORM_EPS == 1e-6  # the reference's default is the release's
+    if eps >= 0.1:
+        assert relative(logits, k3_reference_logits(state, cfg, IDS, mla_latent_norm_eps=None)) >= DIFFERENT
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,6 +437,22 @@ BAD_INPUT = {
     "mtp-like-layer-tensors": (lambda f: _edit_tensors(f, change={}, add={
         "language_model.model.layers.5.input_layernorm.weight": torch.ones(32)}),
         "tensors the model config.json builds does not have (attnres-hf names): model.layers.5.input_layernorm"),
+    "pad-past-the-vocabulary": (lambda f: _edit_config(f, text={"pad_token_id": 96}),
+                                "pad_token_id=96 is not a token of the vocabulary (vocab_size 96)"),
+    "negative-bos": (lambda f: _edit_config(f, text={"bos_token_id": -1}), "bos_token_id=-1 is not a token"),
+    "eos-list-past-the-vocabulary": (lambda f: _edit_config(f, text={"eos_token_id": [2, 200]}),
+                                     "eos_token_id=[2, 200] is not a token of the vocabulary"),
+    "release-top-level-pad-past-a-tiny-vocabulary": (
+        lambda f: _edit_config(f, text={"pad_token_id": DELETE}, top={"pad_token_id": 163839}),
+        "pad_token_id=163839 is not a token of the vocabulary (vocab_size 96)"),
+    "no-kv_lora_rank": (lambda f: _edit_config(f, text={"kv_lora_rank": DELETE}),
+                        "kv_lora_rank (absent, and K3's config class has no usable default for it)"),
+    "no-linear_attn_config": (lambda f: _edit_config(f, text={"linear_attn_config": DELETE}),
+                              "linear_attn_config (absent, and K3's config class has no usable default for it)"),
+    "no-num_experts": (lambda f: _edit_config(f, text={"num_experts": DELETE}), "num_experts (absent"),
+    "no-mla_use_nope": (lambda f: _edit_config(f, text={"mla_use_nope": DELETE}), "mla_use_nope=False"),
+    "rope-with-rotary-mla": (lambda f: _edit_config(f, text={"mla_use_nope": False, "rope_theta": 1e4}),
+                             "mla_use_nope=False"),
     "other-quantization": (lambda f: _edit_config(f, top={"quantization_config": {"quant_method": "fp8",
                                                                                   "fmt": "e4m3"}}),
                            "quantization_config is not compressed-tensors' mxfp4-pack-quantized"),
@@ -715,6 +748,55 @@ def test_integer_json_floats_and_a_config_re_saved_by_transformers_are_read(tmp_
                                                      "model_type": "kimi_linear"}
     (tmp_path / "k3" / "config.json").write_text(json.dumps(resaved))
     assert relative(logits_of(imported(tmp_path / "k3")), reference) <= REL_TOL
+
+
+READ_FIELDS = {
+    # name: (text-config overrides, writer options, top-level config edits, what the backbone config must say)
+    "torchtitan-rope_parameters": (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), {}, {}, {}),
+    "rope_theta": (dict(rope_theta=50000.0), dict(layout="text"), {}, {}),
+    "rope_scaling-null": (dict(rope_scaling=None), {}, {}, {}),
+    "no-pad_token_id": (dict(pad_token_id=DELETE), dict(layout="text"), {}, dict(pad_token_id=None)),
+    "no-token-ids": (dict(pad_token_id=DELETE, bos_token_id=DELETE, eos_token_id=DELETE), dict(layout="text"), {},
+                     dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    "token-ids-at-the-top-level": (dict(pad_token_id=DELETE, bos_token_id=DELETE), {},
+                                   dict(pad_token_id=94, bos_token_id=3), dict(pad_token_id=94, bos_token_id=3)),
+    "torchtitan-multimodal-no-token-ids": (dict(pad_token_id=DELETE, bos_token_id=DELETE, eos_token_id=DELETE), {},
+                                           dict(pad_token_id=DELETE, bos_token_id=DELETE, eos_token_id=DELETE),
+                                           dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    "no-rms_norm_eps": (dict(rms_norm_eps=DELETE), {}, {}, dict(rms_norm_eps=1e-6)),
+    "no-num_shared_experts": (dict(num_shared_experts=DELETE), {}, {}, dict(n_shared_experts=0)),
+    "no-routed_scaling_factor": (NO_LATENT_NORM | dict(routed_scaling_factor=DELETE), {}, {},
+                                 dict(routed_scaling_factor=1.0)),
+    "no-first_k_dense_replace": (dict(first_k_dense_replace=DELETE), {}, {}, dict(mlp_layer_types=["sparse"] * 5)),
+}
+
+
+@pytest.mark.parametrize("overrides, writer, top, expected", READ_FIELDS.values(), ids=READ_FIELDS.keys())
+def test_fields_k3_writers_put_or_leave_out_are_read_as_k3_reads_them(tmp_path, overrides, writer, top, expected):
+    """What the release, torchtitan's config writer and other K3 writers put in a text config, or leave out, loads
+    and computes K3's model: rotary-embedding fields (K3 has none: accepted and dropped), token ids absent from the text
+    config (the release writes its pad and bos ids only at the top level; absent everywhere: None, not Kimi Linear's
+    163839, which a vocabulary under 163840 has not), and fields left out, which read K3's config class's defaults
+    (`rms_norm_eps` 1e-6, no shared experts, `routed_scaling_factor` 1, an MoE layer 0), not transformers' Kimi
+    Linear's; the reference reads the same defaults (`K3_CONFIG_DEFAULTS`)."""
+    cfg = tiny_k3_text_config(**overrides)
+    state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, **writer)
+    if top:
+        _edit_config(tmp_path / "k3", top=top)
+    source = k3_source(tmp_path / "k3")
+    assert {name: getattr(source.backbone, name) for name in expected} == expected
+    assert relative(logits_of(imported(tmp_path / "k3")), k3_reference_logits(state, cfg, IDS)) <= REL_TOL
+
+
+@pytest.mark.parametrize("pad_token_id", [96, 163839, -1])
+def test_a_kimi_k3_config_with_a_pad_id_outside_its_vocabulary_is_refused_by_name(pad_token_id):
+    """A pad id the embedding cannot hold (Kimi Linear's default 163839 under a smaller vocabulary among them) is a
+    one-line ValueError naming the field, not torch's bare `AssertionError: Padding_idx must be within
+    num_embeddings` when the model is built."""
+    fields = dict(vocab_size=96, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=5)
+    with pytest.raises(ValueError, match=rf"pad_token_id={pad_token_id!r} is not a token of the vocabulary"):
+        KimiK3Config(**fields, pad_token_id=pad_token_id)
+    assert KimiK3Config(**fields, pad_token_id=None).pad_token_id is None
 
 
 def test_the_familys_own_saved_model_converts(tmp_path):

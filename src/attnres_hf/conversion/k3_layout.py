@@ -30,7 +30,7 @@ import re
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..modeling.backbones_k3 import KimiK3Config
+from ..modeling.backbones_k3 import KimiK3Config, token_id_problem
 from ._names import rename, rename_tables
 
 K3_MODEL_TYPE = "kimi_k3"
@@ -227,6 +227,32 @@ CHECKED = {
 }
 """K3 fields with nothing to configure: the values accepted (others are refused, naming the field)."""
 
+IGNORED = dict.fromkeys(("rope_parameters", "rope_theta", "rope_scaling"),
+                        "K3 has no rotary embedding: its MLA is NoPE (`mla_use_nope`, refused otherwise) and KDA has "
+                        "none; torchtitan's config writer adds `rope_parameters` anyway")
+"""K3 text-config fields accepted and dropped: each changes nothing in K3's model (the value says why)."""
+
+K3_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "rms_norm_eps": 1e-6,
+               "num_shared_experts": 0, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+               "mla_use_nope": False}
+"""What K3's released config class (`configuration_kimi_k3.KimiLinearConfig`, as NVIDIA/TensorRT-LLM's
+`tensorrt_llm/_torch/configs/kimi_linear.py` mirrors it) reads for a field the text config leaves out, where
+`KimiK3Config`'s default (transformers' Kimi Linear's) is another: a K3 text config means what K3's code reads.
+(`mla_use_nope` absent is K3's rotary MLA, which its own code asserts against; refused here by name. K3's
+`max_position_embeddings` default, 4096, is not taken: no K3 layer reads positions.)"""
+
+REQUIRED = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "linear_attn_config",
+            "num_experts", "num_experts_per_token", "moe_intermediate_size")
+"""Fields K3's config class has no usable default for (`None`, on which K3's MLA, KDA schedule or MoE cannot be
+built): a text config without one is refused by name (`linear_attn_config` may be `layer_types`, as transformers
+re-saves it)."""
+
+SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")
+"""The token ids of a K3 config. The release writes `pad_token_id` and `bos_token_id` only in its top-level config
+(163839, 163584), so a text config without one takes the top level's (`k3_text_fields`), and one absent from both is
+`None`: K3's config class would read 0, 1, 2, placeholders that are real tokens of K3's vocabulary (`padding_idx` 0
+would freeze token 0's embedding in training); `None` declares none and changes no logits."""
+
 NOT_ARCHITECTURE = frozenset({
     "model_type", "architectures", "auto_map", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
     "quantization_config", "attn_res_block_size", "use_bfloat16", "return_dict", "output_attentions",
@@ -257,19 +283,43 @@ def remote_code_files(text_config: dict) -> list[str]:
     return sorted({reference.split(".")[0] + ".py" for reference in auto_map.values() if isinstance(reference, str)})
 
 
+def k3_text_fields(fields: dict) -> dict:
+    """K3's text config of a folder's whole `config.json`: `text_config` for the multimodal layout (with the top
+    level's `SPECIAL_TOKENS` where it has none, as the release writes them), else `fields` itself. Not checked here:
+    `text_config` may be missing or no dict (`k3_source` refuses those)."""
+    if fields.get("model_type") != K3_MODEL_TYPE:
+        return fields
+    text = fields.get("text_config")
+    if not isinstance(text, dict):
+        return text
+    return text | {name: fields[name] for name in SPECIAL_TOKENS if name not in text and name in fields}
+
+
 def backbone_from_k3(text_config: dict) -> tuple[KimiK3Config | None, list[str]]:
-    """`KimiK3Config` of K3's text config, and the reasons it has none (every field not implemented, by name).
+    """`KimiK3Config` of K3's text config (`k3_text_fields`), and the reasons it has none (every field not
+    implemented, by name). Every field is read (`READ_AS_IS`, `SAVED_BY_TRANSFORMERS`), checked (`CHECKED`), dropped
+    with a reason (`IGNORED`, `NOT_ARCHITECTURE`) or refused; a field left out reads K3's default (`K3_DEFAULTS`,
+    `SPECIAL_TOKENS`) or, without one, is refused (`REQUIRED`).
 
     Raises nothing for a bad field: every problem is in the list (a `ValueError` of `KimiK3Config` included)."""
     known = READ_AS_IS | SAVED_BY_TRANSFORMERS
     problems = [f"{name} (not a field of K3's text model attnres-hf knows)" for name in text_config
-                if name not in known | NOT_ARCHITECTURE | set(CHECKED)]
+                if name not in known | NOT_ARCHITECTURE | set(CHECKED) | set(IGNORED)]
     problems += [f"{name}={text_config[name]!r} (implemented: {', '.join(map(repr, accepted))})"
                  for name, accepted in CHECKED.items() if name in text_config and text_config[name] not in accepted]
+    resaved = {"linear_attn_config": "layer_types"}  # the name transformers' config writes it under
+    problems += [f"{name} (absent, and K3's config class has no usable default for it)" for name in REQUIRED
+                 if text_config.get(name) is None and resaved.get(name) not in text_config]
     if problems:
         return None, problems
+    fields = K3_DEFAULTS | dict.fromkeys(SPECIAL_TOKENS) | {name: value for name, value in text_config.items()
+                                                              if name in known}
     fields = {name: float(value) if name in _FLOAT_FIELDS and type(value) is int else value
-              for name, value in text_config.items() if name in known}  # JSON writers drop `.0` (jq: 4.0 -> 4)
+              for name, value in fields.items()}  # JSON writers drop `.0` (jq: 4.0 -> 4)
+    problems = [problem for name in SPECIAL_TOKENS if (problem := token_id_problem(
+        name, fields[name], fields.get("vocab_size", KimiK3Config.vocab_size)))]
+    if problems:
+        return None, problems
     try:
         config = KimiK3Config(**fields)
     except Exception as error:  # huggingface_hub's strict-dataclass errors are no ValueError: one line, every reason
@@ -339,6 +389,7 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
     return fields, []
 
 
-__all__ = ["CHECKED", "CONV", "EXPERT", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE", "PREFIXES", "READ_AS_IS",
-           "RELEASE_AUTO_MAP", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3",
-           "k3_block_size", "k3_from_backbone", "remote_code_files", "to_attnres_state_dict", "to_k3_state_dict"]
+__all__ = ["CHECKED", "CONV", "EXPERT", "IGNORED", "K3_DEFAULTS", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE",
+           "PREFIXES", "READ_AS_IS", "RELEASE_AUTO_MAP", "REQUIRED", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES",
+           "SPECIAL_TOKENS", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3", "k3_block_size", "k3_from_backbone",
+           "k3_text_fields", "remote_code_files", "to_attnres_state_dict", "to_k3_state_dict"]

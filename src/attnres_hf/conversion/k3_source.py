@@ -27,7 +27,7 @@ from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
 from .hf_source import _shown, folder_tensors
 from .k3_layout import (K3_MODEL_TYPE, PREFIXES, SKIPPED_PREFIXES, TEXT_MODEL_TYPE, backbone_from_k3, k3_block_size,
-                        to_attnres_state_dict, to_k3_state_dict)
+                        k3_text_fields, to_attnres_state_dict, to_k3_state_dict)
 from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
 
 K3_ONLY_FIELDS = ("attn_res_block_size", "activation_situ_beta", "activation_situ_linear_beta",
@@ -42,7 +42,8 @@ class K3Source(NamedTuple):
     folder: Path
     layout: str  # "multimodal" (the release: text under `language_model.`) or "text"
     fields: dict  # the whole config.json
-    text_config: dict  # K3's text config (`fields["text_config"]`, or `fields` for the text layout)
+    text_config: dict  # K3's text config (`k3_text_fields`: `fields["text_config"]` with the top level's token ids
+    # where it has none, or `fields` for the text layout)
     backbone: KimiK3Config
     block_size: int | None  # attnres_block_size (2 * attn_res_block_size); None without AttnRes
     files: list
@@ -112,7 +113,7 @@ def k3_source(folder: str | os.PathLike) -> K3Source:
     if fields is None:
         raise ValueError(f"{folder / 'config.json'} is not a JSON object")
     layout = "multimodal" if fields.get("model_type") == K3_MODEL_TYPE else "text"
-    text = fields.get("text_config") if layout == "multimodal" else fields
+    text = k3_text_fields(fields)
     if not isinstance(text, dict):
         raise ValueError(f"{folder / 'config.json'} is Kimi K3's multimodal config without a text_config object: the "
                          "text model's fields are what attnres-hf reads")

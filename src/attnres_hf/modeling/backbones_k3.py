@@ -74,6 +74,16 @@ kimi = _kimi_linear.load()  # transformers' module, KDA dispatched by device (th
 
 SITU = "situ"
 
+MLA_LATENT_NORM_EPS = 1e-6
+"""The eps of MLA's latent norms (`q_a_layernorm`, `kv_a_layernorm`), whatever `rms_norm_eps` says: K3's released
+`modeling_kimi_linear.py` builds them as `KimiRMSNorm(rank)`, the class's default eps (DeepSeek-V3's MLA, which it
+adapts, does the same), while its other norms pass `eps=config.rms_norm_eps`. Read in two public copies of the release's
+file (commit c5d1dd4): Ascend/MindSpeed-MM `mindspeed_mm/fsdp/models/kimi_k3/modeling_kimi_linear.py`, 576469377/
+MiniFrontier `minifrontier/models/minikimik3/upstream_layers.py`; NVIDIA NeMo Automodel's K3 does the same.
+torchtitan's `kimi_k3` (pull request #4281) and an MLX port build them at `rms_norm_eps`, so their logits differ from
+the release's (and ours) wherever `rms_norm_eps` is not 1e-6: at the release's 1e-5, by 2e-5 to 4.5e-4 of the
+logits' scale on tiny models; at `rms_norm_eps` 0.1, by 0.6 of it (`tests/test_k3.py`)."""
+
 _LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers",
                                "use_full_rank_gate", "gate_lower_bound"})
 """The keys of K3's `linear_attn_config` (Kimi Linear's five, K3's two gate options)."""
@@ -158,8 +168,8 @@ def _check_layer_lists(linear: dict, num_hidden_layers: int) -> None:
 
 
 def check_kimi_k3(config) -> None:
-    """Refuse the K3 settings no module here implements, or that its router cannot choose from; raises `ValueError`
-    naming the field."""
+    """Refuse the K3 settings no module here implements, that its router cannot choose from, or a `pad_token_id`
+    outside the vocabulary (the embedding's `padding_idx`); raises `ValueError` naming the field."""
     if not config.mla_use_nope:
         raise ValueError("kimi_k3 with mla_use_nope=False (rotary MLA) is not implemented: K3's MLA has no rotary "
                          "embedding")
@@ -191,9 +201,21 @@ def check_kimi_k3(config) -> None:
         if not 1 <= top_k <= top_groups * experts // groups:
             raise ValueError(f"num_experts_per_token must be between 1 and the {top_groups * experts // groups} "
                              f"experts of the topk_group groups chosen, got {top_k!r}")
+    if problem := token_id_problem("pad_token_id", config.pad_token_id, config.vocab_size):
+        raise ValueError(problem)  # the embedding's padding_idx: torch fails on it with a bare AssertionError
     if "full_attention" not in config.layer_types:
         raise ValueError("kimi_k3 needs at least one MLA (full_attention) layer: transformers' hybrid cache counts "
                          "the tokens seen on its attention layers")
+
+
+def token_id_problem(name: str, value, vocab_size: int) -> str | None:
+    """Why `value` (`name`: an int, a list of ints for `eos_token_id`, or None) is not a token id of a vocabulary of
+    `vocab_size`, or None when it is one (or None)."""
+    ids = value if isinstance(value, list) else [value]
+    if all(i is None or isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        return None
+    return (f"{name}={value!r} is not a token of the vocabulary (vocab_size {vocab_size}): give a token id below it, "
+            "or None")
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
@@ -331,10 +353,15 @@ class KimiK3DeltaAttention(kimi.KimiLinearDeltaAttention):
 
 class KimiK3Attention(kimi.KimiLinearAttention):
     """Kimi Linear's MLA (no rotary embedding) with K3's per-channel sigmoid output gate before `o_proj`
-    (`mla_use_output_gate`): `o_proj(attention(x) * sigmoid(g_proj(x)))`, `g_proj` `(heads * v_head_dim, hidden)`."""
+    (`mla_use_output_gate`): `o_proj(attention(x) * sigmoid(g_proj(x)))`, `g_proj` `(heads * v_head_dim, hidden)`.
+    Its latent norms run at `MLA_LATENT_NORM_EPS` (the release's), not `rms_norm_eps`."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
+        # Set here rather than left to Kimi Linear's default, which is the release's today but not a promise of it
+        for norm in (self.q_a_layernorm, self.kv_a_layernorm):
+            if norm is not None:
+                norm.variance_epsilon = MLA_LATENT_NORM_EPS
         gated = config.mla_use_output_gate
         self.g_proj = nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False) if gated else None
 
@@ -456,6 +483,6 @@ K3_BACKBONES = (
 """The adapter of this module, joined into `backbones.BACKBONES`."""
 
 
-__all__ = ["K3_BACKBONES", "KimiK3Attention", "KimiK3Config", "KimiK3DecoderLayer", "KimiK3DeltaAttention", "KimiK3Experts",
-           "KimiK3ForCausalLM", "KimiK3MLP", "KimiK3MoE", "KimiK3Model", "KimiK3PreTrainedModel", "KimiK3TopkRouter",
-           "check_kimi_k3", "situ_glu"]
+__all__ = ["K3_BACKBONES", "MLA_LATENT_NORM_EPS", "KimiK3Attention", "KimiK3Config", "KimiK3DecoderLayer",
+           "KimiK3DeltaAttention", "KimiK3Experts", "KimiK3ForCausalLM", "KimiK3MLP", "KimiK3MoE", "KimiK3Model",
+           "KimiK3PreTrainedModel", "KimiK3TopkRouter", "check_kimi_k3", "situ_glu", "token_id_problem"]
