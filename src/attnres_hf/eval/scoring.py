@@ -14,22 +14,35 @@ lm-eval's metric under its own name, for comparability, and reports the correcte
 | `offline_mmlu_pro` | `exact_match,custom-extract` | `exact_match,letter-extract` |
 | `offline_bbh` | `exact_match,strict-match` | `exact_match,answer-extract` |
 
+lm-eval scores every filter's output with every metric of a task, so the GSM8K and MGSM tasks score each filter
+with its own metric through `score_numeric` (their `process_results`): the `numeric-extract` filter's answer is a
+number (`NumericAnswer`), scored by `numeric_match` only (lm-eval's MGSM `exact_match` ignores punctuation and would
+equate -3 with 3 and 2.5 with 25 on it too), and lm-eval's filters' strings by lm-eval's `exact_match` only, with
+lm-eval's settings for the task (lm-eval's regex drops what it does not capture, such as the sign `\u2212` of
+`\u22123`, which no later reading can restore).
+
 MATH-500 and CMath score with their own functions (`task_utils.process_math`, `process_cmath`), which use the number
 parsing here. Numbers are read as the response's language writes them (`NUMBER_FORMATS`: MGSM's document language,
-Chinese for CMath, else English): a sign is kept (`30 - 2` is a subtraction, not -2), a decimal mark is told from a
-full stop, and a thousands separator counts as one only where the language writes it and between valid groups.
+Chinese for CMath, else English), the response's and the gold's alike: a sign is kept (`-`, `\u2212` and the other
+minus signs of `_MINUS`; `30 - 2` is a subtraction, not -2), a decimal mark is told from a full stop, and a thousands
+separator counts as one only where the language writes it and between valid groups, whose first digit is not zero
+(German `1.234` is 1234 but `0.125` is 0.125; English `1,234` is 1234 and `1.234` is 1.234); digits joined by a
+group mark in invalid groups are no number (English `0,125` is neither 0 nor 125). Numbers compare by value: `5.0`
+is `5`, while `1.2` is never `12` nor `-5` ever `5`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import sys
+import unicodedata
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 INVALID = "[invalid]"  # lm-eval's fallback for a response with no answer
 
-_MINUS = "\u2212\u2012\u2013\uff0d"  # Unicode minus, figure dash, en dash, full-width hyphen-minus
+_MINUS = "\u2212\u2012\u2013\ufe63\uff0d"  # Unicode minus, figure dash, en dash, small and full-width hyphen-minus
 _CURRENCY = "$€£¥₹₩元৳฿"
 
 
@@ -42,7 +55,8 @@ class NumberFormat:
             as one where it cannot be a thousands separator (`2.5`, but `1.234` is 1234 in German), as its reader
             reads an English-style number.
         group: the thousands separators the language writes, read as such only between valid groups of three digits
-            (also two-digit lakh groups where `indian`), never elsewhere (`12,3456` is not one number).
+            (also two-digit lakh groups where `indian`) after a first group that does not start with zero; digits
+            joined by them in invalid groups are no number (`12,3456`, `0,500` and `1,5` in English).
         indian: lakh/crore grouping as well as groups of three (`12,34,567`), as Bengali and Telugu write it.
     """
 
@@ -81,6 +95,13 @@ def number_format(language: str) -> NumberFormat:
 
 
 @functools.cache
+def _zero_digits() -> str:
+    """The digit zero of every script (`0`, Bengali `০`, Telugu `౦`, Thai `๐`, full-width `０`, ...): `\\d` reads
+    them all, and a thousands group never starts with one."""
+    return "".join(c for c in map(chr, range(sys.maxunicode + 1)) if unicodedata.decimal(c, None) == 0)
+
+
+@functools.cache
 def _number_pattern(language: str) -> re.Pattern:
     """A number as `language` writes it: optional sign, optional currency (either side of the sign; no space after
     the sign, so `30 - 2` and `$30 - $2` are subtractions, not -2), the whole part of a mixed
@@ -88,15 +109,18 @@ def _number_pattern(language: str) -> re.Pattern:
     (`1/2` is one number, a half, never its numerator 1; `1/2.5` is 0.4), an optional percent sign."""
     fmt = number_format(language)
     group, decimal = re.escape(fmt.group), re.escape(fmt.decimal)
-    grouped = rf"\d{{1,3}}(?:[{group}]\d{{3}})+"
-    if fmt.indian:
-        grouped = rf"(?:\d{{1,2}}(?:[{group}]\d{{2}})+[{group}]\d{{3}}|{grouped})"
-    # a grouping that more digits follow or precede (`12,3456`, `1,234,56`, `12,34,567` in English) is invalid: its
-    # separators are not thousands ones
-    integer = rf"(?:(?<!\d[{group}]){grouped}(?![{group}]?\d)|\d+)"
+    # a grouped number starts with a non-zero digit: `0.125` is a decimal in German, `0,500` no grouping in English
+    grouped = rf"(?![{_zero_digits()}])(?:\d{{1,3}}(?:[{group}]\d{{3}})+"
+    grouped += rf"|\d{{1,2}}(?:[{group}]\d{{2}})+[{group}]\d{{3}})" if fmt.indian else ")"
+    # digits joined by the language's group marks are one written number; where their groups are invalid
+    # (`12,3456`, `1,234,56`, `0,125` in English, `12,34,567` outside lakh languages) they are no number, never the
+    # numbers on either side of a mark (`0,125` is not 125): no number starts right after a digit and a group mark,
+    # and none ends right before one (the atomic group keeps `1,5` from being read as 1)
+    integer = rf"(?:{grouped}(?![{group}]?\d)|\d+)"
     return re.compile(
-        rf"{_NOT_AFTER}(?P<sign>[-+]?)(?:[{_CURRENCY}]\s?(?P<sign2>[-+]?))?"
-        rf"(?:(?:(?P<whole>\d+)\s(?=\d+\s?/\s?\d))?(?P<integer>{integer})(?P<decimals>[{decimal}]\d+)?"
+        rf"{_NOT_AFTER}(?<!\d[{group}])(?P<sign>[-+]?)(?:[{_CURRENCY}]\s?(?P<sign2>[-+]?))?"
+        rf"(?:(?:(?P<whole>\d+)\s(?=\d+\s?/\s?\d))?"
+        rf"(?>(?P<integer>{integer})(?P<decimals>[{decimal}]\d+)?)(?![{group}]\d)"
         rf"|(?P<point>\.\d+))"
         rf"(?:\s?/\s?(?P<denominator>\d+(?:[{decimal}]\d+)?)(?!\d|[{decimal}]\d))?(?P<percent>%?)"
     )
@@ -195,29 +219,75 @@ def extract_number(response: str, language: str = "en") -> str:
     return canonical_number(found[0]) if found else INVALID
 
 
-def gold_number(gold: str) -> Decimal | None:
-    """The gold value of a GSM8K solution (the number after `####`) or of a plain answer (`answer_number`)."""
+def gold_number(gold: str, language: str = "en") -> Decimal | None:
+    """The gold value of a GSM8K solution (the number after `####`) or of a plain answer (MGSM's `answer_number`),
+    read as `language` writes numbers, as the response is (`parse_number`); None when it is no number.
+
+    Raises:
+        ValueError: an unknown language code.
+    """
     text = str(gold)
     if "####" in text:
         text = text.rsplit("####", 1)[1]
-    return parse_number(text)
+    return parse_number(text, language)
+
+
+@dataclass(frozen=True)
+class NumericAnswer:
+    """The `numeric-extract` filter's answer to one response: the value of its final number (`answer_value`), or
+    None when it has none. A number, not a string, so that `score_numeric` tells it from lm-eval's filters' strings
+    and no string metric compares it; `str()` of it (lm-eval's logged `filtered_resps`) is `canonical_number` of the
+    value or `[invalid]`."""
+
+    value: Decimal | None
+
+    def __str__(self) -> str:
+        return INVALID if self.value is None else canonical_number(self.value)
+
+
+def document_language(doc: dict) -> str:
+    """The language a document's numbers are read in: its `language` (MGSM's), English when it has none (GSM8K)."""
+    return doc.get("language") or "en"
 
 
 def numeric_filter(resps, docs):
-    """lm-eval custom filter: each response replaced by `extract_number` of it, its numbers read as the document's
-    `language` writes them (MGSM's; English when the document has none, as GSM8K's).
+    """lm-eval custom filter: each response replaced by the `NumericAnswer` of it, its numbers read as
+    `document_language` writes them.
 
     Raises:
         ValueError: a document's language has no `NUMBER_FORMATS` entry.
     """
-    return [[extract_number(r, doc.get("language") or "en") for r in resp] for resp, doc in zip(resps, docs)]
+    return [[NumericAnswer(found[0] if (found := answer_value(r, document_language(doc))) else None) for r in resp]
+            for resp, doc in zip(resps, docs)]
 
 
-def numeric_match(references, predictions, **kwargs) -> float:
-    """1.0 if the prediction's number (after any filter) equals the gold number as a number, else 0.0."""
-    predicted = parse_number(str(predictions[0]))
-    gold = gold_number(references[0])
-    return float(predicted is not None and gold is not None and predicted == gold)
+def numeric_match(gold: Decimal | None, predicted: Decimal | None) -> float:
+    """1.0 if both are numbers of the same value (`5.0` and `5` are one number), else 0.0."""
+    return float(gold is not None and predicted is not None and gold == predicted)
+
+
+def score_numeric(result, target: str, language: str, exact_match: dict) -> dict[str, float]:
+    """The score of one filtered response of GSM8K or MGSM against the gold `target`, by its filter's own metric.
+
+    Args:
+        result: a `NumericAnswer` (the `numeric-extract` filter's) or a string (an lm-eval filter's output).
+        target: the gold answer as the task's `doc_to_target` writes it (GSM8K's solution, MGSM's `answer_number`).
+        language: a `NUMBER_FORMATS` code in which the gold is read, as the `NumericAnswer`'s response was.
+        exact_match: the keyword arguments of lm-eval's `exact_match` for the task (its YAML's metric settings).
+
+    Returns:
+        `{"numeric_match": 0.0 or 1.0}` for a `NumericAnswer`; `{"exact_match": ...}` for a string, as lm-eval
+        scores it (its faults kept, for comparability with lm-eval's published numbers).
+
+    Raises:
+        ValueError: an unknown language code.
+    """
+    if isinstance(result, NumericAnswer):
+        return {"numeric_match": numeric_match(gold_number(target, language), result.value)}
+    from lm_eval.api.registry import get_metric
+
+    return {"exact_match": float(get_metric("exact_match")(references=[target], predictions=[result],
+                                                           **exact_match)["exact_match"])}
 
 
 # an option letter: upper case on its own, either case in brackets ("(d)"); a lone lower-case "a" is English

@@ -14,7 +14,7 @@ from lm_eval.api.samplers import ContextSampler
 from .code_execution import pass_at_1 as _pass_at_1
 from .local import load_local as load  # noqa: F401  (custom_dataset of every task)
 from .scoring import _clean as _clean_dashes
-from .scoring import answer_value, parse_number
+from .scoring import answer_value, document_language, parse_number, score_numeric
 from .sources import LETTERS, last_boxed
 
 # --- few-shot samplers ----------------------------------------------------------------------------------------------
@@ -146,7 +146,8 @@ def normalize_math_answer(answer: str) -> str:
         text = text.split("=", 1)[1]
     if re.fullmatch(r"\(([A-Ea-e])\)", text):  # `(C)` -> `C`
         text = text[1]
-    if re.fullmatch(r"-?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?", text) and any(c.isdigit() for c in text):
+    # thousands groups after a first digit that is not zero, as `scoring.parse_number` reads them (`0,125` is none)
+    if re.fullmatch(r"-?([1-9]\d{0,2}(,\d{3})+|\d+)?(\.\d+)?", text) and any(c.isdigit() for c in text):
         number = text.replace(",", "")
         if "." in number:
             number = number.rstrip("0").rstrip(".")
@@ -177,6 +178,31 @@ def process_math(doc, results) -> dict:
     return {"exact_match": int(predicted == gold or same_number)}
 
 
+# lm-eval's `exact_match` settings of its `gsm8k` (v3) and `mgsm_direct` (v4) tasks, whose metric the GSM8K and MGSM
+# tasks keep on lm-eval's filters: their `process_results` (below) scores instead of lm-eval's metric_list, whose
+# settings it therefore carries (a test checks them against lm-eval's YAML files).
+LM_EVAL_EXACT_MATCH = {
+    "gsm8k": {"ignore_case": True, "ignore_punctuation": False,
+              "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"]},
+    "mgsm": {"ignore_case": True, "ignore_punctuation": True},
+}
+
+
+def process_gsm8k(doc, results) -> dict:
+    """GSM8K's score of one filter's answer (`scoring.score_numeric`): `numeric_match` of numeric-extract's number
+    (read as English writes numbers, as the gold is), lm-eval's `exact_match` of its strict-match and flexible-extract
+    strings."""
+    return score_numeric(results[0], doc["answer"], "en", LM_EVAL_EXACT_MATCH["gsm8k"])
+
+
+def process_mgsm(doc, results) -> dict:
+    """MGSM's score of one filter's answer (`scoring.score_numeric`): `numeric_match` of numeric-extract's number
+    (the response's and the gold's read as the document's `language` writes numbers), lm-eval's `exact_match` of its
+    remove_whitespace and flexible-extract strings. The gold is `answer_number` as the YAML's `doc_to_target` writes
+    it."""
+    return score_numeric(results[0], str(doc["answer_number"]), document_language(doc), LM_EVAL_EXACT_MATCH["mgsm"])
+
+
 def process_cmath(doc, results) -> dict:
     """CMath (Wei et al. 2023): the answer equals the gold answer `golden` within 1e-4 relative tolerance, as the
     CMath paper's checker compares numbers, not strings. The answer is `scoring.answer_value` of the response
@@ -185,7 +211,7 @@ def process_cmath(doc, results) -> dict:
     percentage on either side also matches its value over 100 (`75%` and `0.75`)."""
     found = answer_value(results[0], "zh")
     gold_text = str(doc["golden"]).strip()
-    gold = parse_number(gold_text)
+    gold = parse_number(gold_text, "zh")  # the gold read as the response is
     if found is None or gold is None:
         return {"accuracy": 0}
     predicted, percent = found

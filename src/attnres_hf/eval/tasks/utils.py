@@ -11,7 +11,9 @@ from attnres_hf.eval.task_utils import (  # noqa: F401
     pass_at_1,
     process_cmath,
     process_gpqa,
+    process_gsm8k,
     process_hellaswag,
     process_math,
+    process_mgsm,
 )
-from attnres_hf.eval.scoring import bbh_filter, letter_filter, numeric_filter, numeric_match  # noqa: F401
+from attnres_hf.eval.scoring import bbh_filter, letter_filter, numeric_filter  # noqa: F401
