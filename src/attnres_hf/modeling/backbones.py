@@ -36,7 +36,12 @@ refuses the settings of a registered family that AttnRes cannot serve, naming th
 
 Adding a family (tens of lines): one `BackboneAdapter(...)` (the record type and its defaults are in
 `backbones_base.py`) in `_DENSE`, or in a sibling module whose tuple of records `BACKBONES` joins (as
-`backbones_moe.MOE_BACKBONES`), declaring:
+`backbones_moe.MOE_BACKBONES`), naming the family's classes through its modeling module as a `LazyModule` (`llama =
+LazyModule("transformers.models.llama.modeling_llama")`, then `llama.LlamaForCausalLM`): `BACKBONES` resolves a
+record when the family is first used, so `import attnres_hf` imports no family's modeling code (nor fla, which
+transformers' Kimi Linear module imports); config classes are imported as they are (config modules are light).
+A record whose module must itself wait (Kimi K3's, whose classes subclass Kimi Linear's) is a loader function in
+the table (`_kimi_k3`). The record declares:
 
 - `model_type`, `config_class`, `causal_lm` (the family's `*ForCausalLM`, the source of a retrofit),
   `pretrained_model` (its `*PreTrainedModel`, whose `_init_weights` initialises the family's modules, incl.
