@@ -58,7 +58,10 @@ the table (`_kimi_k3`). The record declares:
 - `make_cache`, `attention_masks`, `layer_types` (defaults: `DynamicCache(config=...)`, causal / sliding-window
   masks per `layer_types`); `record_outputs` (`_can_record_outputs` entries, e.g. MoE `router_logits`);
   `aux_loss` (MoE load balancing: `aux_loss(config, router_logits, attention_mask) -> scalar`, added to the LM loss
-  times `config.router_aux_loss_coef` when `output_router_logits`); `check_config` (refusals, with the reason);
+  times `config.router_aux_loss_coef` when `output_router_logits`); `model_output` / `causal_lm_output` (the output
+  classes of the family's model and causal LM, `BaseModelOutputWithPast` / `CausalLMOutputWithPast` by default, MoE's
+  for the MoE families: the AttnRes outputs are these plus `depth_weights`, so their tuples are the family's
+  position by position); `check_config` (refusals, with the reason);
   `gguf_architecture` / `gguf_permuted_qk` / `gguf_norm_offset` (llama.cpp's layout of the family, if transformers'
   GGUF loader reads it: its `general.architecture`, whether its q/k rows are interleaved per head, and the constant
   llama.cpp adds to every `*norm.weight`, 1 for Gemma's `(1 + w)` norms).

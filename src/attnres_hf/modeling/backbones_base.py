@@ -21,6 +21,7 @@ from torch import nn
 
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 
 class LazyModule:
@@ -299,6 +300,8 @@ class BackboneAdapter:
     layer_types: Callable = default_layer_types
     record_outputs: dict = field(default_factory=dict)
     aux_loss: Callable | None = None
+    model_output: type = BaseModelOutputWithPast
+    causal_lm_output: type = CausalLMOutputWithPast
     check_config: Callable = _no_check
     gguf_architecture: str | None = None
     gguf_permuted_qk: bool = False

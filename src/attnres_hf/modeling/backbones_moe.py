@@ -46,6 +46,7 @@ from torch import nn
 
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
@@ -109,9 +110,11 @@ class ExpertRouting:
                                         attention_mask)
 
     def adapter_fields(self) -> dict:
-        """The `BackboneAdapter` fields of this routing: the recorder of the router logits, and the aux loss."""
+        """The `BackboneAdapter` fields of this routing: the recorder of the router logits, the aux loss, and the
+        output classes every transformers MoE model returns (`MoeModelOutputWithPast`, `MoeCausalLMOutputWithPast`)."""
         return {"record_outputs": {"router_logits": OutputRecorder(self.router, index=0)},
-                "aux_loss": self.aux_loss if self.load_balancing_loss is not None else None}
+                "aux_loss": self.aux_loss if self.load_balancing_loss is not None else None,
+                "model_output": MoeModelOutputWithPast, "causal_lm_output": MoeCausalLMOutputWithPast}
 
 
 EXPERT_ROUTING: dict[str, ExpertRouting] = {

@@ -211,8 +211,10 @@ def register_modules(owner: nn.Module, modules: NamedTuple) -> None:
 
 
 def registered_modules(owner: nn.Module, modules_type: type):
-    """The `modules_type` tuple of the modules registered on `owner` (after PEFT may have wrapped them)."""
-    return modules_type(*(owner._modules[name] for name in modules_type._fields))
+    """The `modules_type` tuple of the modules registered on `owner` (after PEFT may have wrapped them). `owner` may
+    be wrapped too: torch's `checkpoint_wrapper` (accelerate's FSDP activation checkpointing) hands attribute reads
+    to the layer it wraps, which holds the modules."""
+    return modules_type(*(getattr(owner, name) for name in modules_type._fields))
 
 
 class AttnResRMSNorm(nn.Module):

@@ -16,8 +16,8 @@ those siblings.
 """
 
 import functools
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,7 +27,6 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
@@ -41,6 +40,9 @@ from .configuration_attnres import AttnResConfig
 from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState,
                            modules_to_not_convert, naive_attnres, num_depth_mixing_parameters, register_modules,
                            registered_modules)
+from .outputs_attnres import (DEPTH_WEIGHTS_OUTPUTS, AttnResCausalLMOutputWithPast,
+                              AttnResModelOutputWithPast, AttnResMoeCausalLMOutputWithPast,
+                              AttnResMoeModelOutputWithPast)
 
 logger = logging.get_logger(__name__)
 
@@ -125,6 +127,39 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
                    *mlp_write.depth_weights)
         return mlp_write.state, attn_read.hidden, weights
+
+
+def non_reentrant_checkpoint(checkpoint_func: Callable) -> Callable:
+    """`checkpoint_func` (`torch.utils.checkpoint.checkpoint`, or transformers' `functools.partial` of it with the
+    `activation_checkpointing_kwargs`, or of its offloading wrapper) calling torch's checkpoint with
+    `use_reentrant=False`, its other keywords kept.
+
+    A decoder layer passes its depth state as a NamedTuple of tensors, which reentrant checkpointing does not see: it
+    cuts the gradient at every layer, so most parameters get none (and Delta AttnRes's backward fails). torch runs the
+    reentrant variant when `use_reentrant` is absent, which is what `{}`, `{"preserve_rng_state": True}` and PEFT's
+    kbit preparation ask for: those silently become non-reentrant. An explicit `use_reentrant=True` becomes
+    `use_reentrant=False` with a one-line warning. A function that takes no `use_reentrant` keyword (neither by
+    name nor through `**kwargs`) is not torch's checkpoint and is returned unchanged.
+    """
+    func, args, keywords = checkpoint_func, (), {}
+    if isinstance(checkpoint_func, functools.partial):
+        func, args, keywords = checkpoint_func.func, checkpoint_func.args, checkpoint_func.keywords
+    if keywords.get("use_reentrant") is False or not _takes_keyword(func, "use_reentrant"):
+        return checkpoint_func
+    if keywords.get("use_reentrant"):
+        logger.warning_once(
+            "AttnRes needs non-reentrant activation checkpointing (use_reentrant=True cannot follow the depth state "
+            "between layers); using use_reentrant=False."
+        )
+    return functools.partial(func, *args, **{**keywords, "use_reentrant": False})
+
+
+def _takes_keyword(func: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume it forwards keywords to torch
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -215,17 +250,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint, every_n_layers: int = 1
     ):
-        # AttnRes: a decoder layer passes its depth state as a NamedTuple of tensors; reentrant checkpointing only
-        # tracks tensors given directly, so it would silently cut the gradient at every layer. Use non-reentrant.
-        keywords = getattr(gradient_checkpointing_func, "keywords", {})
-        if enable and keywords.get("use_reentrant"):
-            logger.warning_once(
-                "AttnRes needs non-reentrant activation checkpointing (use_reentrant=True cannot follow the depth "
-                "state between layers); using use_reentrant=False."
-            )
-            gradient_checkpointing_func = functools.partial(
-                gradient_checkpointing_func.func, *gradient_checkpointing_func.args, **{**keywords, "use_reentrant": False}
-            )
+        # AttnRes: every way to turn checkpointing on (`activation_checkpointing_enable`, its deprecated alias
+        # `gradient_checkpointing_enable`, with any kwargs; `TrainingArguments(gradient_checkpointing=True)`; PEFT's
+        # `prepare_model_for_kbit_training`) lands here with its checkpoint function: made non-reentrant here.
+        if enable:
+            gradient_checkpointing_func = non_reentrant_checkpoint(gradient_checkpointing_func)
         super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -261,31 +290,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
             init.ones_(module.float().weight)
         else:  # the backbone's modules: as the family initialises them
             init_backbone_weights(backbone_adapter(self.config), self.config.backbone, module)
-
-
-@dataclass
-class AttnResModelOutputWithPast(BaseModelOutputWithPast):
-    """`BaseModelOutputWithPast` plus `depth_weights`, fp32 tensors in depth order when `output_depth_weights=True`,
-    as the method's record says (`DEPTH_MIXING[name].depth_weights`): AttnRes: one `(batch, seq_len, n_sources)` per
-    router (`layers.0.attn_res`, `layers.0.mlp_res`, ..., `final_res`; `(batch, seq_len, heads, n_sources)` with
-    `attnres_num_heads > 1`); DenseFormer: one `(batch, seq_len, n)` per DWA; MUDDFormer: one `(batch, seq_len, C, n)`
-    per layer; DCA: one `(batch, seq_len, C, n, hidden_size)` per GRN; mHC: `H_res`, `(batch, seq_len, n_streams,
-    n_streams)`, per sub-layer. `None` for the residual baseline. `router_logits`: a mixture-of-experts backbone's
-    router logits per MoE layer (with `output_router_logits=True`), as its family returns them."""
-
-    depth_weights: tuple[torch.Tensor, ...] | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-
-
-@dataclass
-class AttnResCausalLMOutputWithPast(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus `depth_weights` and `router_logits` (see `AttnResModelOutputWithPast`), and a
-    mixture-of-experts backbone's load-balancing `aux_loss` (scalar; already in `loss` times
-    `router_aux_loss_coef` when `labels` are given)."""
-
-    depth_weights: tuple[torch.Tensor, ...] | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-    aux_loss: torch.Tensor | None = None
 
 
 class AttnResModel(AttnResPreTrainedModel):
@@ -325,8 +329,11 @@ class AttnResModel(AttnResPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_depth_weights: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> AttnResModelOutputWithPast:
+    ) -> AttnResModelOutputWithPast | AttnResMoeModelOutputWithPast:
         r"""
+        Returns the family's output (`adapter.model_output`: `BaseModelOutputWithPast`, or `MoeModelOutputWithPast`
+        with `router_logits`) plus `depth_weights`; its tuple form is the family's, then `depth_weights`.
+
         Args:
             input_ids (`torch.LongTensor` of shape `(batch, seq_len)`): the tokens; exactly one of `input_ids` and
                 `inputs_embeds`.
@@ -335,7 +342,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 cache of its own: depth routing is per token.
             output_hidden_states (`bool`): return the embeddings, each layer's routed input and the final normed
                 state (`num_hidden_layers + 1` tensors; for `depth_mixing="residual"` this is the backbone family's tuple).
-            output_depth_weights (`bool`): return `depth_weights` (see `AttnResModelOutputWithPast`; AttnRes:
+            output_depth_weights (`bool`): return `depth_weights` (see `outputs_attnres.py`; AttnRes:
                 one `(batch, seq_len, n_sources)` fp32 tensor per router, rows summing to 1 with softmax).
 
         Raises:
@@ -386,7 +393,8 @@ class AttnResModel(AttnResPreTrainedModel):
         final = state.read_final(registered_modules(self, self._mixing_type))
         last_hidden_state = self.norm(final.hidden)
         depth_weights += final.depth_weights
-        return AttnResModelOutputWithPast(
+        # AttnRes: the family's output class (MoE: `MoeModelOutputWithPast`) plus `depth_weights`, tuple order included
+        return DEPTH_WEIGHTS_OUTPUTS[adapter.model_output](
             last_hidden_state=last_hidden_state,
             cache=cache,
             hidden_states=(*hidden_states, last_hidden_state) if output_hidden_states else None,
@@ -429,13 +437,15 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> AttnResCausalLMOutputWithPast:
+    ) -> AttnResCausalLMOutputWithPast | AttnResMoeCausalLMOutputWithPast:
         r"""
         Causal LM forward: arguments as `AttnResModel.forward`, plus `labels` (`(batch, seq_len)`, -100 ignored;
         shifted inside the loss) and `logits_to_keep` (keep the logits of the last N positions, or of the given
-        indices). Returns `logits` of shape `(batch, seq_len, vocab_size)` in the model dtype.
+        indices). Returns `logits` of shape `(batch, seq_len, vocab_size)` in the model dtype, in the family's output
+        class (`CausalLMOutputWithPast`, or `MoeCausalLMOutputWithPast` with `aux_loss` and `router_logits`) plus
+        `depth_weights`; its tuple form is the family's, position by position, then `depth_weights`.
         """
-        outputs: AttnResModelOutputWithPast = self.model(
+        outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -452,19 +462,23 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         loss = aux_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if adapter.aux_loss is not None and outputs.router_logits is not None:  # MoE load balancing, as the family
-            aux_loss = adapter.aux_loss(self.config.backbone, outputs.router_logits, attention_mask)
+        router_logits = outputs.get("router_logits")  # a MoE family's, with `output_router_logits`
+        if adapter.aux_loss is not None and router_logits is not None:  # MoE load balancing, as the family
+            aux_loss = adapter.aux_loss(self.config.backbone, router_logits, attention_mask)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-        return AttnResCausalLMOutputWithPast(
+        # AttnRes: the family's output class (MoE: `MoeCausalLMOutputWithPast`) plus `depth_weights`
+        output_class = DEPTH_WEIGHTS_OUTPUTS[adapter.causal_lm_output]
+        moe = ({"aux_loss": aux_loss, "router_logits": router_logits}
+               if "router_logits" in output_class.__dataclass_fields__ else {})
+        return output_class(
             loss=loss,
-            aux_loss=aux_loss,
-            router_logits=outputs.router_logits,
             logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             depth_weights=outputs.depth_weights,
+            **moe,
         )
 
 
