@@ -18,6 +18,13 @@ TINY = dict(
 )
 
 
+OTHER_PROCESS_ATOL = 1e-5
+"""Logits of the same model and code computed in another process (remote code in a fresh interpreter): its thread
+count may differ from this process's (the subprocess starts with torch's default; `OMP_NUM_THREADS=1` here), which
+reorders fp32 reductions. Measured: 6.0e-7 on tiny models' logits (magnitude 1-3) with `OMP_NUM_THREADS=1` in the
+test process, 0 with equal thread counts."""
+
+
 FOUR_BIT_SHAPE = dict(hidden_size=64, intermediate_size=128)
 """Tiny-model layer shapes that bitsandbytes' 4-bit CPU kernels run on every CPU: its AVX-512 BF16 kernel needs
 in_features divisible by 64 and out_features by 32 (`attnres_hf.quantization.unsupported_4bit_shapes`)."""
