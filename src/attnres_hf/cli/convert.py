@@ -35,6 +35,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="a GGUF source: compare every weight with the file's dequantised tensors (minutes for a "
                              "large file); default: each kind of tensor in the first and last block, which checks "
                              "every rule of the mapping, and the report says how many of how many")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="an HF safetensors folder: --stream converts it tensor by tensor and verifies it with "
+                             "every module offloaded to disk (memory of about its largest tensor in fp32, for a model "
+                             "of any size), --no-stream in memory (about twice its fp32 size; faster for small models). "
+                             "Default: streamed above 1 GiB of fp32 parameters; conversion_report.json says which ran")
     add_writing_options(parser)
 
 
@@ -58,6 +63,7 @@ def run_convert(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         trust_remote_code=args.trust_remote_code,
         verify_all=args.verify_all,
+        stream="auto" if args.stream is None else args.stream,
         **overrides,
     )
     check = report["verification"]

@@ -29,6 +29,10 @@ from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, c
                        load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion
 
+STREAMED_NEW_TOKENS = 8
+"""Greedy tokens a streamed conversion's check generates (each one reads every weight from disk, twice: the source
+and the output); the in-memory check generates 32."""
+
 CITATION = """@article{kimi2026attnres,
   title   = {Attention Residuals},
   author  = {Kimi Team},
@@ -267,7 +271,7 @@ def _checked(verify_all: bool) -> str:
 
 
 def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
-                     source_name, max_shard_size, verify_all) -> None:
+                     source_name, max_shard_size, verify_all, stream) -> None:
     """Types and values of `convert`'s own arguments (one-line `TypeError`/`ValueError`), before any file is read."""
     if not isinstance(source, PreTrainedModel):
         check_path_argument(source, "source (an HF folder, a .gguf file or a PreTrainedModel)")
@@ -288,6 +292,8 @@ def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mi
         raise TypeError(f"source_name must be a str or None, got {source_name!r}")
     if not isinstance(verify_all, bool):
         raise TypeError(f"verify_all must be True or False, got {verify_all!r}")
+    if not isinstance(stream, bool) and stream != "auto":
+        raise TypeError(f"stream must be True, False or 'auto', got {stream!r}")
     check_max_shard_size(max_shard_size)
 
 
@@ -305,6 +311,7 @@ def convert(
     max_shard_size: str = "5GB",
     trust_remote_code: bool = False,
     verify_all: bool = False,
+    stream: bool | str = "auto",
     **config_overrides,
 ) -> dict:
     """Retrofit `source` into AttnRes, verify it against the source, and write a complete folder to `output_dir`.
@@ -331,6 +338,12 @@ def convert(
             (`sampled_gguf_tensors`; SmolLM2: 20 of 272 weights), which checks each rule of the file-to-model
             mapping; the report's `gguf_tensors_checked` of `gguf_tensors` says which. The logits are compared
             either way.
+        stream: an HF safetensors folder: `True` converts it streamed (`streaming`: tensor by tensor, written shard by
+            shard as it is read; verified with every module offloaded to disk, one module's weights resident at a
+            time, and an 8-token greedy continuation, `STREAMED_NEW_TOKENS`), `False` in memory (source and AttnRes
+            model resident: about twice the fp32 size of the model), `"auto"` (default) streamed when the model's
+            parameters exceed `STREAM_ABOVE_BYTES` in fp32 (1 GiB) and its tensors can be streamed. The report's
+            `conversion.mode` says which ran and `conversion.why` why. Other sources are converted in memory.
         **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
 
     Returns:
@@ -346,18 +359,25 @@ def convert(
             (compared in fp32 after dequantisation) is a `ValueError` naming it. From an fla folder: every fla option
             without an exact counterpart, a tensor with no place, of another shape or missing (`ValueError`), an
             option that would change its trained routers (`ValueError`), fla not installed (`ImportError`).
+            `stream=True` for a source that cannot be streamed is a `ValueError` saying why.
     """
     _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
-                     source_name, max_shard_size, verify_all)
+                     source_name, max_shard_size, verify_all, stream)
     output_dir = check_output_folder(output_dir, force, *([] if isinstance(source, PreTrainedModel) else [source]))
     if tokenizer is None and not isinstance(source, PreTrainedModel) and Path(source).is_dir():
         check_tokenizer_code(source, trust_remote_code)
     target_dtype = check_dtype(dtype, auto=True)
 
+    mode = None  # an HF folder: why it converts in memory (`_streaming_choice`)
     unused, fla, k3, stored_dtypes = [], None, None, {}  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
+    hf_folder = not isinstance(source, PreTrainedModel) and gguf_file is None and Path(source).suffix != ".gguf" and not (
+        is_fla_folder(source) or is_k3_folder(source))
+    if stream is True and not hf_folder:
+        raise ValueError("stream=True: only an HF model folder of safetensors weights converts streamed (this source "
+                         "is an in-memory model, a GGUF file, or a flash-linear-attention or Kimi K3 folder)")
     if not isinstance(source, PreTrainedModel) and gguf_file is None and is_fla_folder(source):
         # flash-linear-attention's transformer: mapped tensor by tensor, checked against fla's own model
         fla = fla_source(source)  # refuses every fla option with no exact counterpart
@@ -395,6 +415,11 @@ def convert(
             if tokenizer is None and file_name is not None:  # built from the file's vocabulary: not instant
                 print(f"Converting the tokenizer of {file_name} ...", flush=True)
             tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
+            if file_name is None:
+                plan, mode = _streaming_choice(source, source_config, target_dtype, stream, overrides)
+                if plan is not None:
+                    return _convert_streamed(plan, source, output_dir, tokenizer, probe_text, source_name, max_shard_size,
+                                             force, mode, unused_config_keys(folder / "config.json", source_config))
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
             if file_name is not None:
                 print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
@@ -410,13 +435,7 @@ def convert(
         source_type = source_model.config.model_type
     name = source_name or name
 
-    if tokenizer is not None:
-        input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
-    else:  # no tokenizer: a fixed pseudo-random probe of token ids
-        print("The source has no tokenizer: the probe is 64 random token ids, and the output will have none "
-              "(save one into it for text commands such as attnres routing)", flush=True)
-        generator = torch.Generator().manual_seed(0)
-        input_ids = torch.randint(model.config.vocab_size, (1, 64), generator=generator)
+    input_ids = _probe_ids(tokenizer, probe_text, model.config.vocab_size)
     if k3 is not None and k3.block_size is not None:
         print(f"Checking every tensor written back against the checkpoint's (and a {input_ids.shape[1]}-token greedy "
               "continuation) ...", flush=True)
@@ -445,20 +464,32 @@ def convert(
     kept = {key: tensor.detach().to(stored_dtypes[key], copy=True) for key, tensor in model.state_dict().items()
             if stored_dtypes.get(key, target_dtype) != target_dtype}  # K3's fp32 tensors of a bf16 checkpoint
     model = model.to(target_dtype)
+    model.config.backbone.dtype = target_dtype  # the written dtype, not the fp32 the source was verified in
     for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
         if key in kept:
             tensor.data = kept[key]
-    config = model.config
-    report = {
+    source_fields = {"name": name, "gguf_file": gguf_file, "model_type": source_type, "unused_config_keys": unused,
+                     "tokenizer_code": (tokenizer_code(Path(source)) if tokenizer is not None and not isinstance(
+                         source, PreTrainedModel) and Path(source).is_dir() else None),
+                     **(fla_report_fields(fla) if fla is not None else {}),
+                     **(k3_report_fields(k3) if k3 is not None else {})}
+    dtype = most_common_dtype(model.state_dict().values()) if k3 is not None else target_dtype  # K3: most values'
+    mode = {"mode": "in-memory", "why": mode or "streaming reads HF folders only (this source is an in-memory "
+                                                "model, a GGUF file, or a flash-linear-attention or Kimi K3 folder)"}
+    report = _report(source_fields, output_dir, dtype, model.config, verification, mode)
+    with staged_folder(output_dir, replace=force) as staging:
+        _write_folder(staging, model, tokenizer, report, max_shard_size)
+    return report
+
+
+def _report(source_fields: dict, output_dir, dtype: torch.dtype, config, verification: dict, mode: dict) -> dict:
+    """The conversion report (`conversion_report.json`)."""
+    return {
         "attnres_hf_version": __version__,
-        "source": {"name": name, "gguf_file": gguf_file, "model_type": source_type, "unused_config_keys": unused,
-                   "tokenizer_code": (tokenizer_code(Path(source)) if tokenizer is not None and not isinstance(
-                       source, PreTrainedModel) and Path(source).is_dir() else None),
-                   **(fla_report_fields(fla) if fla is not None else {}),
-                   **(k3_report_fields(k3) if k3 is not None else {})},
+        "source": source_fields,
         "output_dir": str(output_dir),
-        "dtype": str(most_common_dtype(model.state_dict().values()) if k3 is not None else target_dtype
-                     ).removeprefix("torch."),  # K3: the dtype holding most of the written values
+        "dtype": str(dtype).removeprefix("torch."),
+        "conversion": mode,
         "config": {
             "depth_mixing": config.depth_mixing,
             "attnres_block_size": config.attnres_block_size,
@@ -468,6 +499,70 @@ def convert(
         },
         "verification": verification,
     }
+
+
+def _streaming_choice(source, source_config, target_dtype, stream, overrides) -> tuple:
+    """`(plan, mode)`: the `StreamPlan` when this HF folder converts streamed (else `None`), and why each way."""
+    from .streaming import STREAM_ABOVE_BYTES, safetensors_files, stream_plan, stored_dtype
+
+    if stream is False:
+        return None, "requested (stream=False)"
+    files = safetensors_files(Path(source))
+    dtype = stored_dtype(source_config, files or []) if target_dtype == "auto" else target_dtype
+    plan = stream_plan(source, source_config, dtype, **overrides)
+    if isinstance(plan, str):
+        if stream is True:
+            raise ValueError(f"{source} cannot be converted streamed: {plan}")
+        return None, f"not streamable: {plan}"
+    fp32_bytes = sum(tensor.numel() for tensor in plan.targets.values()) * 4
+    if stream is True:
+        return plan, {"mode": "streamed", "why": "requested (stream=True)"}
+    if fp32_bytes <= STREAM_ABOVE_BYTES:
+        return None, f"{fp32_bytes / 2**30:.2f} GiB in fp32, at most STREAM_ABOVE_BYTES ({STREAM_ABOVE_BYTES / 2**30:g} GiB)"
+    return plan, {"mode": "streamed", "why": f"{fp32_bytes / 2**30:.2f} GiB in fp32, over STREAM_ABOVE_BYTES "
+                                            f"({STREAM_ABOVE_BYTES / 2**30:g} GiB)"}
+
+
+def _convert_streamed(plan, source, output_dir, tokenizer, probe_text, source_name, max_shard_size, force, mode,
+                      unused) -> dict:
+    """`convert` of an HF safetensors folder, streamed (`streaming`): the weights written shard by shard into the
+    staging folder, then the source and the written folder compared with every module offloaded to disk."""
+    from ..modeling import AttnResForCausalLM
+    from .streaming import offloaded, write_folder_files, write_streamed
+
+    input_ids = _probe_ids(tokenizer, probe_text, plan.config.vocab_size)
     with staged_folder(output_dir, replace=force) as staging:
-        _write_folder(staging, model, tokenizer, report, max_shard_size)
+        with offloaded(source) as source_model:
+            write_folder_files(plan, staging, generation_config=getattr(source_model, "generation_config", None))
+            print(f"Writing {len(plan.targets)} tensors ({plan.num_bytes / 2**30:.2f} GiB), streamed from the source "
+                  "files ...", flush=True)
+            write_streamed(plan, staging, max_shard_size, progress=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
+                  f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...",
+                  flush=True)
+            with offloaded(staging, AttnResForCausalLM) as model:
+                verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
+        if tokenizer is not None:
+            for which in ("source", "converted"):
+                verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
+        source_fields = {"name": source_name or str(source), "gguf_file": None,
+                         "model_type": source_model.config.model_type, "unused_config_keys": unused,
+                         "tokenizer_code": tokenizer_code(Path(source)) if tokenizer is not None else None}
+        dtype = next(iter(plan.targets.values())).dtype
+        report = _report(source_fields, output_dir, dtype, plan.config, verification, mode)
+        model_card(report).save(staging / "README.md")
+        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _probe_ids(tokenizer, probe_text: str, vocab_size: int) -> torch.Tensor:
+    """The probe's token ids `(1, seq_len)`: `probe_text` tokenized, or 64 fixed pseudo-random ids without a
+    tokenizer."""
+    if tokenizer is not None:
+        return tokenizer(probe_text, return_tensors="pt").input_ids
+    print("The source has no tokenizer: the probe is 64 random token ids, and the output will have none "
+          "(save one into it for text commands such as attnres routing)", flush=True)
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(vocab_size, (1, 64), generator=generator)

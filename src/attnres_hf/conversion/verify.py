@@ -26,12 +26,14 @@ def verify_conversion(
     `greedy_match` (whether `new_tokens` greedy tokens are identical), both continuations' token ids, and
     `num_probe_tokens`.
     """
-    source_logits = source(input_ids).logits.float()
-    converted_logits = converted(input_ids).logits.float()
-    delta = (source_logits - converted_logits).abs()
+    # each model's forward and generation together: a model offloaded to disk (`streaming.offloaded`) reads its
+    # files once into the page cache, not once per alternation
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    source_logits = source(input_ids).logits.float()
     source_tokens = source.generate(input_ids, use_cache=source_use_cache, **greedy)[0, input_ids.shape[1] :]
+    converted_logits = converted(input_ids).logits.float()
     converted_tokens = converted.generate(input_ids, **greedy)[0, input_ids.shape[1] :]
+    delta = (source_logits - converted_logits).abs()
     return {
         "num_probe_tokens": int(input_ids.shape[1]),
         "max_abs_logit_delta": delta.max().item(),
