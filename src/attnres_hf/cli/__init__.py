@@ -18,7 +18,9 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 from ._common import unrecognized_arguments, with_default_subcommand
 
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "pass_through", False):
         args.parser.error(unrecognized_arguments(args.parser, rest))  # with "did you mean --block-size?"
     args.rest, args.argv = rest, argv  # `argv`: for a pass-through command that parses its own arguments in order
+    previous = _exit_on_sigterm()
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
@@ -69,6 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"{args.parser.prog}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM (`kill`, a job scheduler's stop) raise `SystemExit(143)` in the main thread, so that a command's
+    temporary output folder is deleted as on Ctrl-C (`_io.staged_folder`) instead of the process dying with it left
+    behind; returns the previous handler (`None` off the main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def _silence_stdout() -> None:

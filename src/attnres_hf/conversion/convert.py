@@ -29,7 +29,7 @@ from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, c
                        load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion
 
-STREAMED_NEW_TOKENS = 8
+STREAMED_NEW_TOKENS = 4
 """Greedy tokens a streamed conversion's check generates (each one reads every weight from disk, twice: the source
 and the output); the in-memory check generates 32."""
 
@@ -340,7 +340,7 @@ def convert(
             either way.
         stream: an HF safetensors folder: `True` converts it streamed (`streaming`: tensor by tensor, written shard by
             shard as it is read; verified with every module offloaded to disk, one module's weights resident at a
-            time, and an 8-token greedy continuation, `STREAMED_NEW_TOKENS`), `False` in memory (source and AttnRes
+            time, and a 4-token greedy continuation, `STREAMED_NEW_TOKENS`), `False` in memory (source and AttnRes
             model resident: about twice the fp32 size of the model), `"auto"` (default) streamed when the model's
             parameters exceed `STREAM_ABOVE_BYTES` in fp32 (1 GiB) and its tensors can be streamed. The report's
             `conversion.mode` says which ran and `conversion.why` why. Other sources are converted in memory.
@@ -418,8 +418,9 @@ def convert(
             if file_name is None:
                 plan, mode = _streaming_choice(source, source_config, target_dtype, stream, overrides)
                 if plan is not None:
-                    return _convert_streamed(plan, source, output_dir, tokenizer, probe_text, source_name, max_shard_size,
-                                             force, mode, unused_config_keys(folder / "config.json", source_config))
+                    return _convert_streamed(plan, source, source_config, output_dir, tokenizer, probe_text,
+                                             source_name, max_shard_size, force, mode,
+                                             unused_config_keys(folder / "config.json", source_config))
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
             if file_name is not None:
                 print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
@@ -523,32 +524,31 @@ def _streaming_choice(source, source_config, target_dtype, stream, overrides) ->
                                             f"({STREAM_ABOVE_BYTES / 2**30:g} GiB)"}
 
 
-def _convert_streamed(plan, source, output_dir, tokenizer, probe_text, source_name, max_shard_size, force, mode,
-                      unused) -> dict:
+def _convert_streamed(plan, source, source_config, output_dir, tokenizer, probe_text, source_name, max_shard_size,
+                      force, mode, unused) -> dict:
     """`convert` of an HF safetensors folder, streamed (`streaming`): the weights written shard by shard into the
     staging folder, then the source and the written folder compared with every module offloaded to disk."""
     from ..modeling import AttnResForCausalLM
-    from .streaming import offloaded, write_folder_files, write_streamed
+    from .streaming import generation_config_of, offloaded, write_folder_files, write_streamed
 
     input_ids = _probe_ids(tokenizer, probe_text, plan.config.vocab_size)
     with staged_folder(output_dir, replace=force) as staging:
+        write_folder_files(plan, staging, generation_config=generation_config_of(source, source_config))
+        print(f"Writing {len(plan.targets)} tensors ({plan.num_bytes / 2**30:.2f} GiB), streamed from the source "
+              "files ...", flush=True)
+        write_streamed(plan, staging, max_shard_size, progress=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
+              f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...", flush=True)
         with offloaded(source) as source_model:
-            write_folder_files(plan, staging, generation_config=getattr(source_model, "generation_config", None))
-            print(f"Writing {len(plan.targets)} tensors ({plan.num_bytes / 2**30:.2f} GiB), streamed from the source "
-                  "files ...", flush=True)
-            write_streamed(plan, staging, max_shard_size, progress=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(staging)
-            print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
-                  f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...",
-                  flush=True)
             with offloaded(staging, AttnResForCausalLM) as model:
                 verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
         if tokenizer is not None:
             for which in ("source", "converted"):
                 verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
         source_fields = {"name": source_name or str(source), "gguf_file": None,
-                         "model_type": source_model.config.model_type, "unused_config_keys": unused,
+                         "model_type": source_config.model_type, "unused_config_keys": unused,
                          "tokenizer_code": tokenizer_code(Path(source)) if tokenizer is not None else None}
         dtype = next(iter(plan.targets.values())).dtype
         report = _report(source_fields, output_dir, dtype, plan.config, verification, mode)

@@ -8,7 +8,7 @@ model's weights together:
 
 1. **Plan** (`StreamPlan`): the AttnRes model is built on the meta device (no weight memory); its state dict names,
    shapes and dtypes, less the tied weights `save_pretrained` leaves out, are the output's tensors. Each is either a
-   source tensor (the family's name map, `families.map_keys`: identity for every supported family) or a parameter of
+   source tensor of the same name (`families.map_keys` is the identity for every supported family) or a parameter of
    a depth-mixing module, whose value is that module's `reset_parameters()` (each module materialised alone: a few
    vectors). A source whose tensors are not exactly those (per-expert MoE tensors that transformers' weight
    conversions fuse, `.bin` weights) is not streamable; `convert` takes the in-memory path and says why.
@@ -134,7 +134,6 @@ def stream_plan(folder: str | os.PathLike, source_config, dtype: torch.dtype, **
     """
     from ..modeling import AttnResForCausalLM
     from ..modeling.depth_mixing import MIXING_MODULES
-    from .families import map_keys
     from .retrofit import retrofit_config
 
     folder = Path(folder)
@@ -151,11 +150,7 @@ def stream_plan(folder: str | os.PathLike, source_config, dtype: torch.dtype, **
     for tied in (getattr(model, "all_tied_weights_keys", None) or {}):  # `save_pretrained` writes one of a tied pair
         targets.pop(tied, None)
     held = _headers(files)
-    try:
-        mapped = map_keys(source_config, list(held))
-    except KeyError as error:
-        return f"a tensor has no AttnRes name ({error})"
-    sources = {mapped[name]: (path, name) for name, (path, _, _) in held.items()}
+    sources = {name: (path, name) for name, (path, _, _) in held.items()}  # the family's names are the AttnRes model's
     mixing_names = {}
     for module_name, module in model.named_modules():
         if isinstance(module, MIXING_MODULES):
@@ -163,8 +158,9 @@ def stream_plan(folder: str | os.PathLike, source_config, dtype: torch.dtype, **
     mixing_keys = {key for keys in mixing_names.values() for key in keys}
     backbone = set(targets) - mixing_keys
     if set(sources) != backbone:  # e.g. per-expert MoE tensors that transformers' conversions fuse into one
-        return ("its tensors are not the AttnRes model's one by one (transformers' weight conversions combine them, "
-                "e.g. per-expert MoE tensors)")
+        other = sorted(set(sources) - backbone) or sorted(backbone - set(sources))
+        return ("its tensors are not the AttnRes model's one by one (transformers' weight conversions combine or "
+                f"rename them, e.g. per-expert MoE tensors: {other[0]})")
     wrong = [name for name in backbone if list(targets[name].shape) != held[sources[name][1]][1]]
     if wrong:
         return f"tensors of another shape than the AttnRes model's ({', '.join(sorted(wrong)[:4])})"
@@ -269,22 +265,13 @@ def write_folder_files(plan: StreamPlan, folder: str | os.PathLike, generation_c
     plan.model.save_pretrained(folder, state_dict={})  # an empty state dict: no weight file is written
 
 
-def offload_map(model_class, folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> dict[str, str]:
-    """A `device_map` putting every module of the model saved in `folder` that holds weights on disk (accelerate's
-    hooks read them from the safetensors files for each forward) and the rest (rotary frequencies) on the CPU."""
-    from transformers import AutoConfig
-
-    from ..modeling import backbones
-
-    config = AutoConfig.from_pretrained(folder) if model_class is None else model_class.config_class.from_pretrained(
-        folder)
+def offload_map(model_class, config) -> dict[str, str]:
+    """A `device_map` for `model_class` built from `config` putting every module that holds weights on disk
+    (accelerate's hooks read them from the safetensors files for each forward) and the rest (rotary frequencies) on
+    the CPU: the top-level modules, each decoder layer on its own."""
     with torch.device("meta"):
-        model = (backbones.BACKBONES[config.model_type].causal_lm if model_class is None else model_class)._from_config(
-            config)
-    device_map = {}
-    for name, child in _leaf_blocks(model):
-        device_map[name] = "disk" if any(True for _ in child.parameters()) else "cpu"
-    return device_map
+        model = model_class._from_config(copy.deepcopy(config))
+    return {name: "disk" if any(True for _ in child.parameters()) else "cpu" for name, child in _leaf_blocks(model)}
 
 
 def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
@@ -301,29 +288,76 @@ def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
             yield full, child
 
 
+def generation_config_of(folder: str | os.PathLike, config):
+    """The generation config `from_pretrained` gives a model of `folder`: its `generation_config.json`, else the one
+    derived from `config`."""
+    from transformers import GenerationConfig
+
+    if (Path(folder) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder)
+    return GenerationConfig.from_model_config(config)
+
+
 @contextlib.contextmanager
 def offloaded(folder: str | os.PathLike, model_class=None):
-    """The model saved in `folder` (safetensors) loaded by transformers in fp32 with every weight-holding module
-    offloaded to disk (`offload_map`), as a context: one module's weights are resident at a time (its forward).
-    `model_class`: the class to load (`None`: the family's causal LM, as `AutoModelForCausalLM` maps it)."""
-    from transformers.utils import logging
+    """The model saved in `folder` (safetensors) in fp32 with every weight-holding module offloaded to disk
+    (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with an
+    index of the folder's own safetensors files, so nothing is read until a module's forward loads its weights (cast to
+    fp32) and nothing stays after it. `model_class`: the class to load (`None`: the family's causal LM, as
+    `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too).
+
+    transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
+    (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns).
+
+    Raises:
+        ValueError: a weight of the model that no tensor of the folder holds (one line naming it).
+    """
+    from accelerate import dispatch_model
+    from transformers import AutoConfig
 
     from ..modeling import backbones
+    from .retrofit import _family_config
 
-    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:
-        device_map = offload_map(model_class, folder)
-        if model_class is None:
-            from transformers import AutoConfig
+    if model_class is None:
+        config = _family_config(Path(folder)) or AutoConfig.from_pretrained(folder)
+        model_class = backbones.BACKBONES[config.model_type].causal_lm
+    else:
+        config = model_class.config_class.from_pretrained(folder)
+    with torch.device("meta"):
+        model = model_class._from_config(copy.deepcopy(config), dtype=torch.float32)
+    model.generation_config = generation_config_of(folder, config)
+    held = {name: path for name, (path, _, _) in _headers(safetensors_files(Path(folder))).items()}
+    with torch.no_grad():
+        for module in model.modules():  # rotary frequencies and the like: computed, as the family initialises them
+            if module._non_persistent_buffers_set:
+                for name in module._non_persistent_buffers_set:
+                    if module._buffers.get(name) is not None:
+                        module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+                model._init_weights(module)  # its parameters are meta tensors: their init does nothing
+    params = dict(model.named_parameters(remove_duplicate=False))  # both names of a tied pair
+    index, missing = {}, []
+    for name, tensor in model.state_dict().items():
+        if tensor.device.type != "meta":
+            continue
+        if name not in params:  # a persistent buffer: loaded now (small), not offloaded
+            if name not in held:
+                missing.append(name)
+                continue
+            from safetensors import safe_open
 
-            model_class = backbones.BACKBONES[AutoConfig.from_pretrained(folder).model_type].causal_lm
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity_error()  # "some parameters are on the meta device": the point
-        try:
-            model = model_class.from_pretrained(folder, dtype=torch.float32, device_map=device_map,
-                                                offload_folder=scratch)
-        finally:
-            logging.set_verbosity(verbosity)
-        try:
-            yield model.eval()
-        finally:
-            del model
+            owner, _, leaf = name.rpartition(".")
+            with safe_open(held[name], "pt") as handle:
+                model.get_submodule(owner)._buffers[leaf] = handle.get_tensor(name).float()
+        elif name in held:
+            index[name] = {"safetensors_file": str(held[name]), "weight_name": name, "dtype": "float32"}
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied not in index and source in index:
+            index[tied] = index[source]
+    missing += [name for name in params if name not in index]
+    if missing:
+        raise ValueError(f"{folder}: no tensor for {', '.join(missing[:4])} in its safetensors files")
+    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:  # accelerate's; nothing is written
+        model = dispatch_model(model, device_map=offload_map(model_class, config), main_device="cpu",
+                               offload_dir=scratch, offload_index=index,
+                               skip_keys=getattr(model, "_skip_keys_device_placement", None))
+        yield model.eval()
