@@ -15,16 +15,18 @@ model's weights together:
 2. **Write** (`write_streamed`): the shard plan is huggingface_hub's (`split_torch_state_dict_into_shards`, as
    `save_pretrained` names and fills shards), computed from the meta tensors. Each shard's safetensors header is
    written first (the format's documented layout: an 8-byte little-endian header length, the JSON header, the data),
-   then every tensor in row chunks of at most `chunk_bytes`, each read lazily from the source file (safetensors'
-   `get_slice`), cast and appended; the index is written last. safetensors' own reader checks each shard before
+   then every tensor in row chunks of at most `chunk_bytes`, each read from the source file, cast and appended; the
+   index is written last. safetensors' own reader checks each shard before
    the folder is kept.
-3. **Verify** (`offloaded`): the source and the written output are loaded by transformers with every module offloaded
-   to disk (`from_pretrained(device_map=..., dtype=torch.float32)`; accelerate's hooks read each module's weights from
-   the safetensors files for its forward and drop them after), and `verify.verify_conversion` runs on them as on
-   resident models: the same logits, compared in fp32, with one module's weights resident at a time.
+3. **Verify** (`offloaded`): the source and the written output are built on the meta device and dispatched by
+   accelerate with every weight-holding module offloaded to disk (`dispatch_model`; its hooks read each module's
+   weights, cast to fp32, from the folder's own safetensors files for its forward and drop them after), and
+   `verify.verify_conversion` runs on them as on resident models: the same logits, compared in fp32, with one
+   module's weights resident at a time.
 
-Peak memory: the largest module's fp32 weights (a Llama-3-8B's embedding or head, 2.1 GB) plus the probe's
-activations; measured figures are in docs/retrofitting.md ("Conversion at the size users bring", written by
+Every read goes through `SafetensorsFile`: plain reads of row chunks, no memory map (whose touched pages count as
+resident). Peak memory: the largest module's fp32 weights (a Llama-3-8B's embedding or head, 2.1 GB) plus one chunk
+and the probe's activations; measured figures are in docs/retrofitting.md ("Checkpoints of any size", written by
 `benchmarks/convert_scale.py`).
 """
 
@@ -35,6 +37,7 @@ import math
 import os
 import struct
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,23 +183,86 @@ def stream_plan(folder: str | os.PathLike, source_config, dtype: torch.dtype, **
 
 def _chunks(plan: StreamPlan, name: str, chunk_bytes: int):
     """The values of output tensor `name`, cast to its dtype, as contiguous row chunks of at most `chunk_bytes`
-    (a row never splits). The source file is opened per tensor, so its mapped pages are released after it."""
+    (a row never splits), read with `SafetensorsFile` (plain reads: no mapped pages counted as resident)."""
     target = plan.targets[name]
     if name in plan.mixing:
         yield plan.mixing[name]
         return
-    from safetensors import safe_open
-
     path, source_name = plan.sources[name]
-    with safe_open(path, "pt") as handle:
-        if target.dim() == 0:
-            yield handle.get_tensor(source_name).to(target.dtype)
-            return
-        piece = handle.get_slice(source_name)
-        row_bytes = math.prod(target.shape[1:]) * max(target.element_size(), 4)  # the cast may pass through fp32
+    reader = SafetensorsFile(path)
+    rows = target.shape[0] if target.dim() else 1
+    row_bytes = math.prod(target.shape[1:]) * max(target.element_size(), 4)  # the cast may pass through fp32
+    step = max(1, chunk_bytes // max(row_bytes, 1))
+    for start in range(0, rows, step):
+        yield reader.read(source_name, target.dtype, start, min(start + step, rows), chunk_bytes)
+
+
+class SafetensorsFile:
+    """One safetensors file, its tensors read by row ranges with plain file reads into fresh tensors.
+
+    safetensors' own reader memory-maps the file: every page a read touches counts as resident memory until the file
+    is closed (a Llama-3-8B's 1 GB head read through `safe_open` costs its 1 GB of mapped pages on top of the tensor
+    and its fp32 copy). This reads the format's documented layout (an 8-byte little-endian header length, the JSON
+    header, the data; little-endian values, as every platform torch runs on stores them) in chunks into the output.
+
+    Raises (at construction):
+        ValueError: a file too short for its header or for the tensors the header lists (one line naming it).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with self.path.open("rb") as handle:
+            head = handle.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            if 8 + length > size:
+                raise ValueError(f"{self.path}: truncated or not safetensors (its header does not fit in the file)")
+            try:
+                entries = json.loads(handle.read(length))
+            except ValueError as error:
+                raise ValueError(f"{self.path}: its safetensors header is not JSON ({error})") from None
+        entries.pop("__metadata__", None)
+        self.entries, self.data_start = entries, 8 + length
+        end = max((entry["data_offsets"][1] for entry in entries.values()), default=0)
+        if self.data_start + end > size:
+            raise ValueError(f"{self.path}: truncated ({size} bytes; its tensors end at byte {self.data_start + end})")
+
+    def shape(self, name: str) -> list[int]:
+        """The stored shape of tensor `name`."""
+        return list(self.entries[name]["shape"])
+
+    def read(self, name: str, dtype: torch.dtype, start: int = 0, stop: int | None = None,
+             chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+        """Rows `start:stop` (along dim 0; a 0-d tensor has one) of tensor `name`, cast to `dtype`: a contiguous CPU
+        tensor, read `chunk_bytes` of the file at a time, so the memory used is the result plus one chunk.
+
+        Raises:
+            KeyError: no tensor `name` in the file.
+            ValueError: a dtype this reader does not know (`SAFETENSORS_DTYPES`).
+        """
+        entry = self.entries[name]
+        stored = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}.get(entry["dtype"])
+        if stored is None:
+            raise ValueError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, which streaming does not read")
+        shape = entry["shape"]
+        rows = shape[0] if shape else 1
+        stop = rows if stop is None else stop
+        row_numel = math.prod(shape[1:]) if shape else 1
+        row_bytes = row_numel * stored.itemsize
+        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=dtype)
+        flat = out.view(-1)
         step = max(1, chunk_bytes // max(row_bytes, 1))
-        for start in range(0, target.shape[0], step):
-            yield piece[start:start + step].to(target.dtype).contiguous()
+        buffer = torch.empty(min(step, stop - start) * row_bytes, dtype=torch.uint8)
+        with self.path.open("rb", buffering=0) as handle:
+            handle.seek(self.data_start + entry["data_offsets"][0] + start * row_bytes)
+            for first in range(start, stop, step):
+                count = min(step, stop - first) * row_bytes
+                view = buffer[:count]
+                if handle.readinto(memoryview(view.numpy())) != count:
+                    raise ValueError(f"{self.path}: truncated while reading {name}")
+                begin = (first - start) * row_numel
+                flat[begin:begin + count // stored.itemsize].copy_(view.view(stored))
+        return out
 
 
 def _header(names: list[str], targets: dict[str, torch.Tensor]) -> bytes:
@@ -265,12 +331,11 @@ def write_folder_files(plan: StreamPlan, folder: str | os.PathLike, generation_c
     plan.model.save_pretrained(folder, state_dict={})  # an empty state dict: no weight file is written
 
 
-def offload_map(model_class, config) -> dict[str, str]:
-    """A `device_map` for `model_class` built from `config` putting every module that holds weights on disk
-    (accelerate's hooks read them from the safetensors files for each forward) and the rest (rotary frequencies) on
-    the CPU: the top-level modules, each decoder layer on its own."""
-    with torch.device("meta"):
-        model = model_class._from_config(copy.deepcopy(config))
+def offload_map(model: torch.nn.Module) -> dict[str, str]:
+    """A `device_map` for `model` (on the meta device) putting every module that holds weights on disk (accelerate's
+    hooks read them from the safetensors files for each forward) and the rest (rotary frequencies, the
+    `RowStreamedEmbedding` and `RowStreamedLinear`, which read their own) on the CPU: the top-level modules, each
+    decoder layer on its own."""
     return {name: "disk" if any(True for _ in child.parameters()) else "cpu" for name, child in _leaf_blocks(model)}
 
 
@@ -301,13 +366,15 @@ def generation_config_of(folder: str | os.PathLike, config):
 @contextlib.contextmanager
 def offloaded(folder: str | os.PathLike, model_class=None):
     """The model saved in `folder` (safetensors) in fp32 with every weight-holding module offloaded to disk
-    (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with an
-    index of the folder's own safetensors files, so nothing is read until a module's forward loads its weights (cast to
-    fp32) and nothing stays after it. `model_class`: the class to load (`None`: the family's causal LM, as
+    (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
+    folder's own safetensors files as its weights (`FolderWeights`), so nothing is read until a module's forward
+    loads its weights (cast to fp32) and nothing stays after it. `model_class`: the class to load (`None`: the family's causal LM, as
     `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too).
 
     transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
-    (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns).
+    (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns), and its index-based
+    offload reads each tensor through a memory map and casts it whole (a 1 GB bf16 head: 1 GB of mapped pages, 1 GB
+    read, 2 GB in fp32 at once).
 
     Raises:
         ValueError: a weight of the model that no tensor of the folder holds (one line naming it).
@@ -335,7 +402,7 @@ def offloaded(folder: str | os.PathLike, model_class=None):
                         module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
                 model._init_weights(module)  # its parameters are meta tensors: their init does nothing
     params = dict(model.named_parameters(remove_duplicate=False))  # both names of a tied pair
-    index, missing = {}, []
+    weights, missing = {}, []
     for name, tensor in model.state_dict().items():
         if tensor.device.type != "meta":
             continue
@@ -343,21 +410,120 @@ def offloaded(folder: str | os.PathLike, model_class=None):
             if name not in held:
                 missing.append(name)
                 continue
-            from safetensors import safe_open
-
             owner, _, leaf = name.rpartition(".")
-            with safe_open(held[name], "pt") as handle:
-                model.get_submodule(owner)._buffers[leaf] = handle.get_tensor(name).float()
+            model.get_submodule(owner)._buffers[leaf] = SafetensorsFile(held[name]).read(name, torch.float32)
         elif name in held:
-            index[name] = {"safetensors_file": str(held[name]), "weight_name": name, "dtype": "float32"}
+            weights[name] = (held[name], name)
     for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        if tied not in index and source in index:
-            index[tied] = index[source]
-    missing += [name for name in params if name not in index]
+        if tied not in weights and source in weights:
+            weights[tied] = weights[source]
+    missing += [name for name in params if name not in weights]
     if missing:
         raise ValueError(f"{folder}: no tensor for {', '.join(missing[:4])} in its safetensors files")
+    source = FolderWeights(weights)
+    _stream_vocabulary_modules(model, source)
     with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:  # accelerate's; nothing is written
-        model = dispatch_model(model, device_map=offload_map(model_class, config), main_device="cpu",
-                               offload_dir=scratch, offload_index=index,
+        # `state_dict` is read by key for each module's forward; an empty (not None) `offload_index` tells accelerate
+        # the weights are already on disk (it would otherwise save the meta model's into `offload_dir`)
+        model = dispatch_model(model, device_map=offload_map(model), main_device="cpu",
+                               state_dict=source, offload_dir=scratch, offload_index={},
                                skip_keys=getattr(model, "_skip_keys_device_placement", None))
         yield model.eval()
+
+
+class FolderWeights(Mapping):
+    """`{weight name: fp32 tensor}` read from safetensors files when asked (`SafetensorsFile`, no memory map):
+    what accelerate's offload hooks read a module's weights from before its forward and drop after it.
+
+    Args:
+        where: `{weight name: (safetensors file, tensor name in it)}`.
+    """
+
+    def __init__(self, where: dict[str, tuple[Path, str]]):
+        self.where, self._files = where, {}
+
+    def _file(self, key: str) -> tuple["SafetensorsFile", str]:
+        path, name = self.where[key]
+        if path not in self._files:
+            self._files[path] = SafetensorsFile(path)
+        return self._files[path], name
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.read(key)
+
+    def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows `start:stop` of weight `key` in fp32 (`SafetensorsFile.read`)."""
+        file, name = self._file(key)
+        return file.read(name, torch.float32, start, stop)
+
+    def rows(self, key: str, indices: list[int]) -> torch.Tensor:
+        """The rows `indices` of weight `key` in fp32, `(len(indices), *row shape)`."""
+        file, name = self._file(key)
+        return torch.cat([file.read(name, torch.float32, i, i + 1) for i in indices]) if indices else \
+            file.read(name, torch.float32, 0, 0)
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def _stream_vocabulary_modules(model: torch.nn.Module, source: "FolderWeights") -> None:
+    """Replace `model`'s input embedding and output head, when they are plain `nn.Embedding` / `nn.Linear` (a
+    family's own subclass, e.g. a scaled embedding, is left to accelerate's hooks), by modules that read only what each
+    forward needs from `source`: the embedding rows of the ids, the head in row chunks. They are a model's largest
+    tensors (a Llama-3-8B's: 2.1 GB each in fp32, more than a decoder layer's 0.87 GB)."""
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is torch.nn.Embedding and embedding.max_norm is None:
+        model.set_input_embeddings(RowStreamedEmbedding(source, names[id(embedding.weight)], embedding.weight.shape))
+    if type(head) is torch.nn.Linear:
+        bias = names[id(head.bias)] if head.bias is not None else None
+        model.set_output_embeddings(RowStreamedLinear(source, names[id(head.weight)], bias, head.weight.shape))
+
+
+class RowStreamedEmbedding(torch.nn.Module):
+    """An fp32 `nn.Embedding` whose table stays on disk: each forward reads the rows of the ids it looks up.
+
+    Args:
+        source: the weights (`FolderWeights`); `name`: the table's name in it; `shape`: `(vocab_size, hidden_size)`.
+    Input: integer ids of any shape; output: fp32 `(*ids.shape, hidden_size)`, as `F.embedding` of the whole table.
+    """
+
+    def __init__(self, source: "FolderWeights", name: str, shape):
+        super().__init__()
+        self.source, self.name, self.num_embeddings, self.embedding_dim = source, name, shape[0], shape[1]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, position = torch.unique(input_ids, return_inverse=True)
+        rows = self.source.rows(self.name, ids.tolist())
+        return rows[position]
+
+
+class RowStreamedLinear(torch.nn.Module):
+    """An fp32 `nn.Linear` whose weight stays on disk: each forward reads it `CHUNK_BYTES` of output rows at a time
+    (a model's head: each chunk of the vocabulary's logits from its rows).
+
+    Args:
+        source: the weights (`FolderWeights`); `name`, `bias`: the weight's and bias's names in it (`bias` `None`:
+            none); `shape`: `(out_features, in_features)`.
+    Input: fp32 `(..., in_features)`; output: fp32 `(..., out_features)`, as `F.linear` with the whole weight.
+    """
+
+    def __init__(self, source: "FolderWeights", name: str, bias: str | None, shape):
+        super().__init__()
+        self.source, self.name, self.bias_name = source, name, bias
+        self.out_features, self.in_features = shape
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        step = max(1, CHUNK_BYTES // (4 * self.in_features))
+        bias = self.source[self.bias_name] if self.bias_name is not None else None
+        hidden = hidden.float()
+        out = hidden.new_empty((*hidden.shape[:-1], self.out_features))
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            weight = self.source.read(self.name, start, stop)
+            out[..., start:stop] = torch.nn.functional.linear(
+                hidden, weight, None if bias is None else bias[start:stop])
+        return out
