@@ -7,10 +7,12 @@ random token ids), then records: the checkpoint's size; the time `cp -r` takes t
 writing the same bytes); `attnres convert` run as a child process under `/usr/bin/time -v` (its wall time and peak
 resident memory, the whole process: Python, torch, transformers and the verification included); the verification's
 max |delta logits| (fp32, both models offloaded to disk) over the source's max |logit|, and whether the greedy tokens
-agree; the output's size. Targets (issue: streamed conversion at 7-8B): peak memory <= 3 GB, wall <= 3x `cp`,
-|delta| <= 1e-3 of the logits' scale.
+agree; the output's size; then the user's next step, `AutoModelForCausalLM.from_pretrained(device_map="auto")` of the
+output with a CPU budget well under the machine's memory (`LOAD_BUDGET`; the rest offloaded to disk) and 2 greedy
+tokens, its wall time and peak resident memory (`LOAD_SCRIPT`). Targets (issue: streamed conversion at 7-8B): peak
+memory <= 3 GB, wall <= 3x `cp`, |delta| <= 1e-3 of the logits' scale.
 
-    python benchmarks/convert_scale.py --results docs/results/convert_scale.md   # Llama-3-8B shape: ~1 h on 2 cores
+    python benchmarks/convert_scale.py --results docs/results/convert_scale.md   # Llama-3-8B shape: ~15 min on 2 cores
     python benchmarks/convert_scale.py --small                                  # ~250 MB cases, about a minute
 
 Random weights (normal, std 0.02; norms ones) make small logits; the relative delta is what compares across shapes.
@@ -113,6 +115,31 @@ def timed_child(argv: list[str]) -> tuple[float, float, str]:
     return wall, peak_kb * 1024 / 1e9, done.stdout + done.stderr
 
 
+LOAD_SCRIPT = r"""
+import json, sys, tempfile, time
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, budget = sys.argv[1], sys.argv[2]
+with tempfile.TemporaryDirectory(prefix="offload-") as offload:
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype="auto", device_map="auto",
+                                                 max_memory={"cpu": budget}, offload_folder=offload)
+    loaded = time.perf_counter() - start
+    ids = torch.randint(model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    tokens = model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)[0, 8:]
+    sizes = [(param.numel() * param.element_size(), param.device.type) for param in model.parameters()]
+    print(json.dumps({"load_only_s": loaded, "new_tokens": len(tokens), "total_bytes": sum(n for n, _ in sizes),
+                      "offloaded_bytes": sum(n for n, device in sizes if device == "meta")}))  # hooks hold them
+"""
+"""The user's next step, in a child process: the converted folder loaded with `AutoModelForCausalLM.from_pretrained(
+trust_remote_code=True, device_map="auto", max_memory={"cpu": budget}, offload_folder=...)` (accelerate puts what
+does not fit on disk) and 2 greedy tokens generated from 8 random ids."""
+
+LOAD_BUDGET = {"full": "4GiB", "small": "128MiB"}
+"""`max_memory["cpu"]` of the load step: well under the machine's memory, so most of the model is offloaded."""
+
+
 def measure(name: str, root: Path, dtype: str, shard_bytes: int) -> dict:
     family, fields = CASES[name]
     source, copy, output = root / f"{name}-src", root / f"{name}-copy", root / f"{name}-out"
@@ -137,6 +164,11 @@ def measure(name: str, root: Path, dtype: str, shard_bytes: int) -> dict:
            "greedy_match": check["greedy_match"], "greedy_new_tokens": check["greedy_new_tokens"],
            "largest_tensor_bytes": max_tensor_bytes(source)}
     row["relative_delta"] = row["max_abs_logit_delta"] / row["source_max_abs_logit"]
+    row["load_budget"] = LOAD_BUDGET["full" if name in FULL else "small"]
+    wall, peak, text = timed_child([sys.executable, "-c", LOAD_SCRIPT, str(output), row["load_budget"]])
+    loaded = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+    row |= {"load_generate_s": wall, "load_peak_gb": peak, "offloaded_bytes": loaded["offloaded_bytes"],
+            "weight_bytes": loaded["total_bytes"], "load_new_tokens": loaded["new_tokens"]}
     shutil.rmtree(output)
     shutil.rmtree(source)
     return row
@@ -160,15 +192,19 @@ def max_tensor_bytes(folder: Path) -> int:
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| case | parameters | checkpoint (bf16) | output | `cp` | convert | convert / `cp` | peak memory | "
-             "peak / largest tensor (fp32) | max abs delta logits / max abs logit | greedy tokens agree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak / largest tensor (fp32) | max abs delta logits / max abs logit | greedy tokens agree | "
+             "load + 2 tokens (`device_map=\"auto\"`) | its peak memory |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
             f"| {row['case']} | {row['parameters'] / 1e9:.2f}B | {row['source_bytes'] / 1e9:.2f} GB | "
             f"{row['output_bytes'] / 1e9:.2f} GB ({row['dtype']}) | {row['cp_s']:.0f} s | {row['convert_s']:.0f} s | "
             f"{row['convert_s'] / row['cp_s']:.2f}x | {row['peak_gb']:.2f} GB | "
             f"{row['peak_gb'] * 1e9 / row['largest_tensor_bytes']:.2f}x | {row['relative_delta']:.2g} | "
-            f"{row['greedy_match']} ({row['greedy_new_tokens']}) |")
+            f"{row['greedy_match']} ({row['greedy_new_tokens']}) | {row['load_generate_s']:.0f} s (cpu "
+            f"{row['load_budget']}; {row['offloaded_bytes'] / 1e9:.2f} of {row['weight_bytes'] / 1e9:.2f} GB on "
+            "disk) | "
+            f"{row['load_peak_gb']:.2f} GB |")
     verdicts = []
     for row in rows:
         if row["case"] not in FULL:

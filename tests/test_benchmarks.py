@@ -671,7 +671,8 @@ def test_trained_routing_smoke_trains_both_arms_and_writes_its_fragment(tmp_path
 def test_convert_scale_small_streams_a_real_shaped_checkpoint_exactly(tmp_path):
     """benchmarks/convert_scale.py --small on its Llama-shaped case (0.16B parameters, 0.31 GB of bf16, sharded):
     `attnres convert --stream` in a child process under /usr/bin/time, the report's mode, the logits within 1e-5 of
-    their scale (measured 5.6e-7), the greedy tokens, an output the source's size in bf16, and the table."""
+    their scale, the greedy tokens, an output the source's size in bf16, the output loaded with
+    `device_map="auto"` and a small CPU budget and generating, and the table."""
     sys.path.insert(0, str(BENCHMARKS))
     import convert_scale
 
@@ -679,5 +680,8 @@ def test_convert_scale_small_streams_a_real_shaped_checkpoint_exactly(tmp_path):
     assert row["mode"] == "streamed" and row["greedy_match"] and row["relative_delta"] <= 1e-5, row
     assert abs(row["output_bytes"] - row["source_bytes"]) <= 0.01 * row["source_bytes"]  # bf16 in, bf16 out
     assert row["peak_gb"] > 0 and row["cp_s"] > 0 and not list(tmp_path.iterdir())  # it cleaned up after itself
+    # the output loads with device_map="auto" under a 128 MiB CPU budget, the rest on disk, and generates
+    assert row["load_new_tokens"] == 2 and 0 < row["offloaded_bytes"] < row["weight_bytes"], row
+    assert row["load_peak_gb"] > 0
     text = convert_scale.format_table([row])
     assert "| llama-small | 0.16B | 0.31 GB |" in text and "PASS" not in text  # verdicts are for the full cases

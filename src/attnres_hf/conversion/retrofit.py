@@ -350,6 +350,21 @@ def check_dtype(dtype, auto: bool = False) -> torch.dtype | str:
     return dtype
 
 
+
+def check_representable(name: str, values: torch.Tensor, dtype: torch.dtype, where: str | os.PathLike = "") -> None:
+    """Before `values` (any float dtype) are written as `dtype`: a one-line `ValueError` naming tensor `name` when a
+    finite value of it is beyond `dtype`'s range (it would be written as inf: a float16 output of a bf16 or fp32
+    checkpoint with outliers above 65504), else nothing. Integer and equal-or-wider dtypes pass unchecked."""
+    if not (values.is_floating_point() and dtype.is_floating_point) or torch.finfo(dtype).max >= torch.finfo(
+            values.dtype).max:
+        return
+    finite = values[torch.isfinite(values)]
+    largest = finite.abs().max().item() if finite.numel() else 0.0
+    if largest > torch.finfo(dtype).max:
+        raise ValueError(f"{where}{': ' if where else ''}tensor {name} holds values up to {largest:.4g}, beyond "
+                         f"{str(dtype).removeprefix('torch.')}'s range ({torch.finfo(dtype).max:g}): they would be "
+                         "written as inf; convert to bfloat16 or float32")
+
 _CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(AttnResConfig))
 
 

@@ -10,15 +10,17 @@ model's weights together:
    shapes and dtypes, less the tied weights `save_pretrained` leaves out, are the output's tensors. Each is either a
    source tensor of the same name (`families.map_keys` is the identity for every supported family) or a parameter of
    a depth-mixing module, whose value is that module's `reset_parameters()` (each module materialised alone: a few
-   vectors). A source whose tensors are not exactly those (per-expert MoE tensors that transformers' weight
-   conversions fuse, `.bin` weights) is not streamable; `convert` takes the in-memory path and says why.
+   vectors). Source tensors transformers' loading drops (a tied head stored beside its embedding, old per-layer
+   rotary `inv_freq`) are dropped too. A source whose tensors do not hold the model's one by one (per-expert MoE
+   tensors that transformers' weight conversions fuse, `.bin` weights) is not streamable; `convert` takes the
+   in-memory path and says why.
 2. **Write** (`write_streamed`): the shard plan is huggingface_hub's (`split_torch_state_dict_into_shards`, as
    `save_pretrained` names and fills shards), computed from the meta tensors. Each shard's safetensors header is
    written first (the format's documented layout: an 8-byte little-endian header length, the JSON header, the data),
    then every tensor in row chunks of at most `chunk_bytes`, each read from the source file, cast and appended; the
    index is written last. safetensors' own reader checks each shard before
    the folder is kept.
-3. **Verify** (`offloaded`): the source and the written output are built on the meta device and dispatched by
+3. **Verify** (`offloaded.offloaded`): the source and the written output are built on the meta device and dispatched by
    accelerate with every weight-holding module offloaded to disk (`dispatch_model`; its hooks read each module's
    weights, cast to fp32, from the folder's own safetensors files for its forward and drop them after), and
    `verify.verify_conversion` runs on them as on resident models: the same logits, compared in fp32, with one
@@ -30,14 +32,11 @@ and the probe's activations; measured figures are in docs/retrofitting.md ("Chec
 `benchmarks/convert_scale.py`).
 """
 
-import contextlib
 import copy
 import json
 import math
 import os
 import struct
-import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,10 +159,13 @@ def stream_plan(folder: str | os.PathLike, source_config, dtype: torch.dtype, **
             mixing_names[module_name] = [f"{module_name}.{name}" for name, _ in module.named_parameters()]
     mixing_keys = {key for keys in mixing_names.values() for key in keys}
     backbone = set(targets) - mixing_keys
-    if set(sources) != backbone:  # e.g. per-expert MoE tensors that transformers' conversions fuse into one
-        other = sorted(set(sources) - backbone) or sorted(backbone - set(sources))
+    absent = sorted(backbone - set(sources))
+    if absent:  # e.g. per-expert MoE tensors that transformers' conversions fuse into one
         return ("its tensors are not the AttnRes model's one by one (transformers' weight conversions combine or "
-                f"rename them, e.g. per-expert MoE tensors: {other[0]})")
+                f"rename them, e.g. per-expert MoE tensors into {absent[0]})")
+    # the rest are tensors transformers' loading drops too (`load_source_config` checked that): a tied head stored
+    # beside its embedding, old checkpoints' per-layer rotary `inv_freq`
+    sources = {name: sources[name] for name in backbone}
     wrong = [name for name in backbone if list(targets[name].shape) != held[sources[name][1]][1]]
     if wrong:
         return f"tensors of another shape than the AttnRes model's ({', '.join(sorted(wrong)[:4])})"
@@ -183,18 +185,26 @@ def stream_plan(folder: str | os.PathLike, source_config, dtype: torch.dtype, **
 
 def _chunks(plan: StreamPlan, name: str, chunk_bytes: int):
     """The values of output tensor `name`, cast to its dtype, as contiguous row chunks of at most `chunk_bytes`
-    (a row never splits), read with `SafetensorsFile` (plain reads: no mapped pages counted as resident)."""
+    (a row never splits), read with `SafetensorsFile` (plain reads: no mapped pages counted as resident).
+
+    Raises:
+        ValueError: values beyond the output dtype's range (`retrofit.check_representable`: a float16 output).
+    """
     target = plan.targets[name]
     if name in plan.mixing:
         yield plan.mixing[name]
         return
+    from .retrofit import check_representable
+
     path, source_name = plan.sources[name]
     reader = SafetensorsFile(path)
     rows = target.shape[0] if target.dim() else 1
     row_bytes = math.prod(target.shape[1:]) * max(target.element_size(), 4)  # the cast may pass through fp32
     step = max(1, chunk_bytes // max(row_bytes, 1))
     for start in range(0, rows, step):
-        yield reader.read(source_name, target.dtype, start, min(start + step, rows), chunk_bytes)
+        values = reader.read(source_name, reader.dtype(source_name), start, min(start + step, rows), chunk_bytes)
+        check_representable(name, values, target.dtype, path)  # an outlier beyond float16's range: refused, not inf
+        yield values.to(target.dtype)
 
 
 class SafetensorsFile:
@@ -231,6 +241,18 @@ class SafetensorsFile:
         """The stored shape of tensor `name`."""
         return list(self.entries[name]["shape"])
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of tensor `name`.
+
+        Raises:
+            ValueError: a dtype this reader does not know (`SAFETENSORS_DTYPES`).
+        """
+        code = self.entries[name]["dtype"]
+        stored = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}.get(code)
+        if stored is None:
+            raise ValueError(f"{self.path}: tensor {name} has dtype {code}, which streaming does not read")
+        return stored
+
     def read(self, name: str, dtype: torch.dtype, start: int = 0, stop: int | None = None,
              chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
         """Rows `start:stop` (along dim 0; a 0-d tensor has one) of tensor `name`, cast to `dtype`: a contiguous CPU
@@ -240,10 +262,7 @@ class SafetensorsFile:
             KeyError: no tensor `name` in the file.
             ValueError: a dtype this reader does not know (`SAFETENSORS_DTYPES`).
         """
-        entry = self.entries[name]
-        stored = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}.get(entry["dtype"])
-        if stored is None:
-            raise ValueError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, which streaming does not read")
+        entry, stored = self.entries[name], self.dtype(name)
         shape = entry["shape"]
         rows = shape[0] if shape else 1
         stop = rows if stop is None else stop
@@ -286,8 +305,8 @@ def write_streamed(plan: StreamPlan, folder: str | os.PathLike, max_shard_size: 
     its source in chunks of at most `chunk_bytes` (`CHUNK_BYTES`); return the weight files.
 
     Raises:
-        ValueError: a written shard that safetensors' reader refuses, or whose tensors are not the plan's (one line
-            naming the file).
+        ValueError: a written shard that safetensors' reader refuses, or whose tensors are not the plan's, or a source
+            value beyond the output dtype's range (one line naming the file or tensor).
         OSError: the disk is full or unwritable (the caller's staging folder is then deleted, `_io.staged_folder`).
     """
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -331,28 +350,6 @@ def write_folder_files(plan: StreamPlan, folder: str | os.PathLike, generation_c
     plan.model.save_pretrained(folder, state_dict={})  # an empty state dict: no weight file is written
 
 
-def offload_map(model: torch.nn.Module) -> dict[str, str]:
-    """A `device_map` for `model` (on the meta device) putting every module that holds weights on disk (accelerate's
-    hooks read them from the safetensors files for each forward) and the rest (rotary frequencies, the
-    `RowStreamedEmbedding` and `RowStreamedLinear`, which read their own) on the CPU: the top-level modules, each
-    decoder layer on its own."""
-    return {name: "disk" if any(True for _ in child.parameters()) else "cpu" for name, child in _leaf_blocks(model)}
-
-
-def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
-    """The modules a `device_map` assigns: the model's top-level children, and each decoder layer of a
-    `layers` list."""
-    for name, child in model.named_children():
-        full = f"{prefix}{name}"
-        if isinstance(child, torch.nn.ModuleList):
-            for index, layer in enumerate(child):
-                yield f"{full}.{index}", layer
-        elif any(isinstance(grandchild, torch.nn.ModuleList) for grandchild in child.children()):
-            yield from _leaf_blocks(child, f"{full}.")
-        else:
-            yield full, child
-
-
 def generation_config_of(folder: str | os.PathLike, config):
     """The generation config `from_pretrained` gives a model of `folder`: its `generation_config.json`, else the one
     derived from `config`."""
@@ -361,169 +358,3 @@ def generation_config_of(folder: str | os.PathLike, config):
     if (Path(folder) / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(folder)
     return GenerationConfig.from_model_config(config)
-
-
-@contextlib.contextmanager
-def offloaded(folder: str | os.PathLike, model_class=None):
-    """The model saved in `folder` (safetensors) in fp32 with every weight-holding module offloaded to disk
-    (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
-    folder's own safetensors files as its weights (`FolderWeights`), so nothing is read until a module's forward
-    loads its weights (cast to fp32) and nothing stays after it. `model_class`: the class to load (`None`: the family's causal LM, as
-    `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too).
-
-    transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
-    (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns), and its index-based
-    offload reads each tensor through a memory map and casts it whole (a 1 GB bf16 head: 1 GB of mapped pages, 1 GB
-    read, 2 GB in fp32 at once).
-
-    Raises:
-        ValueError: a weight of the model that no tensor of the folder holds (one line naming it).
-    """
-    from accelerate import dispatch_model
-    from transformers import AutoConfig
-
-    from ..modeling import backbones
-    from .retrofit import _family_config
-
-    if model_class is None:
-        config = _family_config(Path(folder)) or AutoConfig.from_pretrained(folder)
-        model_class = backbones.BACKBONES[config.model_type].causal_lm
-    else:
-        config = model_class.config_class.from_pretrained(folder)
-    with torch.device("meta"):
-        model = model_class._from_config(copy.deepcopy(config), dtype=torch.float32)
-    model.generation_config = generation_config_of(folder, config)
-    held = {name: path for name, (path, _, _) in _headers(safetensors_files(Path(folder))).items()}
-    with torch.no_grad():
-        for module in model.modules():  # rotary frequencies and the like: computed, as the family initialises them
-            if module._non_persistent_buffers_set:
-                for name in module._non_persistent_buffers_set:
-                    if module._buffers.get(name) is not None:
-                        module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-                model._init_weights(module)  # its parameters are meta tensors: their init does nothing
-    params = dict(model.named_parameters(remove_duplicate=False))  # both names of a tied pair
-    weights, missing = {}, []
-    for name, tensor in model.state_dict().items():
-        if tensor.device.type != "meta":
-            continue
-        if name not in params:  # a persistent buffer: loaded now (small), not offloaded
-            if name not in held:
-                missing.append(name)
-                continue
-            owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner)._buffers[leaf] = SafetensorsFile(held[name]).read(name, torch.float32)
-        elif name in held:
-            weights[name] = (held[name], name)
-    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        if tied not in weights and source in weights:
-            weights[tied] = weights[source]
-    missing += [name for name in params if name not in weights]
-    if missing:
-        raise ValueError(f"{folder}: no tensor for {', '.join(missing[:4])} in its safetensors files")
-    source = FolderWeights(weights)
-    _stream_vocabulary_modules(model, source)
-    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:  # accelerate's; nothing is written
-        # `state_dict` is read by key for each module's forward; an empty (not None) `offload_index` tells accelerate
-        # the weights are already on disk (it would otherwise save the meta model's into `offload_dir`)
-        model = dispatch_model(model, device_map=offload_map(model), main_device="cpu",
-                               state_dict=source, offload_dir=scratch, offload_index={},
-                               skip_keys=getattr(model, "_skip_keys_device_placement", None))
-        yield model.eval()
-
-
-class FolderWeights(Mapping):
-    """`{weight name: fp32 tensor}` read from safetensors files when asked (`SafetensorsFile`, no memory map):
-    what accelerate's offload hooks read a module's weights from before its forward and drop after it.
-
-    Args:
-        where: `{weight name: (safetensors file, tensor name in it)}`.
-    """
-
-    def __init__(self, where: dict[str, tuple[Path, str]]):
-        self.where, self._files = where, {}
-
-    def _file(self, key: str) -> tuple["SafetensorsFile", str]:
-        path, name = self.where[key]
-        if path not in self._files:
-            self._files[path] = SafetensorsFile(path)
-        return self._files[path], name
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.read(key)
-
-    def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows `start:stop` of weight `key` in fp32 (`SafetensorsFile.read`)."""
-        file, name = self._file(key)
-        return file.read(name, torch.float32, start, stop)
-
-    def rows(self, key: str, indices: list[int]) -> torch.Tensor:
-        """The rows `indices` of weight `key` in fp32, `(len(indices), *row shape)`."""
-        file, name = self._file(key)
-        return torch.cat([file.read(name, torch.float32, i, i + 1) for i in indices]) if indices else \
-            file.read(name, torch.float32, 0, 0)
-
-    def __iter__(self):
-        return iter(self.where)
-
-    def __len__(self) -> int:
-        return len(self.where)
-
-
-def _stream_vocabulary_modules(model: torch.nn.Module, source: "FolderWeights") -> None:
-    """Replace `model`'s input embedding and output head, when they are plain `nn.Embedding` / `nn.Linear` (a
-    family's own subclass, e.g. a scaled embedding, is left to accelerate's hooks), by modules that read only what each
-    forward needs from `source`: the embedding rows of the ids, the head in row chunks. They are a model's largest
-    tensors (a Llama-3-8B's: 2.1 GB each in fp32, more than a decoder layer's 0.87 GB)."""
-    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(embedding) is torch.nn.Embedding and embedding.max_norm is None:
-        model.set_input_embeddings(RowStreamedEmbedding(source, names[id(embedding.weight)], embedding.weight.shape))
-    if type(head) is torch.nn.Linear:
-        bias = names[id(head.bias)] if head.bias is not None else None
-        model.set_output_embeddings(RowStreamedLinear(source, names[id(head.weight)], bias, head.weight.shape))
-
-
-class RowStreamedEmbedding(torch.nn.Module):
-    """An fp32 `nn.Embedding` whose table stays on disk: each forward reads the rows of the ids it looks up.
-
-    Args:
-        source: the weights (`FolderWeights`); `name`: the table's name in it; `shape`: `(vocab_size, hidden_size)`.
-    Input: integer ids of any shape; output: fp32 `(*ids.shape, hidden_size)`, as `F.embedding` of the whole table.
-    """
-
-    def __init__(self, source: "FolderWeights", name: str, shape):
-        super().__init__()
-        self.source, self.name, self.num_embeddings, self.embedding_dim = source, name, shape[0], shape[1]
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids, position = torch.unique(input_ids, return_inverse=True)
-        rows = self.source.rows(self.name, ids.tolist())
-        return rows[position]
-
-
-class RowStreamedLinear(torch.nn.Module):
-    """An fp32 `nn.Linear` whose weight stays on disk: each forward reads it `CHUNK_BYTES` of output rows at a time
-    (a model's head: each chunk of the vocabulary's logits from its rows).
-
-    Args:
-        source: the weights (`FolderWeights`); `name`, `bias`: the weight's and bias's names in it (`bias` `None`:
-            none); `shape`: `(out_features, in_features)`.
-    Input: fp32 `(..., in_features)`; output: fp32 `(..., out_features)`, as `F.linear` with the whole weight.
-    """
-
-    def __init__(self, source: "FolderWeights", name: str, bias: str | None, shape):
-        super().__init__()
-        self.source, self.name, self.bias_name = source, name, bias
-        self.out_features, self.in_features = shape
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        step = max(1, CHUNK_BYTES // (4 * self.in_features))
-        bias = self.source[self.bias_name] if self.bias_name is not None else None
-        hidden = hidden.float()
-        out = hidden.new_empty((*hidden.shape[:-1], self.out_features))
-        for start in range(0, self.out_features, step):
-            stop = min(start + step, self.out_features)
-            weight = self.source.read(self.name, start, stop)
-            out[..., start:stop] = torch.nn.functional.linear(
-                hidden, weight, None if bias is None else bias[start:stop])
-        return out

@@ -26,7 +26,7 @@ def verify_conversion(
     `greedy_match` (whether `new_tokens` greedy tokens are identical), both continuations' token ids, and
     `num_probe_tokens`.
     """
-    # each model's forward and generation together: a model offloaded to disk (`streaming.offloaded`) reads its
+    # each model's forward and generation together: a model offloaded to disk (`offloaded.offloaded`) reads its
     # files once into the page cache, not once per alternation
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     source_logits = source(input_ids).logits.float()

@@ -1,0 +1,215 @@
+"""The check of a streamed conversion: a model of a safetensors folder run with its weights on disk, one decoder layer
+resident at a time (`offloaded`), so that the source and the output of a conversion of any size compare their logits
+in fp32 in about one layer's memory.
+
+The model is built on the meta device and dispatched by accelerate (`dispatch_model`, each decoder layer offloaded to
+disk, its weights read from the folder's own files for its forward and dropped after: `FolderWeights`); the embedding
+and the head, a model's largest tensors, are replaced by modules that read only what each forward needs
+(`RowStreamedEmbedding`, `RowStreamedLinear`). Every read is `streaming.SafetensorsFile`'s (no memory map).
+"""
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .streaming import CHUNK_BYTES, SafetensorsFile, _headers, generation_config_of, safetensors_files
+
+
+def offload_map(model: torch.nn.Module) -> dict[str, str]:
+    """A `device_map` for `model` (on the meta device) putting every module that holds weights on disk (accelerate's
+    hooks read them from the safetensors files for each forward) and the rest (rotary frequencies, the
+    `RowStreamedEmbedding` and `RowStreamedLinear`, which read their own) on the CPU: the top-level modules, each
+    decoder layer on its own."""
+    return {name: "disk" if any(True for _ in child.parameters()) else "cpu" for name, child in _leaf_blocks(model)}
+
+
+def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
+    """The modules a `device_map` assigns: the model's top-level children, and each decoder layer of a
+    `layers` list."""
+    for name, child in model.named_children():
+        full = f"{prefix}{name}"
+        if isinstance(child, torch.nn.ModuleList):
+            for index, layer in enumerate(child):
+                yield f"{full}.{index}", layer
+        elif any(isinstance(grandchild, torch.nn.ModuleList) for grandchild in child.children()):
+            yield from _leaf_blocks(child, f"{full}.")
+        else:
+            yield full, child
+
+
+@contextlib.contextmanager
+def offloaded(folder: str | os.PathLike, model_class=None):
+    """The model saved in `folder` (safetensors) in fp32 with every weight-holding module offloaded to disk
+    (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
+    folder's own safetensors files as its weights (`FolderWeights`), so nothing is read until a module's forward
+    loads its weights (cast to fp32) and nothing stays after it. `model_class`: the class to load (`None`: the family's causal LM, as
+    `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too).
+
+    transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
+    (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns), and its index-based
+    offload reads each tensor through a memory map and casts it whole (a 1 GB bf16 head: 1 GB of mapped pages, 1 GB
+    read, 2 GB in fp32 at once).
+
+    Raises:
+        ValueError: a weight of the model that no tensor of the folder holds (one line naming it).
+    """
+    from accelerate import dispatch_model
+    from transformers import AutoConfig
+
+    from ..modeling import backbones
+    from .retrofit import _family_config
+
+    if model_class is None:
+        config = _family_config(Path(folder)) or AutoConfig.from_pretrained(folder)
+        model_class = backbones.BACKBONES[config.model_type].causal_lm
+    else:
+        config = model_class.config_class.from_pretrained(folder)
+    with torch.device("meta"):
+        model = model_class._from_config(copy.deepcopy(config), dtype=torch.float32)
+    model.generation_config = generation_config_of(folder, config)
+    held = {name: path for name, (path, _, _) in _headers(safetensors_files(Path(folder))).items()}
+    with torch.no_grad():
+        for module in model.modules():  # rotary frequencies and the like: computed, as the family initialises them
+            if module._non_persistent_buffers_set:
+                for name in module._non_persistent_buffers_set:
+                    if module._buffers.get(name) is not None:
+                        module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+                model._init_weights(module)  # its parameters are meta tensors: their init does nothing
+    params = dict(model.named_parameters(remove_duplicate=False))  # both names of a tied pair
+    weights, missing = {}, []
+    for name, tensor in model.state_dict().items():
+        if tensor.device.type != "meta":
+            continue
+        if name not in params:  # a persistent buffer: loaded now (small), not offloaded
+            if name not in held:
+                missing.append(name)
+                continue
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = SafetensorsFile(held[name]).read(name, torch.float32)
+        elif name in held:
+            weights[name] = (held[name], name)
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied not in weights and source in weights:
+            weights[tied] = weights[source]
+    missing += [name for name in params if name not in weights]
+    if missing:
+        raise ValueError(f"{folder}: no tensor for {', '.join(missing[:4])} in its safetensors files")
+    source = FolderWeights(weights)
+    _stream_vocabulary_modules(model, source)
+    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:  # accelerate's; nothing is written
+        # `state_dict` is read by key for each module's forward; an empty (not None) `offload_index` tells accelerate
+        # the weights are already on disk (it would otherwise save the meta model's into `offload_dir`)
+        quiet = logging.getLogger("accelerate.big_modeling")  # its "parameters on the meta device" is the point
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            model = dispatch_model(model, device_map=offload_map(model), main_device="cpu",
+                                   state_dict=source, offload_dir=scratch, offload_index={},
+                                   skip_keys=getattr(model, "_skip_keys_device_placement", None))
+        finally:
+            quiet.setLevel(level)
+        yield model.eval()
+
+
+class FolderWeights(Mapping):
+    """`{weight name: fp32 tensor}` read from safetensors files when asked (`SafetensorsFile`, no memory map):
+    what accelerate's offload hooks read a module's weights from before its forward and drop after it.
+
+    Args:
+        where: `{weight name: (safetensors file, tensor name in it)}`.
+    """
+
+    def __init__(self, where: dict[str, tuple[Path, str]]):
+        self.where, self._files = where, {}
+
+    def _file(self, key: str) -> tuple["SafetensorsFile", str]:
+        path, name = self.where[key]
+        if path not in self._files:
+            self._files[path] = SafetensorsFile(path)
+        return self._files[path], name
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.read(key)
+
+    def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows `start:stop` of weight `key` in fp32 (`SafetensorsFile.read`)."""
+        file, name = self._file(key)
+        return file.read(name, torch.float32, start, stop)
+
+    def rows(self, key: str, indices: list[int]) -> torch.Tensor:
+        """The rows `indices` of weight `key` in fp32, `(len(indices), *row shape)`."""
+        file, name = self._file(key)
+        return torch.cat([file.read(name, torch.float32, i, i + 1) for i in indices]) if indices else \
+            file.read(name, torch.float32, 0, 0)
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def _stream_vocabulary_modules(model: torch.nn.Module, source: "FolderWeights") -> None:
+    """Replace `model`'s input embedding and output head, when they are plain `nn.Embedding` / `nn.Linear` (a
+    family's own subclass, e.g. a scaled embedding, is left to accelerate's hooks), by modules that read only what each
+    forward needs from `source`: the embedding rows of the ids, the head in row chunks. They are a model's largest
+    tensors (a Llama-3-8B's: 2.1 GB each in fp32, more than a decoder layer's 0.87 GB)."""
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is torch.nn.Embedding and embedding.max_norm is None:
+        model.set_input_embeddings(RowStreamedEmbedding(source, names[id(embedding.weight)], embedding.weight.shape))
+    if type(head) is torch.nn.Linear:
+        bias = names[id(head.bias)] if head.bias is not None else None
+        model.set_output_embeddings(RowStreamedLinear(source, names[id(head.weight)], bias, head.weight.shape))
+
+
+class RowStreamedEmbedding(torch.nn.Module):
+    """An fp32 `nn.Embedding` whose table stays on disk: each forward reads the rows of the ids it looks up.
+
+    Args:
+        source: the weights (`FolderWeights`); `name`: the table's name in it; `shape`: `(vocab_size, hidden_size)`.
+    Input: integer ids of any shape; output: fp32 `(*ids.shape, hidden_size)`, as `F.embedding` of the whole table.
+    """
+
+    def __init__(self, source: "FolderWeights", name: str, shape):
+        super().__init__()
+        self.source, self.name, self.num_embeddings, self.embedding_dim = source, name, shape[0], shape[1]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, position = torch.unique(input_ids, return_inverse=True)
+        rows = self.source.rows(self.name, ids.tolist())
+        return rows[position]
+
+
+class RowStreamedLinear(torch.nn.Module):
+    """An fp32 `nn.Linear` whose weight stays on disk: each forward reads it `CHUNK_BYTES` of output rows at a time
+    (a model's head: each chunk of the vocabulary's logits from its rows).
+
+    Args:
+        source: the weights (`FolderWeights`); `name`, `bias`: the weight's and bias's names in it (`bias` `None`:
+            none); `shape`: `(out_features, in_features)`.
+    Input: fp32 `(..., in_features)`; output: fp32 `(..., out_features)`, as `F.linear` with the whole weight.
+    """
+
+    def __init__(self, source: "FolderWeights", name: str, bias: str | None, shape):
+        super().__init__()
+        self.source, self.name, self.bias_name = source, name, bias
+        self.out_features, self.in_features = shape
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        step = max(1, CHUNK_BYTES // (4 * self.in_features))
+        bias = self.source[self.bias_name] if self.bias_name is not None else None
+        hidden = hidden.float()
+        out = hidden.new_empty((*hidden.shape[:-1], self.out_features))
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            weight = self.source.read(self.name, start, stop)
+            out[..., start:stop] = torch.nn.functional.linear(
+                hidden, weight, None if bias is None else bias[start:stop])
+        return out
