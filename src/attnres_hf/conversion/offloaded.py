@@ -48,7 +48,8 @@ def offloaded(folder: str | os.PathLike, model_class=None):
     """The model saved in `folder` (safetensors) in fp32 with every weight-holding module offloaded to disk
     (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
     folder's own safetensors files as its weights (`FolderWeights`), so nothing is read until a module's forward
-    loads its weights (cast to fp32) and nothing stays after it. `model_class`: the class to load (`None`: the family's causal LM, as
+    loads its weights (cast to fp32) and nothing stays after it; the embedding and head read only what each forward
+    needs (`_stream_vocabulary_modules`). `model_class`: the class to load (`None`: the family's causal LM, as
     `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too).
 
     transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
