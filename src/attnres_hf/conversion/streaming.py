@@ -18,17 +18,15 @@ model's weights together:
    `save_pretrained` names and fills shards), computed from the meta tensors. Each shard's safetensors header is
    written first (the format's documented layout: an 8-byte little-endian header length, the JSON header, the data),
    then every tensor in row chunks of at most `chunk_bytes`, each read from the source file, cast and appended; the
-   index is written last. safetensors' own reader checks each shard before
-   the folder is kept.
-3. **Verify** (`offloaded.offloaded`): the source and the written output are built on the meta device and dispatched by
-   accelerate with every weight-holding module offloaded to disk (`dispatch_model`; its hooks read each module's
-   weights, cast to fp32, from the folder's own safetensors files for its forward and drop them after), and
-   `verify.verify_conversion` runs on them as on resident models: the same logits, compared in fp32, with one
-   module's weights resident at a time.
+   index is written last. safetensors' own reader checks each shard before the folder is kept.
+3. **Verify** (`offloaded.offloaded`): the source and the written output are built on the meta device and
+   dispatched by accelerate with each decoder layer offloaded to disk (its weights read, in fp32, from the folder's
+   own safetensors files for its forward and dropped after; the embedding and head read only what each forward
+   needs), and `verify.verify_conversion` runs on them as on resident models: the same logits, compared in fp32.
 
 Every read goes through `SafetensorsFile`: plain reads of row chunks, no memory map (whose touched pages count as
-resident). Peak memory: the largest module's fp32 weights (a Llama-3-8B's embedding or head, 2.1 GB) plus one chunk
-and the probe's activations; measured figures are in docs/retrofitting.md ("Checkpoints of any size", written by
+resident). Peak memory: one decoder layer's fp32 weights (a Llama-3-8B's: 0.87 GB) plus one chunk and the probe's
+activations; measured figures are in docs/retrofitting.md ("Checkpoints of any size", written by
 `benchmarks/convert_scale.py`).
 """
 
@@ -56,6 +54,7 @@ SAFETENSORS_DTYPES = {
 }
 """The safetensors format's dtype names (its specification, `Dtype` in the safetensors crate) of the dtypes a
 retrofit writes."""
+_STORED_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass
@@ -100,14 +99,10 @@ def safetensors_files(folder: Path) -> list[Path] | None:
 
 def _headers(files: list[Path]) -> dict[str, tuple[Path, list[int], str]]:
     """`{tensor name: (file, shape, safetensors dtype name)}` from the files' headers (no tensor data read)."""
-    from safetensors import safe_open
-
     held = {}
     for path in files:
-        with safe_open(path, "pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                held[name] = (path, piece.get_shape(), piece.get_dtype())
+        for name, entry in SafetensorsFile(path).entries.items():
+            held[name] = (path, list(entry["shape"]), entry["dtype"])
     return held
 
 
@@ -119,10 +114,9 @@ def stored_dtype(source_config, files: list[Path]) -> torch.dtype:
         dtype = getattr(torch, dtype, None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
-    names = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     for _, _, stored in _headers(files).values():
-        if names.get(stored, torch.int64).is_floating_point:
-            return names[stored]
+        if _STORED_DTYPES.get(stored, torch.int64).is_floating_point:
+            return _STORED_DTYPES[stored]
     return torch.float32
 
 
@@ -237,10 +231,6 @@ class SafetensorsFile:
         if self.data_start + end > size:
             raise ValueError(f"{self.path}: truncated ({size} bytes; its tensors end at byte {self.data_start + end})")
 
-    def shape(self, name: str) -> list[int]:
-        """The stored shape of tensor `name`."""
-        return list(self.entries[name]["shape"])
-
     def dtype(self, name: str) -> torch.dtype:
         """The stored dtype of tensor `name`.
 
@@ -248,7 +238,7 @@ class SafetensorsFile:
             ValueError: a dtype this reader does not know (`SAFETENSORS_DTYPES`).
         """
         code = self.entries[name]["dtype"]
-        stored = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}.get(code)
+        stored = _STORED_DTYPES.get(code)
         if stored is None:
             raise ValueError(f"{self.path}: tensor {name} has dtype {code}, which streaming does not read")
         return stored
