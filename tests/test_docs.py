@@ -93,6 +93,10 @@ RUN_HERE = {
     ("docs/quantization.md", "# Quantisation"): "test_quantization_and_qlora_recipes_run_as_written",
     ("docs/training.md", "# Training"): "test_training_recipes_run_as_written",
     ("docs/training.md", "## From Python"): "test_training_from_python_runs_as_written",
+    ("docs/post-training.md", "# Post-training with TRL"): "test_post_training_recipes_run_as_written",
+    ("docs/post-training.md", "## Supervised fine-tuning"): "test_post_training_recipes_run_as_written",
+    ("docs/post-training.md", "## Preference optimisation (DPO)"): "test_post_training_recipes_run_as_written",
+    ("docs/post-training.md", "## Reinforcement learning (GRPO)"): "test_post_training_recipes_run_as_written",
 }
 """(page, section) -> the test below that runs its blocks as written."""
 
@@ -132,6 +136,9 @@ NOT_RUN_HERE = {
     "tests/test_benchmarks.py runs the script end to end on a tiny Llama",
     ("docs/science.md", "## Routing trained from scratch"): "a run of half an hour to an hour on 2 shared cores; "
     "tests/test_benchmarks.py runs it with --smoke",
+    ("docs/post-training.md", "## Train elsewhere and come back"): "the folders stand for real ones and the trainers "
+    "(fla, torchtitan) run between the lines; tests/test_train_elsewhere.py exports, trains in fla's own model (and "
+    "in K3's names against a float64 reference) and converts back on tiny models",
     ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
     "runs it at a tiny shape",
     ("docs/speed.md", "## Compiling: `compile_repeated_blocks`"): "a line about a model it does not define; "
@@ -340,6 +347,30 @@ def test_training_from_python_runs_as_written(tmp_path, monkeypatch):
     assert Path("runs/trainer-lora/adapter_model.safetensors").is_file()
     assert with_trainer["trainer"].state.global_step == 20
     assert any(k.startswith("eval_depth_entropy_ratio") for e in with_trainer["trainer"].state.log_history for k in e)
+
+
+@pytest.mark.slow
+def test_post_training_recipes_run_as_written(tmp_path, monkeypatch):
+    """The TRL page's blocks in order: SFT with LoRA and the routers (the saved adapter reloads to the trained
+    model's logits), DPO with the implicit reference, GRPO with its toy reward (whose samples spread, so it learns)."""
+    from attnres_hf.training.post_training import AttnResSFTTrainer
+
+    readme_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    page = "docs/post-training.md"
+    run_section(page, "# Post-training with TRL")
+    (sft,) = run_section(page, "## Supervised fine-tuning")
+    trainer = sft["trainer"]
+    assert isinstance(trainer, AttnResSFTTrainer) and trainer.state.global_step == 10
+    assert Path("runs/sft/adapter_model.safetensors").is_file()
+    ids = torch.arange(3, 19).unsqueeze(0)
+    with torch.no_grad():
+        trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
+        torch.testing.assert_close(sft["adapted"](ids).logits, trained(ids).logits, atol=1e-5, rtol=0)
+    (dpo,) = run_section(page, "## Preference optimisation (DPO)")
+    assert dpo["trainer"].ref_model is None and dpo["trainer"].state.global_step == 6
+    (grpo,) = run_section(page, "## Reinforcement learning (GRPO)")
+    assert any(entry.get("reward_std", 0) > 0 for entry in grpo["trainer"].state.log_history)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from attnres_hf.modeling.backbones import BACKBONES
 
-HEAVY = ("fla", "lm_eval", "peft", "bitsandbytes", "datasets", "matplotlib")
+HEAVY = ("fla", "lm_eval", "peft", "bitsandbytes", "datasets", "matplotlib", "trl")
 """Optional libraries no start-up imports (fla: through transformers' Kimi Linear and GLM-5-Next modules)."""
 
 PROBE = textwrap.dedent("""

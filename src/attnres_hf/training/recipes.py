@@ -63,7 +63,8 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
 
     Raises:
         ValueError: a target that matches nothing (a misspelling would otherwise be skipped silently), naming the
-            unmatched ones and the valid names of this model; an empty list. TypeError: `targets` is not a string or a
+            unmatched ones and the valid names of this model; a target naming a depth-mixing module (`ROUTER_MODULES`,
+            trained in full through `modules_to_save`); an empty list. TypeError: `targets` is not a string or a
             list of strings.
     """
     from peft import LoraConfig
@@ -71,6 +72,12 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
 
     valid = lora_module_names(model)
     paths = [path for group in valid.values() for path in group]
+    named = [targets] if isinstance(targets, str) else list(targets) if isinstance(targets, (list, tuple)) else []
+    routers = [t for t in named if isinstance(t, str) and t.rsplit(".", 1)[-1] in ROUTER_MODULES]
+    if routers:
+        raise ValueError(f"lora_target_modules names depth-mixing modules ({', '.join(routers)}): they hold no layer "
+                         "LoRA adapts and train in full instead (modules_to_save, as lora_config sets); valid "
+                         f"names: {', '.join(valid)}")
     if isinstance(targets, str):
         if targets == "all-linear" or any(check_target_module_exists(LoraConfig(target_modules=targets), p)
                                          for p in paths):
@@ -174,26 +181,72 @@ def prepare_model(
         keep_4bit_layers_trainable(model)  # evaluations must not repack the weights for a kernel without backward
         model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
     if method in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        check_lora_settings(lora_r, lora_alpha, lora_dropout)
-        targets = default_lora_targets(model) if lora_target_modules is None else lora_target_modules
-        config = LoraConfig(
-            task_type="CAUSAL_LM",
-            r=lora_r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            target_modules=check_lora_targets(model, targets),
-            target_parameters=(None if lora_target_parameters is None
-                               else check_lora_target_parameters(model, lora_target_parameters)),
-            modules_to_save=list(ROUTER_MODULES) if _has_router_parameters(model) else None,
-        )
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(model, lora_r, lora_alpha, lora_dropout, lora_target_modules,
+                                                 lora_target_parameters))
     if not _has_router_parameters(model):
         raise ValueError("method 'routers' needs depth routers: this model has depth_mixing='residual'")
     for name, param in model.named_parameters():
         param.requires_grad_(is_router_parameter(name))
     return model
+
+
+def lora_config(
+    model: PreTrainedModel,
+    r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    target_modules: list[str] | str | None = None,
+    target_parameters: list[str] | None = None,
+    routers: bool = True,
+):
+    """The `peft.LoraConfig` of `prepare_model`'s `lora` recipe for `model`, checked against it: adapters on
+    `target_modules` (default `default_lora_targets(model)`: every linear layer but the head) and, on a
+    mixture-of-experts model, on the stacked expert weights named by `target_parameters`; with `routers`, the
+    depth-mixing modules (`ROUTER_MODULES`) in `modules_to_save`, so they train in full and are saved with the
+    adapter (PEFT keeps the original beside each trained copy: with the adapter disabled, as in DPO's implicit
+    reference, the model is the base). Give it to TRL's trainers as `peft_config=`, or to `peft.get_peft_model`.
+
+    Raises:
+        ValueError / TypeError: a target that matches nothing or names a depth-mixing module (`check_lora_targets`,
+            `check_lora_target_parameters`), or LoRA settings out of range (`check_lora_settings`).
+    """
+    from peft import LoraConfig
+
+    check_lora_settings(r, lora_alpha, lora_dropout)
+    targets = default_lora_targets(model) if target_modules is None else target_modules
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=check_lora_targets(model, targets),
+        target_parameters=None if target_parameters is None else check_lora_target_parameters(model, target_parameters),
+        modules_to_save=list(ROUTER_MODULES) if routers and _has_router_parameters(model) else None,
+    )
+
+
+def check_peft_config(model: PreTrainedModel, config) -> None:
+    """Check a PEFT LoRA config written by hand (e.g. for TRL's `peft_config=`) against `model` before it is
+    applied: its `target_modules` and `target_parameters` as `check_lora_targets` and `check_lora_target_parameters`
+    do (PEFT itself skips a misspelt regular expression, or fails on a depth-mixing module with a message naming
+    neither). Configs of other PEFT methods pass unchecked.
+
+    Raises:
+        ValueError / TypeError: as those checks raise.
+    """
+    from peft import LoraConfig
+
+    if not isinstance(config, LoraConfig):
+        return
+    targets = config.target_modules
+    if isinstance(targets, (set, frozenset)):
+        targets = sorted(targets)
+    if targets is not None:
+        check_lora_targets(model, targets)
+    if config.target_parameters:
+        check_lora_target_parameters(model, list(config.target_parameters))
 
 
 def check_lora_settings(lora_r: int, lora_alpha: float, lora_dropout: float) -> None:

@@ -14,6 +14,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedModel,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -31,6 +32,7 @@ from .recipes import (
     check_lora_settings,
     check_lora_target_parameters,
     check_lora_targets,
+    check_peft_config,
     is_router_parameter,
     load_kwargs,
     prepare_model,
@@ -145,19 +147,28 @@ def depth_entropy(model, batches) -> dict:
     return {"depth_entropy": sum(entropies) / len(entropies), "depth_entropy_ratio": sum(ratios) / len(ratios)}
 
 
-class AttnResTrainer(Trainer):
-    """`Trainer` that keeps router pseudo-queries out of weight decay (like norms and biases) and logs, at each
-    evaluation, perplexity and the entropy of the depth weights (how far routing has moved from uniform). On a
-    mixture-of-experts model that returns the experts' load-balancing loss (`aux_loss`, with
-    `output_router_logits`), the training logs carry its mean over the logged steps as `aux_loss` (the `loss` already
-    includes `router_aux_loss_coef * aux_loss`, as the model computes it)."""
+class DepthMixingTrainerMixin:
+    """What every trainer of an AttnRes model (transformers' `Trainer` or TRL's, `post_training`) does with the
+    depth-mixing parameters: keeps them out of weight decay (like norms and biases), optionally gives them a peak
+    learning rate of their own (`router_learning_rate`), and records a PEFT adapter's base quantisation beside it.
+    Put it before the trainer class: `class MyTrainer(DepthMixingTrainerMixin, Trainer)`.
 
-    def __init__(self, *args, entropy_batches: int = 4, router_learning_rate: float | None = None, **kwargs):
+    A `peft_config` argument (TRL's trainers take one) is checked against a model given as an object before the
+    trainer wraps it: every LoRA target must exist (`check_lora_targets`, `check_lora_target_parameters`).
+
+    Raises:
+        ValueError / TypeError: `router_learning_rate` is not a positive number, or a LoRA target of `peft_config`
+            matches nothing or names a depth-mixing module (at construction); the model has no trainable depth-mixing
+            parameter although `router_learning_rate` is set (when the optimizer is made).
+    """
+
+    def __init__(self, *args, router_learning_rate: float | None = None, **kwargs):
         check_learning_rate("router_learning_rate", router_learning_rate)
-        super().__init__(*args, **kwargs)
-        self.entropy_batches = entropy_batches
+        model, peft_config = kwargs.get("model", args[0] if args else None), kwargs.get("peft_config")
+        if peft_config is not None and isinstance(model, PreTrainedModel):
+            check_peft_config(model, peft_config)
         self.router_learning_rate = router_learning_rate
-        self._aux_losses: list[torch.Tensor] = []
+        super().__init__(*args, **kwargs)
         if self.args.device.type == "cpu":
             self.args.dataloader_pin_memory = False  # nothing to pin to; torch warns on every dataloader
 
@@ -203,6 +214,19 @@ class AttnResTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if isinstance(model, PeftModel) and self.args.should_save:
             save_base_quantization(model, output_dir if output_dir is not None else self.args.output_dir)
+
+
+class AttnResTrainer(DepthMixingTrainerMixin, Trainer):
+    """`Trainer` that keeps router pseudo-queries out of weight decay (like norms and biases) and logs, at each
+    evaluation, perplexity and the entropy of the depth weights (how far routing has moved from uniform). On a
+    mixture-of-experts model that returns the experts' load-balancing loss (`aux_loss`, with
+    `output_router_logits`), the training logs carry its mean over the logged steps as `aux_loss` (the `loss` already
+    includes `router_aux_loss_coef * aux_loss`, as the model computes it)."""
+
+    def __init__(self, *args, entropy_batches: int = 4, router_learning_rate: float | None = None, **kwargs):
+        self.entropy_batches = entropy_batches
+        self._aux_losses: list[torch.Tensor] = []
+        super().__init__(*args, router_learning_rate=router_learning_rate, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
