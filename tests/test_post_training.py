@@ -330,6 +330,16 @@ def test_a_dataset_without_the_columns_a_trainer_reads_is_refused_first(kind, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_the_checks_read_arguments_given_in_trls_positional_order(tmp_path):
+    """`SFTTrainer(model, args, data_collator, train_dataset, ...)`: checked as if given by keyword."""
+    with pytest.raises(ValueError, match="train_dataset has columns \\['content'\\]"):
+        AttnResSFTTrainer(build(), config(SFTConfig, tmp_path / "out"), None, Dataset.from_dict({"content": ["w5"]}))
+    with pytest.raises(ValueError, match="padding-free packing of a kimi_linear backbone needs CUDA"):
+        AttnResSFTTrainer(build("kimi_linear"), config(SFTConfig, tmp_path / "out", packing=True), None,
+                          Dataset.from_dict(TEXTS), router_learning_rate=1e-3)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("targets", "match"), [(["q_proj", "attn_res"], "names depth-mixing modules \\(attn_res\\)"),
                                                 (["q_proj", "qq_proj"], "not found in this model: qq_proj")])
 def test_a_lora_config_naming_a_router_or_nothing_is_refused_first(targets, match, tmp_path):

@@ -7,6 +7,8 @@ TRL's own trainers take AttnRes models as they are (docs/post-training.md shows 
 Give a LoRA that also trains the routers as `peft_config=lora_config(model)` (`recipes.lora_config`).
 """
 
+import inspect
+
 try:
     from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 except ImportError as error:  # the optional extra
@@ -33,7 +35,7 @@ def _read_columns(kind: str, args, formatting_func) -> list[tuple[str, ...]] | N
     if kind == "sft":
         if formatting_func is not None:
             return None
-        return [(args.dataset_text_field,), ("messages",), ("prompt", "completion"), ("input_ids",)]
+        return [(getattr(args, "dataset_text_field", "text"),), ("messages",), ("prompt", "completion"), ("input_ids",)]
     if kind == "dpo":
         return [("chosen", "rejected"), ("prompt_ids", "chosen_ids", "rejected_ids")]
     return [("prompt",)]  # GRPO
@@ -66,7 +68,7 @@ def check_post_training(kind: str, model, args, train_dataset=None, formatting_f
         kind: `"sft"`, `"dpo"` or `"grpo"`.
         model: the model given to the trainer; a model id or folder (which TRL loads itself) is not checked for the
             packing case.
-        args: the trainer's config (`SFTConfig`, `DPOConfig`, `GRPOConfig`).
+        args: the trainer's config (`SFTConfig`, `DPOConfig`, `GRPOConfig`); None: TRL's defaults.
         train_dataset: a `datasets.Dataset` (an iterable one is checked where its columns are known).
         formatting_func: SFT's, which makes the text from a row itself.
 
@@ -89,24 +91,30 @@ def check_post_training(kind: str, model, args, train_dataset=None, formatting_f
 
 
 class _Checked:
-    """Runs `check_post_training` for `kind` before the TRL trainer prepares anything."""
+    """Runs `check_post_training` for `kind` before the TRL trainer `trl_trainer` prepares anything, on its arguments
+    given by keyword or in its positional order."""
 
     kind: str
+    trl_trainer: type
 
-    def __init__(self, model, *args, **kwargs):
-        config, dataset = kwargs.get("args"), kwargs.get("train_dataset")
-        if config is not None:
-            check_post_training(self.kind, model, config, dataset, kwargs.get("formatting_func"))
-        super().__init__(model, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        given = {key: value for key, value in kwargs.items() if key != "router_learning_rate"}
+        try:
+            bound = inspect.signature(self.trl_trainer.__init__).bind_partial(self, *args, **given).arguments
+        except TypeError:  # arguments TRL's trainer does not take: its own error, from its own __init__
+            bound = None
+        if bound is not None:
+            check_post_training(self.kind, bound.get("model"), bound.get("args"), bound.get("train_dataset"),
+                                bound.get("formatting_func"))
+        super().__init__(*args, **kwargs)
 
 
 class AttnResSFTTrainer(_Checked, DepthMixingTrainerMixin, SFTTrainer):
     """TRL's `SFTTrainer` (supervised fine-tuning: plain text, packing, chat templates, completion-only and
     assistant-only loss) with `DepthMixingTrainerMixin`'s handling of the depth-mixing parameters and
-    `check_post_training`'s checks; takes `router_learning_rate=` besides SFTTrainer's arguments (give those by
-    keyword after `model`)."""
+    `check_post_training`'s checks; takes `router_learning_rate=` besides SFTTrainer's arguments."""
 
-    kind = "sft"
+    kind, trl_trainer = "sft", SFTTrainer
 
 
 class AttnResDPOTrainer(_Checked, DepthMixingTrainerMixin, DPOTrainer):
@@ -115,7 +123,7 @@ class AttnResDPOTrainer(_Checked, DepthMixingTrainerMixin, DPOTrainer):
     reference routes as the base did) with `DepthMixingTrainerMixin`'s handling of the depth-mixing parameters and
     `check_post_training`'s checks; takes `router_learning_rate=` besides DPOTrainer's arguments."""
 
-    kind = "dpo"
+    kind, trl_trainer = "dpo", DPOTrainer
 
 
 class AttnResGRPOTrainer(_Checked, DepthMixingTrainerMixin, GRPOTrainer):
@@ -123,7 +131,7 @@ class AttnResGRPOTrainer(_Checked, DepthMixingTrainerMixin, GRPOTrainer):
     CPU, transformers' generation) with `DepthMixingTrainerMixin`'s handling of the depth-mixing parameters and
     `check_post_training`'s checks; takes `router_learning_rate=` besides GRPOTrainer's arguments."""
 
-    kind = "grpo"
+    kind, trl_trainer = "grpo", GRPOTrainer
 
 
 __all__ = ["AttnResDPOTrainer", "AttnResGRPOTrainer", "AttnResSFTTrainer", "check_post_training"]
