@@ -685,3 +685,64 @@ def test_convert_scale_small_streams_a_real_shaped_checkpoint_exactly(tmp_path):
     assert row["load_peak_gb"] > 0
     text = convert_scale.format_table([row])
     assert "| llama-small | 0.16B | 0.31 GB |" in text and "PASS" not in text  # verdicts are for the full cases
+
+
+@pytest.mark.slow  # about 20 s
+def test_post_training_routing_smoke_runs_every_arm_on_the_same_batches_and_writes_its_fragment(
+        tmp_path, monkeypatch, one_thread, capsys):
+    """`benchmarks/post_training_routing.py --smoke` end to end on tiny books: a base trained from scratch, the
+    instruction items, every arm x seed from the same base on the same batches (the first step's loss is the base's
+    in every arm of a seed), frozen routers unchanged, the Delta arm's router rate, paired intervals over items, the
+    routing drift, the fragment; and `--base` reads the saved base."""
+    from attnres_hf import assets
+    from utils import counting_text
+
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("post_training_routing_benchmark",
+                                                  BENCHMARKS / "post_training_routing.py")
+    post_training = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(post_training)
+    cache = tmp_path / "cache"
+    (cache / "gutenberg").mkdir(parents=True)
+    for i, name in enumerate(list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]):
+        (cache / "gutenberg" / f"{name}.txt").write_text(counting_text(60, seed=i, length=10).replace("\n", ".\n\n"))
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(cache))
+    monkeypatch.setattr(post_training.ablation, "_BPE", {})  # a tokenizer of these books, not a cached one
+    out, fragment = tmp_path / "out", tmp_path / "docs" / "post_training_routing.md"
+    argv = ["--smoke", "--out", str(out), "--results", str(fragment)]
+    post_training.main(argv)
+    printed = capsys.readouterr().out
+    results = json.loads((out / "post_training_routing.json").read_text())
+    arms, runs = results["arms"], results["runs"]
+    assert list(arms) == [post_training.BASE, *post_training.ARMS] and len(runs) == 2 * len(post_training.ARMS)
+    for seed in (0, 1):  # one base, one batch order per seed: the first step's loss is the same in every arm
+        first = [r["train_loss_log"][0] for r in runs if r["seed"] == seed]
+        assert first == pytest.approx([first[0]] * len(first), rel=1e-4), first
+    frozen, delta = arms["LoRA, routers frozen"], arms["LoRA + routers, Delta rate"]
+    assert frozen["router_change"] == 0.0 and frozen["router_learning_rate"] is None
+    assert delta["router_learning_rate"] == post_training.DELTA_ROUTER_LR and delta["router_change"] > 0
+    assert arms["full fine-tuning"]["trainable_parameters"] == results["items"]["base_parameters"]
+    assert frozen["trainable_parameters"] < arms["LoRA + routers, base rate"]["trainable_parameters"]
+    n_test = results["items"]["test"]
+    for name in post_training.ARMS:
+        row = arms[name]
+        assert len(row["correct_per_item"]) == n_test and 0 <= row["accuracy"] <= 1 and len(row["nll_per_seed"]) == 2
+        assert all(math.isfinite(v) for v in row["nll_per_item"]) and row["paired_vs_base"]["nll"][1] is not None
+        assert len(row["weight_change"]) == len(results["router_names"]) == 9
+        assert all(0 <= v <= 1 for v in row["weight_change"]) and row["weight_change"][0] == 0  # embedding only
+    assert set(results["comparisons"]["LoRA + routers: Delta rate minus base rate"]) == {"correct", "nll", "book_nll"}
+    # every item is a question about its passage, with the answer among four distinct words of it
+    items = results["items"]
+    assert items["example"].startswith("Passage: w") and " / Question: " in items["example"]
+    final = printed[printed.index("Base: Block AttnRes trained from scratch"):printed.rindex("\nwall time")]
+    assert final.rstrip() == post_training.report(results)
+    for line in ("| no fine-tuning (base) | 0 | - |", "| LoRA + routers, Delta rate |", "| arm | first | last |",
+                 "- LoRA + routers: Delta rate minus base rate: accuracy", "| router | base | LoRA, routers frozen |",
+                 "| final |"):
+        assert line in final, line
+    assert_results_fragment(fragment, "post_training_routing.py", argv, final)
+    # the saved base (with its tokenizer) is what `--base` reads instead of training one
+    again = post_training.main(["--smoke", "--seeds", "1", "--base", str(out / "base"), "--out", str(tmp_path / "b")])
+    assert "base_training" not in again and "Base: loaded from `" in post_training.report(again)
+    for key in ("accuracy", "nll", "book_nll"):
+        assert again["arms"][post_training.BASE][key] == pytest.approx(arms[post_training.BASE][key])
