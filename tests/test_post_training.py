@@ -310,24 +310,97 @@ def test_trls_own_sft_trainer_takes_an_attnres_model_and_its_lora_config(tmp_pat
 
 
 BAD_DATASETS = {
-    "sft": (AttnResSFTTrainer, SFTConfig, {"content": TEXTS["text"]}, "'text' or 'messages' or 'prompt' \\+ 'completion'"),
+    "sft": (AttnResSFTTrainer, SFTConfig, {"content": TEXTS["text"]},
+            "'text' or 'messages' or 'conversations' or 'prompt' \\+ 'completion'"),
     "dpo": (AttnResDPOTrainer, DPOConfig, {"prompt": PREFERENCES["prompt"], "chosen": PREFERENCES["chosen"]},
             "'chosen' \\+ 'rejected'"),
     "grpo": (AttnResGRPOTrainer, GRPOConfig, {"question": PREFERENCES["prompt"]}, "'prompt'"),
 }
 
 
+def trainer_inputs(kind: str) -> tuple[dict, dict]:
+    """The trainer's own keyword arguments and its config's, beyond the tests' defaults."""
+    if kind == "grpo":
+        return {"reward_funcs": odd_words}, {"num_generations": 4}
+    return {"ref_model": build()} if kind == "dpo" else {}, {}
+
+
+def generated(columns: dict):
+    """`columns` as an iterable dataset from a generator: features unknown until a row is read."""
+    from datasets import IterableDataset
+
+    rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return IterableDataset.from_generator(lambda: iter(rows))
+
+
+@pytest.mark.parametrize("which", ["train", "eval", "eval-dict", "iterable"])
 @pytest.mark.parametrize("kind", list(BAD_DATASETS))
-def test_a_dataset_without_the_columns_a_trainer_reads_is_refused_first(kind, tmp_path):
+def test_a_dataset_without_the_columns_a_trainer_reads_is_refused_first(kind, which, tmp_path):
     """TRL raises `KeyError: 'text'` (or `'rejected'`) from inside its tokenisation; ours names what it has and what
-    the trainer reads, before anything is prepared or written."""
+    the trainer reads, before anything is prepared or written: for the training set, an evaluation set (alone or in a
+    dict), and an iterable set whose features are known only from its first row."""
     trainer_class, config_class, columns, wanted = BAD_DATASETS[kind]
-    extra = {"reward_funcs": odd_words} if kind == "grpo" else {}
-    fields = {"num_generations": 4} if kind == "grpo" else {}
-    with pytest.raises(ValueError, match=f"train_dataset has columns .*reads {wanted}"):
-        trainer_class(model=build(), args=config(config_class, tmp_path / "out", **fields),
-                      train_dataset=Dataset.from_dict(columns), processing_class=tokenizer(), **extra)
+    good = {"sft": TEXTS, "dpo": PREFERENCES, "grpo": {"prompt": PREFERENCES["prompt"]}}[kind]
+    extra, fields = trainer_inputs(kind)
+    datasets_ = {"train": (Dataset.from_dict(columns), None),
+                 "eval": (Dataset.from_dict(good), Dataset.from_dict(columns)),
+                 "eval-dict": (Dataset.from_dict(good), {"a": Dataset.from_dict(good), "b": Dataset.from_dict(columns)}),
+                 "iterable": (generated(columns), None)}[which]
+    name = {"train": "train_dataset", "eval": "eval_dataset", "eval-dict": "eval_dataset\\['b'\\]",
+            "iterable": "train_dataset"}[which]
+    fields |= {"max_steps": 2}
+    with pytest.raises(ValueError, match=f"{name} has columns .*reads {wanted}"):
+        trainer_class(model=build(), args=config(config_class, tmp_path / "out", **fields), train_dataset=datasets_[0],
+                      eval_dataset=datasets_[1], processing_class=tokenizer(), **extra)
     assert not (tmp_path / "out").exists()
+
+
+def test_sharegpt_conversations_are_read(tmp_path):
+    """A `conversations` column of `from`/`value` turns, which TRL converts to messages itself, is accepted."""
+    shared = {"conversations": [[{"from": "human", "value": m[0]["content"]}, {"from": "gpt", "value": m[1]["content"]}]
+                                for m in CHATS["messages"]]}
+    trainer = AttnResSFTTrainer(model=build(), args=config(SFTConfig, tmp_path), processing_class=tokenizer(),
+                                train_dataset=Dataset.from_dict(shared))
+    assert torch.isfinite(torch.tensor(trainer.train().training_loss))
+
+
+def saved(tmp_path, family="llama") -> str:
+    folder = tmp_path / f"saved-{family}"
+    build(family).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("given", ["object", "peft-model", "folder"])
+def test_padding_free_packing_of_kda_backbones_is_refused_however_the_model_is_given(given, tmp_path):
+    """A model object, one already wrapped by PEFT, or a folder TRL loads itself (its config read, nothing loaded)."""
+    from peft import get_peft_model
+
+    model = {"object": lambda: build("kimi_linear"), "folder": lambda: saved(tmp_path, "kimi_linear"),
+             "peft-model": lambda: get_peft_model(build("kimi_linear"), lora_config(build("kimi_linear")))}[given]()
+    with pytest.raises(ValueError, match="padding-free packing of a kimi_linear backbone needs CUDA"):
+        AttnResSFTTrainer(model=model, args=config(SFTConfig, tmp_path / "out", packing=True, max_length=24),
+                          train_dataset=Dataset.from_dict(TEXTS), processing_class=tokenizer())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("kind", "fields"), [("dpo", {}), ("grpo", {"beta": 0.04, "num_generations": 4})])
+def test_a_reference_trl_cannot_load_is_refused_first(kind, fields, tmp_path):
+    """Without `ref_model` or PEFT, DPO (and GRPO with `beta > 0`) loads its reference from
+    `model.config._name_or_path`, which a model made or retrofitted in memory does not have: TRL fails with a hub error
+    about an empty repository id. Refused in one line naming the ways out; from a folder it trains."""
+    trainer_class, config_class, _, _ = BAD_DATASETS[kind]
+    data = Dataset.from_dict(PREFERENCES if kind == "dpo" else {"prompt": PREFERENCES["prompt"]})
+    extra = {"reward_funcs": odd_words} if kind == "grpo" else {}
+    with pytest.raises(ValueError, match="loads its reference model from model.config._name_or_path, which this "
+                                         "in-memory model does not have"):
+        trainer_class(model=build(), args=config(config_class, tmp_path / "out", **fields), train_dataset=data,
+                      processing_class=tokenizer(), **extra)
+    assert not (tmp_path / "out").exists()
+    model = AutoModelForCausalLM.from_pretrained(saved(tmp_path))
+    length = {"max_length": 24} if kind == "dpo" else {"max_completion_length": 4}
+    trainer = trainer_class(model=model, args=config(config_class, tmp_path / "ok", **length, **fields),
+                            train_dataset=data, processing_class=tokenizer(), **extra)
+    assert trainer.ref_model is not None and torch.isfinite(torch.tensor(trainer.train().training_loss))
 
 
 def test_the_checks_read_arguments_given_in_trls_positional_order(tmp_path):
@@ -340,14 +413,40 @@ def test_the_checks_read_arguments_given_in_trls_positional_order(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("targets", "match"), [(["q_proj", "attn_res"], "names depth-mixing modules \\(attn_res\\)"),
-                                                (["q_proj", "qq_proj"], "not found in this model: qq_proj")])
-def test_a_lora_config_naming_a_router_or_nothing_is_refused_first(targets, match, tmp_path):
+LORA_CONFIGS = {
+    "router": ({"target_modules": ["q_proj", "attn_res"]}, "names depth-mixing modules \\(attn_res\\)"),
+    "router-regex": ({"target_modules": r".*\.(q_proj|attn_res)"}, "names depth-mixing modules \\(model.layers.0.attn_res"),
+    "misspelt": ({"target_modules": ["q_proj", "qq_proj"]}, "not found in this model: qq_proj"),
+    "one-name-string": ({"target_modules": "q_proj"}, "for the module name give a list, \\['q_proj'\\]"),
+    "misspelt-modules_to_save": ({"target_modules": ["q_proj"], "modules_to_save": ["attn_rez"]},
+                                 "modules_to_save not found in this model: attn_rez"),
+}
+
+
+@pytest.mark.parametrize("given", ["object", "folder"])
+@pytest.mark.parametrize("case", list(LORA_CONFIGS))
+def test_a_lora_config_naming_a_router_or_nothing_is_refused_first(case, given, tmp_path):
     """PEFT fails on a router target with a message naming neither the module's role nor the fix, and skips a
-    misspelt one silently; both are refused before the trainer wraps the model."""
+    misspelt target or `modules_to_save` silently (the routers would stay frozen); refused before the trainer wraps
+    the model, whether it is given as an object or as a folder TRL loads."""
+    fields, match = LORA_CONFIGS[case]
+    model = build() if given == "object" else saved(tmp_path)
     with pytest.raises(ValueError, match=match):
-        AttnResSFTTrainer(model=build(), args=config(SFTConfig, tmp_path / "out"), processing_class=tokenizer(),
-                          train_dataset=Dataset.from_dict(TEXTS), peft_config=LoraConfig(target_modules=targets))
+        AttnResSFTTrainer(model=model, args=config(SFTConfig, tmp_path / "out"), processing_class=tokenizer(),
+                          train_dataset=Dataset.from_dict(TEXTS), peft_config=LoraConfig(**fields))
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_post_training_knows_its_trainers_and_router_rates_need_routers(tmp_path):
+    from attnres_hf.training.post_training import check_post_training
+
+    for kind in ("SFT", "ppo"):
+        with pytest.raises(ValueError, match="kind must be one of sft, dpo, grpo"):
+            check_post_training(kind, build())
+    residual = AttnResForCausalLM(tiny_config(depth_mixing="residual"))
+    with pytest.raises(ValueError, match="router_learning_rate is set, but the model has no depth-mixing parameters"):
+        AttnResSFTTrainer(model=residual, args=config(SFTConfig, tmp_path / "out"), processing_class=tokenizer(),
+                          train_dataset=Dataset.from_dict(TEXTS), router_learning_rate=1e-3)
     assert not (tmp_path / "out").exists()
 
 

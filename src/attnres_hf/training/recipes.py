@@ -64,16 +64,21 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
     Raises:
         ValueError: a target that matches nothing (a misspelling would otherwise be skipped silently), naming the
             unmatched ones and the valid names of this model; a target naming a depth-mixing module (`ROUTER_MODULES`,
-            trained in full through `modules_to_save`); an empty list. TypeError: `targets` is not a string or a
-            list of strings.
+            trained in full through `modules_to_save`; as a regular expression, one that matches a router's path);
+            an empty list. TypeError: `targets` is not a string or a list (or set) of strings.
     """
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
     valid = lora_module_names(model)
     paths = [path for group in valid.values() for path in group]
+    if isinstance(targets, (set, frozenset)):  # (PEFT's LoraConfig stores a list as a set)
+        targets = sorted(targets)
     named = [targets] if isinstance(targets, str) else list(targets) if isinstance(targets, (list, tuple)) else []
     routers = [t for t in named if isinstance(t, str) and t.rsplit(".", 1)[-1] in ROUTER_MODULES]
+    if isinstance(targets, str) and targets != "all-linear":  # a regular expression: the router paths it matches
+        routers += [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in ROUTER_MODULES
+                    and check_target_module_exists(LoraConfig(target_modules=targets), name)]
     if routers:
         raise ValueError(f"lora_target_modules names depth-mixing modules ({', '.join(routers)}): they hold no layer "
                          "LoRA adapts and train in full instead (modules_to_save, as lora_config sets); valid "
@@ -82,7 +87,9 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
         if targets == "all-linear" or any(check_target_module_exists(LoraConfig(target_modules=targets), p)
                                          for p in paths):
             return targets
-        raise ValueError(f"lora_target_modules {targets!r} matches no module of this model; valid names: "
+        hint = (f"; one string is a regular expression over whole module paths: for the module name give a list, "
+                f"[{targets!r}]" if targets in valid else "")
+        raise ValueError(f"lora_target_modules {targets!r} matches no module of this model{hint}; valid names: "
                          f"{', '.join(valid)}")
     if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
         raise TypeError(f"lora_target_modules must be a list of module names or one regular expression, "
@@ -223,30 +230,40 @@ def lora_config(
         lora_dropout=lora_dropout,
         target_modules=check_lora_targets(model, targets),
         target_parameters=None if target_parameters is None else check_lora_target_parameters(model, target_parameters),
-        modules_to_save=list(ROUTER_MODULES) if routers and _has_router_parameters(model) else None,
+        modules_to_save=(mixing_modules_of(model) or None) if routers and _has_router_parameters(model) else None,
     )
+
+
+def mixing_modules_of(model: PreTrainedModel) -> list[str]:
+    """The names of `ROUTER_MODULES` that `model` has modules of (what `modules_to_save` lists to train them)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return [name for name in ROUTER_MODULES if name in names]
 
 
 def check_peft_config(model: PreTrainedModel, config) -> None:
     """Check a PEFT LoRA config written by hand (e.g. for TRL's `peft_config=`) against `model` before it is
     applied: its `target_modules` and `target_parameters` as `check_lora_targets` and `check_lora_target_parameters`
     do (PEFT itself skips a misspelt regular expression, or fails on a depth-mixing module with a message naming
-    neither). Configs of other PEFT methods pass unchecked.
+    neither), and each of its `modules_to_save` names some module, matched as PEFT matches it (a misspelt one would
+    leave, say, every router frozen). Configs of other PEFT methods pass unchecked.
 
     Raises:
-        ValueError / TypeError: as those checks raise.
+        ValueError / TypeError: as those checks raise; a `modules_to_save` name that matches no module.
     """
     from peft import LoraConfig
 
     if not isinstance(config, LoraConfig):
         return
-    targets = config.target_modules
-    if isinstance(targets, (set, frozenset)):
-        targets = sorted(targets)
-    if targets is not None:
-        check_lora_targets(model, targets)
+    if config.target_modules is not None:
+        check_lora_targets(model, config.target_modules)
     if config.target_parameters:
         check_lora_target_parameters(model, list(config.target_parameters))
+    paths = [name for name, _ in model.named_modules()]
+    unmatched = [name for name in config.modules_to_save or ()
+                 if not any(path == name or path.endswith("." + name) for path in paths)]
+    if unmatched:
+        raise ValueError(f"modules_to_save not found in this model: {', '.join(unmatched)} (the depth-mixing modules "
+                         f"are {', '.join(ROUTER_MODULES)}; `lora_config(model)` names those this model has)")
 
 
 def check_lora_settings(lora_r: int, lora_alpha: float, lora_dropout: float) -> None:
