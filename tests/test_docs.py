@@ -112,7 +112,7 @@ NOT_RUN_HERE = {
     "ablation presets",
     ("docs/training.md", "## Several processes"): "`accelerate launch --multi_gpu --num_processes 8` needs 8 GPUs; "
     "tests/test_train.py launches the same DDP and FSDP runs with 2 CPU processes",
-    ("docs/training.md", "### DeepSpeed"): "8 processes; tests/test_deepspeed.py launches ZeRO-2 and ZeRO-3 with 2 CPU "
+    ("docs/training.md", "### DeepSpeed"): "8 processes; tests/test_train.py launches ZeRO-2 and ZeRO-3 with 2 CPU "
     "processes and compares them with one process",
     ("docs/serving.md", "# Serving and batching"): "a server on the fixed port 8000, shared by everyone on a test "
     "machine; tests/test_serving.py starts the same command on a free port and sends the same requests",
