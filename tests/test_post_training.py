@@ -420,6 +420,8 @@ LORA_CONFIGS = {
     "one-name-string": ({"target_modules": "q_proj"}, "for the module name give a list, \\['q_proj'\\]"),
     "misspelt-modules_to_save": ({"target_modules": ["q_proj"], "modules_to_save": ["attn_rez"]},
                                  "modules_to_save not found in this model: attn_rez"),
+    "modules_to_save-string": ({"target_modules": ["q_proj"], "modules_to_save": "attn_res"},
+                               "modules_to_save must be a list of module names, got the string 'attn_res'"),
 }
 
 
@@ -431,7 +433,7 @@ def test_a_lora_config_naming_a_router_or_nothing_is_refused_first(case, given, 
     the model, whether it is given as an object or as a folder TRL loads."""
     fields, match = LORA_CONFIGS[case]
     model = build() if given == "object" else saved(tmp_path)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         AttnResSFTTrainer(model=model, args=config(SFTConfig, tmp_path / "out"), processing_class=tokenizer(),
                           train_dataset=Dataset.from_dict(TEXTS), peft_config=LoraConfig(**fields))
     assert not (tmp_path / "out").exists()

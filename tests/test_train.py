@@ -47,6 +47,8 @@ def test_lora_with_gradient_checkpointing_trains_adapters_and_routers_and_merges
     lora_b = [v for k, v in adapter.items() if "lora_B" in k]
     assert len(lora_b) == 3 * 7 and all(torch.count_nonzero(b) > 0 for b in lora_b)
     assert any(k.endswith("mlp_res.query") for k in adapter)  # routers travel with the adapter
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["router_parameters"] == 7 * 2 * TINY["hidden_size"]  # the trained copies, not PEFT's originals
 
     from peft import PeftModel
 

@@ -248,7 +248,8 @@ def check_peft_config(model: PreTrainedModel, config) -> None:
     leave, say, every router frozen). Configs of other PEFT methods pass unchecked.
 
     Raises:
-        ValueError / TypeError: as those checks raise; a `modules_to_save` name that matches no module.
+        ValueError / TypeError: as those checks raise; a `modules_to_save` name that matches no module, or one
+            name given as a string rather than a list.
     """
     from peft import LoraConfig
 
@@ -258,6 +259,9 @@ def check_peft_config(model: PreTrainedModel, config) -> None:
         check_lora_targets(model, config.target_modules)
     if config.target_parameters:
         check_lora_target_parameters(model, list(config.target_parameters))
+    if isinstance(config.modules_to_save, str):
+        raise TypeError(f"modules_to_save must be a list of module names, got the string {config.modules_to_save!r}: "
+                        f"give [{config.modules_to_save!r}]")
     paths = [name for name, _ in model.named_modules()]
     unmatched = [name for name in config.modules_to_save or ()
                  if not any(path == name or path.endswith("." + name) for path in paths)]

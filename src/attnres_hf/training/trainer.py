@@ -390,7 +390,9 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
         "method": args.method,
         "trainable_parameters": trainable,
         "total_parameters": total,
-        "router_parameters": sum(p.numel() for n, p in model.named_parameters() if is_router_parameter(n)),
+        # the routers' trained parameters (under PEFT the trained copies, not the frozen originals kept beside them)
+        "router_parameters": sum(p.numel() for n, p in model.named_parameters()
+                                 if is_router_parameter(n) and p.requires_grad),
         "steps": trainer.state.global_step,
         "tokens_seen": trainer.state.global_step * training_args.train_batch_size
         * training_args.gradient_accumulation_steps * args.seq_len * training_args.world_size,
