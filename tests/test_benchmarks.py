@@ -737,7 +737,8 @@ def test_post_training_routing_smoke_runs_every_arm_on_the_same_batches_and_writ
     assert set(items["test_kinds"]) == set(post_training.KINDS) and min(items["test_kinds"].values()) >= 4
     final = printed[printed.index("Base: Block AttnRes trained from scratch"):printed.rindex("\nwall time")]
     assert final.rstrip() == post_training.report(results)
-    for line in ("| no fine-tuning (base) | 0 | - |", "| LoRA + routers, Delta rate |", "| arm | first | last | after | before | book |",
+    for line in ("| no fine-tuning (base) | 0 | - |", "| LoRA + routers, Delta rate |",
+                 "| arm | first | last | after | before | book |",
                  "- LoRA + routers: Delta rate minus base rate: accuracy", "| router | base | LoRA, routers frozen |",
                  "| final |"):
         assert line in final, line
