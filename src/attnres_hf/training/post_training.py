@@ -125,7 +125,8 @@ def check_post_training(kind: str, model, args=None, train_dataset=None, eval_da
         model: the model given to the trainer: a `PreTrainedModel`, a `peft.PeftModel`, or a folder or model id
             (its config is read; nothing loads).
         args: the trainer's config (`SFTConfig`, `DPOConfig`, `GRPOConfig`); None: TRL's defaults.
-        train_dataset, eval_dataset: `datasets` datasets (a dict of evaluation sets checks each).
+        train_dataset: a `datasets` dataset (map-style or iterable).
+        eval_dataset: one, or a dict of them (each is checked).
         formatting_func: SFT's, which makes the text from a row itself.
         peft_config: the trainer's `peft_config`.
         ref_model: DPO's `ref_model`.
