@@ -614,12 +614,24 @@ def test_sliding_window_runs_its_arms_on_paired_backbones(sliding_window, tmp_pa
     assert_results_fragment(tmp_path / "docs" / "w.md", "sliding_window.py", argv, final)
 
 
+def tiny_books(tmp_path, monkeypatch, ablation, text) -> None:
+    """The project cache at `tmp_path/cache` with tiny books (`text(i)` for the i-th; the held-out ones first) and
+    `ablation`'s tokenizer cache emptied, so that a benchmark trains its tokenizer on these books."""
+    from attnres_hf import assets
+
+    cache = tmp_path / "cache"
+    (cache / "gutenberg").mkdir(parents=True)
+    for i, name in enumerate(list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]):
+        (cache / "gutenberg" / f"{name}.txt").write_text(text(i))
+    monkeypatch.setenv("ATTNRES_HF_CACHE", str(cache))
+    monkeypatch.setattr(ablation, "_BPE", {})
+
+
 @pytest.mark.slow  # about 7 s
 def test_trained_routing_smoke_trains_both_arms_and_writes_its_fragment(tmp_path, monkeypatch, one_thread, capsys):
     """`benchmarks/trained_routing.py --smoke` end to end on tiny books: both arms on the same batches, the curve,
     per-router entropy intervals, sinks, the probe in alpha and alpha * ||v||, the fragment, and a saved model that
     `attnres routing` reads."""
-    from attnres_hf import assets
     from attnres_hf.cli import main
     from utils import counting_text
 
@@ -627,12 +639,7 @@ def test_trained_routing_smoke_trains_both_arms_and_writes_its_fragment(tmp_path
     spec = importlib.util.spec_from_file_location("trained_routing_benchmark", BENCHMARKS / "trained_routing.py")
     trained_routing = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trained_routing)
-    cache = tmp_path / "cache"
-    (cache / "gutenberg").mkdir(parents=True)
-    for i, name in enumerate(list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]):
-        (cache / "gutenberg" / f"{name}.txt").write_text(counting_text(60, seed=i).replace("\n", "\n\n"))
-    monkeypatch.setenv("ATTNRES_HF_CACHE", str(cache))
-    monkeypatch.setattr(trained_routing.ablation, "_BPE", {})  # a tokenizer of these books, not a cached one
+    tiny_books(tmp_path, monkeypatch, trained_routing.ablation, lambda i: counting_text(60, seed=i).replace("\n", "\n\n"))
     out, fragment = tmp_path / "out", tmp_path / "docs" / "trained_routing.md"
     argv = ["--smoke", "--out", str(out), "--results", str(fragment)]
     trained_routing.main(argv)
@@ -694,7 +701,6 @@ def test_post_training_routing_smoke_runs_every_arm_on_the_same_batches_and_writ
     instruction items, every arm x seed from the same base on the same batches (the first step's loss is the base's
     in every arm of a seed), frozen routers unchanged, the Delta arm's router rate, paired intervals over items, the
     routing drift, the fragment; and `--base` reads the saved base."""
-    from attnres_hf import assets
     from utils import counting_text
 
     sys.path.insert(0, str(BENCHMARKS))
@@ -702,12 +708,8 @@ def test_post_training_routing_smoke_runs_every_arm_on_the_same_batches_and_writ
                                                   BENCHMARKS / "post_training_routing.py")
     post_training = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(post_training)
-    cache = tmp_path / "cache"
-    (cache / "gutenberg").mkdir(parents=True)
-    for i, name in enumerate(list(assets.HELD_OUT_BOOKS) + [f"book-{i}" for i in range(14)]):
-        (cache / "gutenberg" / f"{name}.txt").write_text(counting_text(60, seed=i, length=10).replace("\n", ".\n\n"))
-    monkeypatch.setenv("ATTNRES_HF_CACHE", str(cache))
-    monkeypatch.setattr(post_training.ablation, "_BPE", {})  # a tokenizer of these books, not a cached one
+    tiny_books(tmp_path, monkeypatch, post_training.ablation,
+               lambda i: counting_text(60, seed=i, length=10).replace("\n", ".\n\n"))
     out, fragment = tmp_path / "out", tmp_path / "docs" / "post_training_routing.md"
     argv = ["--smoke", "--out", str(out), "--results", str(fragment)]
     post_training.main(argv)
