@@ -23,7 +23,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .recipes import check_peft_config
 from .trainer import DepthMixingTrainerMixin
 
-KINDS = ("sft", "dpo", "grpo")
+READS = {
+    "sft": [("messages",), ("conversations",), ("prompt", "completion"), ("input_ids",)],  # and dataset_text_field
+    "dpo": [("chosen", "rejected")],
+    "grpo": [("prompt",)],
+}
+"""Per TRL trainer `check_post_training` knows, the column sets it reads a row from (any one suffices); SFT also its
+config's `dataset_text_field`."""
+
+KINDS = tuple(READS)
 """The TRL trainers `check_post_training` knows: SFT, DPO, GRPO."""
 
 PADDING_FREE_PACKING = frozenset({"bfd", "bfd_split"})
@@ -44,16 +52,11 @@ def _columns(dataset) -> list[str] | None:
 
 
 def _read_columns(kind: str, args, formatting_func) -> list[tuple[str, ...]] | None:
-    """The column sets TRL's `kind` trainer reads a row from (any one suffices), or None where it reads what a
-    function returns."""
-    if kind == "sft":
-        if formatting_func is not None:
-            return None
-        return [(getattr(args, "dataset_text_field", "text"),), ("messages",), ("conversations",),
-                ("prompt", "completion"), ("input_ids",)]
-    if kind == "dpo":
-        return [("chosen", "rejected")]
-    return [("prompt",)]  # GRPO
+    """The column sets TRL's `kind` trainer reads a row from (`READS`), or None where it reads what a function
+    returns."""
+    if kind != "sft":
+        return READS[kind]
+    return None if formatting_func is not None else [(getattr(args, "dataset_text_field", "text"),), *READS["sft"]]
 
 
 def _check_columns(kind: str, name: str, dataset, args, formatting_func) -> None:
@@ -152,7 +155,8 @@ def check_post_training(kind: str, model, args=None, train_dataset=None, eval_da
                          f"{args.device.type}); use packing_strategy='wrapped' (padded packing), or no packing")
     if (not isinstance(model, (str, os.PathLike)) and _loads_a_reference(kind, model, args, peft_config, ref_model)
             and not getattr(checked.config, "_name_or_path", "")):
-        options = ("ref_model=, a peft_config (its implicit reference) or precompute_ref_log_probs=True" if kind == "dpo"
+        options = ("ref_model=, a peft_config (its implicit reference) or precompute_ref_log_probs=True"
+                   if kind == "dpo"
                    else "a peft_config (its implicit reference) or beta=0")
         raise ValueError(f"TRL's {kind.upper()} trainer loads its reference model from model.config._name_or_path, "
                          f"which this in-memory model does not have: pass {options}, or save_pretrained the model "

@@ -8,7 +8,10 @@ from transformers import PreTrainedModel
 
 from .._checks import check_int
 from ..modeling.backbones_moe import expert_gate_modules
-from ..modeling.depth_mixing import MIXING_MODULE_NAMES, is_depth_mixing_parameter
+from ..modeling.depth_mixing import DEPTH_MIXING, MIXING_MODULE_NAMES, is_depth_mixing_parameter
+
+LORA_R, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.0
+"""The LoRA recipe's defaults (rank, alpha, dropout): `prepare_model`, `lora_config` and `attnres train`'s."""
 
 ROUTER_MODULES = MIXING_MODULE_NAMES
 """Module names of the depth-mixing modules, read from the method records (`DEPTH_MIXING[name].module_names`):
@@ -76,16 +79,16 @@ def check_lora_targets(model: PreTrainedModel, targets: list[str] | str) -> list
         targets = sorted(targets)
     named = [targets] if isinstance(targets, str) else list(targets) if isinstance(targets, (list, tuple)) else []
     routers = [t for t in named if isinstance(t, str) and t.rsplit(".", 1)[-1] in ROUTER_MODULES]
-    if isinstance(targets, str) and targets != "all-linear":  # a regular expression: the router paths it matches
+    pattern = LoraConfig(target_modules=targets) if isinstance(targets, str) else None
+    if pattern is not None and targets != "all-linear":  # a regular expression: the router paths it matches
         routers += [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in ROUTER_MODULES
-                    and check_target_module_exists(LoraConfig(target_modules=targets), name)]
+                    and check_target_module_exists(pattern, name)]
     if routers:
         raise ValueError(f"lora_target_modules names depth-mixing modules ({', '.join(routers)}): they hold no layer "
                          "LoRA adapts and train in full instead (modules_to_save, as lora_config sets); valid "
                          f"names: {', '.join(valid)}")
     if isinstance(targets, str):
-        if targets == "all-linear" or any(check_target_module_exists(LoraConfig(target_modules=targets), p)
-                                         for p in paths):
+        if targets == "all-linear" or any(check_target_module_exists(pattern, p) for p in paths):
             return targets
         hint = (f"; one string is a regular expression over whole module paths: for the module name give a list, "
                 f"[{targets!r}]" if targets in valid else "")
@@ -142,9 +145,9 @@ def check_lora_target_parameters(model: torch.nn.Module, targets: list[str]) -> 
 def prepare_model(
     model: PreTrainedModel,
     method: str,
-    lora_r: int = 16,
-    lora_alpha: int = 32,
-    lora_dropout: float = 0.0,
+    lora_r: int = LORA_R,
+    lora_alpha: int = LORA_ALPHA,
+    lora_dropout: float = LORA_DROPOUT,
     lora_target_modules: list[str] | str | None = None,
     lora_target_parameters: list[str] | None = None,
 ):
@@ -201,19 +204,19 @@ def prepare_model(
 
 def lora_config(
     model: PreTrainedModel,
-    r: int = 16,
-    lora_alpha: int = 32,
-    lora_dropout: float = 0.0,
+    r: int = LORA_R,
+    lora_alpha: int = LORA_ALPHA,
+    lora_dropout: float = LORA_DROPOUT,
     target_modules: list[str] | str | None = None,
     target_parameters: list[str] | None = None,
     routers: bool = True,
 ):
     """The `peft.LoraConfig` of `prepare_model`'s `lora` recipe for `model`, checked against it: adapters on
     `target_modules` (default `default_lora_targets(model)`: every linear layer but the head) and, on a
-    mixture-of-experts model, on the stacked expert weights named by `target_parameters`; with `routers`, the
-    depth-mixing modules (`ROUTER_MODULES`) in `modules_to_save`, so they train in full and are saved with the
-    adapter (PEFT keeps the original beside each trained copy: with the adapter disabled, as in DPO's implicit
-    reference, the model is the base). Give it to TRL's trainers as `peft_config=`, or to `peft.get_peft_model`.
+    mixture-of-experts model, on the stacked expert weights named by `target_parameters`; with `routers`, the mixing
+    modules of the model's method (`DEPTH_MIXING[depth_mixing].module_names`) in `modules_to_save`, so they train in
+    full and are saved with the adapter (PEFT keeps the original beside each trained copy: with the adapter disabled,
+    as in DPO's implicit reference, the model is the base). Give it to TRL's trainers as `peft_config=`, or to `peft.get_peft_model`.
 
     Raises:
         ValueError / TypeError: a target that matches nothing or names a depth-mixing module (`check_lora_targets`,
@@ -230,14 +233,10 @@ def lora_config(
         lora_dropout=lora_dropout,
         target_modules=check_lora_targets(model, targets),
         target_parameters=None if target_parameters is None else check_lora_target_parameters(model, target_parameters),
-        modules_to_save=(mixing_modules_of(model) or None) if routers and _has_router_parameters(model) else None,
+        # the mixing modules of the model's method (its record's `module_names`)
+        modules_to_save=(list(DEPTH_MIXING[model.config.depth_mixing].module_names)
+                         if routers and _has_router_parameters(model) else None),
     )
-
-
-def mixing_modules_of(model: PreTrainedModel) -> list[str]:
-    """The names of `ROUTER_MODULES` that `model` has modules of (what `modules_to_save` lists to train them)."""
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    return [name for name in ROUTER_MODULES if name in names]
 
 
 def check_peft_config(model: PreTrainedModel, config) -> None:

@@ -27,6 +27,9 @@ from ..modeling.depth_mixing import DEPTH_MIXING, has_routers, is_depth_mixing_p
 from .adapters import save_base_quantization
 from .data import packed_lm_dataset
 from .recipes import (
+    LORA_ALPHA,
+    LORA_DROPOUT,
+    LORA_R,
     METHODS,
     check_lora_settings,
     check_lora_target_parameters,
@@ -53,9 +56,9 @@ class AttnResArguments:
     seq_len: int = field(default=512, metadata={"help": "tokens per packed training block"})
     eval_fraction: float = field(default=0.05, metadata={"help": "held-out tail of the blocks, for eval"})
     text_field: str = field(default="text", metadata={"help": "text column of .jsonl files and datasets"})
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
+    lora_r: int = LORA_R
+    lora_alpha: int = LORA_ALPHA
+    lora_dropout: float = LORA_DROPOUT
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "module names (default: every linear layer but the head); each must exist. "
                                 "One value that is not a name is PEFT's string form: 'all-linear', or a regular "
