@@ -141,8 +141,8 @@ NOT_RUN_HERE = {
     ("docs/post-training.md", "## Train elsewhere and come back"): "the folders stand for real ones and the trainers "
     "(fla, torchtitan) run between the lines; tests/test_train_elsewhere.py exports, trains in fla's own model (and "
     "in K3's names against a float64 reference) and converts back on tiny models",
-    ("docs/science.md", "## Should the pseudo-queries adapt in post-training?"): "a run of about half an hour on 2 "
-    "shared cores; tests/test_benchmarks.py runs it with --smoke",
+    ("docs/science.md", "## Should the pseudo-queries adapt in post-training?"): "runs of about 50 minutes on 2 "
+    "shared cores (the base, then the fine-tuning); tests/test_benchmarks.py runs it with --smoke",
     ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
     "runs it at a tiny shape",
     ("docs/speed.md", "## Compiling: `compile_repeated_blocks`"): "a line about a model it does not define; "
