@@ -165,3 +165,23 @@ def test_compile_repeated_blocks_generates_like_eager(block_size, input_ids):
         reference = model.generate(input_ids, **kwargs)
         model.compile_repeated_blocks(backend="aot_eager")
         torch.testing.assert_close(model.generate(input_ids, **kwargs), reference, atol=0, rtol=0)
+
+
+def test_compile_repeated_blocks_raises_the_recompile_limit_only_while_a_layer_runs(input_ids):
+    """Dynamo's recompile limit (the attention recompiles per layer and cache configuration) is raised to 8 x layers
+    inside each decoder layer's call, forward and gradient-checkpointed recomputation, and the process's setting is
+    left as it was: after `compile_repeated_blocks`, between calls and after a training step."""
+    torch._dynamo.reset()
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    before, seen = getattr(config, name), []
+    model = tiny_model(attnres_block_size=2, num_hidden_layers=2).train()
+    model.gradient_checkpointing_enable()
+    model.compile_repeated_blocks(backend="aot_eager")
+    assert getattr(config, name) == before
+    for layer in model.model.layers:  # (the mixing modules run eager, inside the layer's call)
+        layer.mlp_res.register_forward_pre_hook(lambda module, args: seen.append(getattr(config, name)))
+    model(input_ids, labels=input_ids).loss.backward()
+    assert getattr(config, name) == before
+    # 2 layers' forwards and their 2 recomputations under checkpointing
+    assert seen == [max(before, 8 * model.config.num_hidden_layers)] * 4

@@ -18,7 +18,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from attnres_hf import AttnResForCausalLM
 from attnres_hf.modeling.depth_mixing import (DEPTH_MIXING, MIXING_MODULES, depth_mixing_parameters,
                                              is_depth_mixing_parameter, is_no_weight_decay_parameter,
-                                             modules_to_not_convert, sinkhorn_knopp)
+                                             modules_to_not_convert)
+from attnres_hf.modeling.mixing_mhc import sinkhorn_knopp
 from utils import OTHER_PROCESS_ATOL, TINY, VARIANTS, perturb_mixing, tiny_config, variant_model
 
 EXTRA_VARIANTS = {

@@ -158,6 +158,19 @@ def test_phase1_and_merge_equal_naive_attnres(kernels, shape, dtype, key_norm):
         assert relative(grad_weight, ref_in[3].grad) < FP32_KERNEL * scale
 
 
+@pytest.mark.parametrize(("shape", "tile"), [((3, 4, 40, 2, 3), 32), ((5, 3, 64, 1, 5), 128)],
+                         ids=["S4-one_query_tiles-D_chunks_of_8", "S3-two_query_tiles-D_chunks_of_32"])
+def test_a_token_split_across_programs_equals_naive_attnres(kernels, monkeypatch, shape, tile):
+    """The split of a token's `S x D` across programs that large hidden sizes take (`attnres_kernels.TILE`, 8192
+    elements; models' `D` from 2048 at `S = 8`), here on tiny shapes with a tiny tile: phase 1 by query tiles (the
+    last one part-masked at `S = 3`), the key-norm gradient summed over them, and the sources' gradients by chunks
+    of the hidden units. The test above, fp32 with the key norm."""
+    monkeypatch.setattr(kernels, "TILE", tile)
+    n, S, dim = shape[:3]
+    assert kernels._phase1_tiles(dim, S)[2] > 1 and kernels._values_tiles(dim, S)[2] > 1
+    test_phase1_and_merge_equal_naive_attnres(kernels, shape, torch.float32, True)
+
+
 @pytest.mark.parametrize("gap", [8.0, 12.0, 16.0])
 def test_a_small_partial_share_keeps_the_digits_of_its_gradient(kernels, gap):
     """The partial sum holds `e^-gap` of the softmax mass: its gradient (that share times the upstream gradient) is

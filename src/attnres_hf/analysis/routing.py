@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..modeling.depth_mixing import DEPTH_MIXING, RoutingMap
+from ..modeling.depth_mixing import DEPTH_MIXING
+from ..modeling.mixing_base import RoutingMap
 
 
 def routing_maps(config) -> list[RoutingMap]:

@@ -4,7 +4,8 @@ read of each source with an online softmax) as the CUDA implementation of the di
 
 It serves the reads that the two-phase path does not (Full AttnRes, the final router, a model that gave the state no
 routers) for the paper's router: softmax, key norm, one static pseudo-query, no window, no scalar weights
-(`FLA_NEEDS`; other knobs are refused by the config). The depth weights are the torch path's (fla returns none).
+(`mixing_base.IMPLEMENTATION_NEEDS["fla"]`; other knobs are refused by the config). The depth weights are the torch
+path's (fla returns none).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
 siblings `attnres_two_phase.py` and `mixing_base.py`. fla is an optional dependency, imported lazily inside a `try`
@@ -17,18 +18,6 @@ from torch.autograd.function import once_differentiable
 
 from .attnres_two_phase import _global_pre_hooks, _key_norm_reads_directly
 from .mixing_base import check_implementation
-
-FLA_NEEDS = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_key_norm": True,
-             "attnres_query": "static", "attnres_num_heads": 1, "attnres_window": None,
-             "attnres_scalar_weights": False}
-"""The config values fla's `fused_attnres` computes: `softmax_i(w . RMSNorm(v_i))` with one static query."""
-
-
-def check_fla_config(config, implementation: str) -> None:
-    """Raise `ValueError` naming the first field of `config` that `implementation="fla"` cannot compute."""
-    if implementation == "fla":
-        check_implementation(config, "fla", FLA_NEEDS, "fla's fused_attnres is the paper's softmax router with a key "
-                             "norm and one static query")
 
 
 def _fused_attnres():
@@ -44,7 +33,7 @@ def _fused_attnres():
 def require_fla(config) -> None:
     """At model construction: refuse a config fla cannot compute (`ValueError`), or fla not importable
     (`ImportError`), rather than at the first forward."""
-    check_fla_config(config, config.attnres_implementation)
+    check_implementation(config, "fla")
     _fused_attnres()
 
 

@@ -1,9 +1,10 @@
 """Triton kernels of two-phase Block AttnRes (arXiv:2603.15031, Algorithm 1, softmax router of Eq. 1-4 over the
-sources of Eq. 6), forward and backward, one program per token:
+sources of Eq. 6), forward and backward, one program per token (or per tile of a token's `S x D`, `TILE`):
 
 - **phase 1** (a block starts): the scores of the block's `S` pseudo-queries against the `n` completed sources,
   their log-sum-exp and the weighted sums, in one read of each source with an online softmax (running max and
-  normaliser per query); backward reads each source twice (the softmax's `sum_i p_i dp_i`, then the gradients).
+  normaliser per query); backward reads each source twice (the softmax's `sum_i p_i dp_i`, then the scores'
+  gradients), and a second kernel makes the sources' gradients from the scores'.
 - **the merge** (phase 2, every sub-layer of the block): the partial sum's logit and key norm, its softmax share
   against the completed sources' log-sum-exp, and `share mixed + (1 - share) partial`; backward in one pass.
 
@@ -29,10 +30,11 @@ except ImportError as error:  # (in a `try`: transformers' remote-code loader do
 
 
 @triton.jit
-def _phase1_forward_kernel(values, inv_rms, queries, logits, lse, mixed, n, rows, dim, S,
+def _phase1_forward_kernel(values, inv_rms, queries, logits, lse, mixed, n, rows, dim, S, tiles,
                            HAS_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    program = tl.program_id(0).to(tl.int64)  # (a token's `tiles` programs, one per `BLOCK_S` queries, are adjacent)
+    row, tile = program // tiles, program % tiles
+    offs_s, offs_d = tile * BLOCK_S + tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     mask_s, mask_d = offs_s < S, offs_d < dim
     mask_sd = mask_s[:, None] & mask_d[None, :]
     q = tl.load(queries + offs_s[:, None] * dim + offs_d[None, :], mask=mask_sd, other=0.0)
@@ -57,13 +59,13 @@ def _phase1_forward_kernel(values, inv_rms, queries, logits, lse, mixed, n, rows
 
 
 @triton.jit
-def _phase1_backward_kernel(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_probs,
-                            grad_values, grad_inv, grad_scores, n, rows, dim, S,
+def _phase1_backward_kernel(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_probs, grad_inv,
+                            grad_scores, n, rows, dim, S, tiles,
                             HAS_NORM: tl.constexpr, HAS_GRAD_MIXED: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-                            HAS_GRAD_PROBS: tl.constexpr, ACCUMULATE: tl.constexpr, NEED_VALUES: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+                            HAS_GRAD_PROBS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)
+    row, tile = program // tiles, program % tiles
+    offs_s, offs_d = tile * BLOCK_S + tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     mask_s, mask_d = offs_s < S, offs_d < dim
     mask_sd = mask_s[:, None] & mask_d[None, :]
     q = tl.load(queries + offs_s[:, None] * dim + offs_d[None, :], mask=mask_sd, other=0.0)
@@ -98,17 +100,37 @@ def _phase1_backward_kernel(values, inv_rms, queries, probs, grad_mixed, grad_ls
         if HAS_NORM:
             r = tl.load(inv_rms + row * n + i)
             dots = tl.sum(q * v[None, :], axis=1)
-            tl.store(grad_inv + row * n + i, tl.sum(dz * dots, axis=0))
+            tl.store(grad_inv + (row * tiles + tile) * n + i, tl.sum(dz * dots, axis=0))  # this tile's share
             dz = dz * r  # the gradient of the scores w_s . v_i
         tl.store(grad_scores + (row * S + offs_s) * n + i, dz, mask=mask_s)
-        if NEED_VALUES:
-            dv = tl.sum(dz[:, None] * q, axis=0)
-            if HAS_GRAD_MIXED:
-                dv += tl.sum(p[:, None] * gm, axis=0)
-            target = grad_values + (i * rows + row) * dim + offs_d
-            if ACCUMULATE:
-                dv += tl.load(target, mask=mask_d, other=0.0).to(tl.float32)
-            tl.store(target, dv.to(grad_values.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _phase1_values_backward_kernel(queries, probs, grad_mixed, grad_scores, grad_values, n, rows, dim, S, chunks,
+                                   HAS_GRAD_MIXED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_S: tl.constexpr,
+                                   BLOCK_D: tl.constexpr):
+    # the sources' gradients, one program per token and `BLOCK_D` hidden units (all the queries): dL/dv_i =
+    # sum_s dL/dscore_si w_s (+ p_si dL/dmixed_s), from the scores' gradients `_phase1_backward_kernel` wrote
+    program = tl.program_id(0).to(tl.int64)
+    row, chunk = program // chunks, program % chunks
+    offs_s, offs_d = tl.arange(0, BLOCK_S), chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_s, mask_d = offs_s < S, offs_d < dim
+    mask_sd = mask_s[:, None] & mask_d[None, :]
+    q = tl.load(queries + offs_s[:, None] * dim + offs_d[None, :], mask=mask_sd, other=0.0)
+    gm = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    if HAS_GRAD_MIXED:
+        gm = tl.load(grad_mixed + (row * S + offs_s[:, None]) * dim + offs_d[None, :], mask=mask_sd,
+                     other=0.0).to(tl.float32)
+    for i in range(n):
+        dz = tl.load(grad_scores + (row * S + offs_s) * n + i, mask=mask_s, other=0.0)
+        dv = tl.sum(dz[:, None] * q, axis=0)
+        if HAS_GRAD_MIXED:
+            p = tl.load(probs + (row * S + offs_s) * n + i, mask=mask_s, other=0.0)
+            dv += tl.sum(p[:, None] * gm, axis=0)
+        target = grad_values + (i * rows + row) * dim + offs_d
+        if ACCUMULATE:
+            dv += tl.load(target, mask=mask_d, other=0.0).to(tl.float32)
+        tl.store(target, dv.to(grad_values.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
@@ -190,8 +212,40 @@ def _device_of(tensor: torch.Tensor):
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
-def _blocks(dim: int, S: int = 1) -> tuple[int, int]:
-    return triton.next_power_of_2(max(S, 1)), triton.next_power_of_2(dim)
+TILE = 8192
+"""The most elements of one fp32 `(queries, hidden units)` tile a phase-1 program holds in registers (it holds two:
+the queries and the weighted sums, or the queries and the sums' gradients), 32 a thread at 8 warps. A token's larger
+`S x D` is split across programs: by queries in phase 1 (each program reads all its token's sources; the other tiles'
+reads come from the L2 cache, their programs being adjacent) and by hidden units in the sources' gradients. One whole
+`S x D` a program spilled to local memory from `D = 2048, S = 8` on (`tests/test_triton_compile.py` compiles every
+kernel for sm_80 and sm_90 at the models' shapes and checks that none spills)."""
+
+
+def _warps(elements: int, per_thread: int) -> int:
+    """Warps for a program whose largest tensors have `elements` each: `per_thread` of them a thread, 4 to 8 warps."""
+    return min(max(elements // (32 * per_thread), 4), 8)
+
+
+def _phase1_tiles(dim: int, S: int) -> tuple[int, int, int, int]:
+    """Phase 1's split of a token's `S x D`: `(BLOCK_S, BLOCK_D, programs a token, num_warps)`, the queries split
+    into tiles of at most `TILE` elements (all of `D` in each)."""
+    block_d = triton.next_power_of_2(dim)
+    block_s = min(triton.next_power_of_2(max(S, 1)), max(TILE // block_d, 1))
+    return block_s, block_d, triton.cdiv(max(S, 1), block_s), _warps(block_s * block_d, 32)
+
+
+def _values_tiles(dim: int, S: int) -> tuple[int, int, int, int]:
+    """The sources' gradients' split of a token's `S x D`: `(BLOCK_S, BLOCK_D, programs a token, num_warps)`, the
+    hidden units split into chunks of at most `TILE` elements (all `S` queries in each)."""
+    block_s = triton.next_power_of_2(max(S, 1))
+    block_d = min(triton.next_power_of_2(dim), max(TILE // block_s, 1))
+    return block_s, block_d, triton.cdiv(dim, block_d), _warps(block_s * block_d, 32)
+
+
+def _merge_blocks(dim: int) -> tuple[int, int]:
+    """The merge's `(BLOCK_D, num_warps)`: one program a token, 16 elements of each `D`-vector a thread."""
+    block_d = triton.next_power_of_2(dim)
+    return block_d, _warps(block_d, 16)
 
 
 def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: torch.Tensor):
@@ -213,11 +267,11 @@ def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: 
     logits = values.new_empty(batch, seq, S, n, dtype=torch.float32)
     lse = values.new_empty(batch, seq, S, dtype=torch.float32)
     mixed = values.new_empty(batch, seq, S, dim)
-    block_s, block_d = _blocks(dim, S)
+    block_s, block_d, tiles, warps = _phase1_tiles(dim, S)
     with _device_of(values):
-        _phase1_forward_kernel[(rows,)](values, inv_rms if inv_rms is not None else lse, queries, logits, lse, mixed,
-                                        n, rows, dim, S, HAS_NORM=inv_rms is not None, BLOCK_S=block_s,
-                                        BLOCK_D=block_d)
+        _phase1_forward_kernel[(rows * tiles,)](values, inv_rms if inv_rms is not None else lse, queries, logits, lse,
+                                                mixed, n, rows, dim, S, tiles, HAS_NORM=inv_rms is not None,
+                                                BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
     return torch.softmax(logits, dim=-1), lse, mixed  # (not exp(logits - lse): fewer digits lost when sharp)
 
 
@@ -229,26 +283,32 @@ def phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_
     _check_contiguous(values=values, grad_values=grad_values)
     inv_rms = None if inv_rms is None else inv_rms.contiguous()
     queries, probs = queries.contiguous(), probs.contiguous()
+    grad_mixed = None if grad_mixed is None else grad_mixed.contiguous()
     n, batch, seq, dim = values.shape
     S, rows = queries.shape[0], batch * seq
+    block_s, block_d, tiles, warps = _phase1_tiles(dim, S)
     grad_scores = probs.new_empty(batch, seq, S, n)
-    grad_inv = probs.new_empty(batch, seq, n) if inv_rms is not None else None
+    grad_inv = probs.new_empty(batch, seq, tiles, n) if inv_rms is not None else None  # each query tile's share
     dummy = probs
-    block_s, block_d = _blocks(dim, S)
     with _device_of(values):
-        _phase1_backward_kernel[(rows,)](
+        _phase1_backward_kernel[(rows * tiles,)](
             values, inv_rms if inv_rms is not None else dummy, queries, probs,
-            grad_mixed.contiguous() if grad_mixed is not None else dummy,
+            grad_mixed if grad_mixed is not None else dummy,
             grad_lse.contiguous() if grad_lse is not None else dummy,
             grad_probs.contiguous() if grad_probs is not None else dummy,
-            grad_values if grad_values is not None else dummy, grad_inv if grad_inv is not None else dummy,
-            grad_scores, n, rows, dim, S, HAS_NORM=inv_rms is not None, HAS_GRAD_MIXED=grad_mixed is not None,
-            HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_PROBS=grad_probs is not None, ACCUMULATE=accumulate,
-            NEED_VALUES=grad_values is not None, BLOCK_S=block_s, BLOCK_D=block_d)
+            grad_inv if grad_inv is not None else dummy, grad_scores, n, rows, dim, S, tiles,
+            HAS_NORM=inv_rms is not None, HAS_GRAD_MIXED=grad_mixed is not None, HAS_GRAD_LSE=grad_lse is not None,
+            HAS_GRAD_PROBS=grad_probs is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
+        if grad_values is not None:  # (from the scores' gradients just written)
+            block_s, block_d, chunks, warps = _values_tiles(dim, S)
+            _phase1_values_backward_kernel[(rows * chunks,)](
+                queries, probs, grad_mixed if grad_mixed is not None else dummy, grad_scores, grad_values, n, rows,
+                dim, S, chunks, HAS_GRAD_MIXED=grad_mixed is not None, ACCUMULATE=accumulate, BLOCK_S=block_s,
+                BLOCK_D=block_d, num_warps=warps)
     # dL/dw_s = sum over tokens and sources of dL/dscore_si v_i: one (S, n B T) @ (n B T, D) product
     flat = grad_scores.permute(2, 3, 0, 1).reshape(S, n * rows)
     grad_queries = flat @ values.reshape(n * rows, dim).to(torch.float32)
-    return grad_inv, grad_queries
+    return (None if grad_inv is None else grad_inv.sum(2)), grad_queries
 
 
 def _row_view(tensor: torch.Tensor, dim: int) -> int:
@@ -273,10 +333,11 @@ def merge_forward(partial: torch.Tensor, mixed: torch.Tensor, query: torch.Tenso
     batch, seq, dim = partial.shape
     hidden = torch.empty_like(partial)
     logit = partial.new_empty(batch, seq, dtype=torch.float32)
+    block_d, warps = _merge_blocks(dim)
     with _device_of(partial):
         _merge_forward_kernel[(batch * seq,)](partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim),
-                                              hidden, logit, float(eps), dim, HAS_NORM=key_norm,
-                                              BLOCK_D=_blocks(dim)[1])
+                                              hidden, logit, float(eps), dim, HAS_NORM=key_norm, BLOCK_D=block_d,
+                                              num_warps=warps)
     return hidden, logit
 
 
@@ -289,6 +350,7 @@ def merge_backward(partial, mixed, query, lse, logit, grad_hidden, grad_logit, e
     grad_mixed = partial.new_empty(batch, seq, dim, dtype=mixed.dtype) if grad_hidden is not None else None
     grad_lse = logit.new_empty(batch, seq) if grad_hidden is not None else None
     coefficient = torch.empty_like(logit)
+    block_d, warps = _merge_blocks(dim)
     with _device_of(partial):
         _merge_backward_kernel[(batch * seq,)](
             partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim), logit,
@@ -296,6 +358,6 @@ def merge_backward(partial, mixed, query, lse, logit, grad_hidden, grad_logit, e
             grad_logit.contiguous() if grad_logit is not None else logit,
             grad_partial, grad_mixed if grad_mixed is not None else logit, grad_lse if grad_lse is not None else logit,
             coefficient, float(eps), dim, HAS_NORM=key_norm, HAS_GRAD_HIDDEN=grad_hidden is not None,
-            HAS_GRAD_LOGIT=grad_logit is not None, BLOCK_D=_blocks(dim)[1])
+            HAS_GRAD_LOGIT=grad_logit is not None, BLOCK_D=block_d, num_warps=warps)
     grad_query = coefficient.reshape(-1) @ partial.reshape(-1, dim).to(torch.float32)
     return grad_partial, grad_mixed, grad_lse, grad_query

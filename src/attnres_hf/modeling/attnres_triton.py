@@ -21,19 +21,6 @@ from torch.autograd.function import once_differentiable
 from .attnres_buffer import _as, _mix, _nones
 from .mixing_base import check_implementation
 
-TRITON_NEEDS = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_query": "static",
-                "attnres_num_heads": 1, "attnres_window": None, "attnres_scalar_weights": False}
-"""The config values the kernels compute: a softmax over the sources of one static pseudo-query per router, with or
-without the key norm."""
-
-
-def check_triton_config(config, implementation: str) -> None:
-    """Raise `ValueError` naming the first field of `config` that `implementation="triton"` cannot compute."""
-    if implementation == "triton":
-        check_implementation(config, "triton", TRITON_NEEDS, "the kernels compute the paper's softmax router with "
-                             "one static query")
-
-
 _KERNELS = []  # the kernels module once imported (every read asks for it: no import statement per read)
 
 
@@ -51,7 +38,7 @@ def _kernels():
 def require_triton(config) -> None:
     """At model construction: refuse a config the kernels cannot compute (`ValueError`) or Triton not importable
     (`ImportError`), rather than at the first forward."""
-    check_triton_config(config, config.attnres_implementation)
+    check_implementation(config, "triton")
     _kernels()
 
 

@@ -85,9 +85,10 @@ from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.smollm3.configuration_smollm3 import SmolLM3Config
 
-from .backbones_base import (BackboneAdapter, BackboneTable, KeyValueInputs, LazyModule, SubLayer,
+from .backbones_base import (BackboneAdapter, BackboneTable, KeyValueInputs, SubLayer,
                              default_attention_masks, default_layer_types)
 from .backbones_moe import MOE_BACKBONES  # mixture-of-experts families and Kimi Linear
+from .lazy_records import LazyModule
 
 # The families' modeling modules, imported when a family is first used (`BackboneTable`): `import attnres_hf` imports
 # none of them.

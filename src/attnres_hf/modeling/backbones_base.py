@@ -11,9 +11,7 @@ torch and transformers.
 """
 
 import contextlib
-import dataclasses
-import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,106 +21,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-
-class LazyModule:
-    """A module imported on first use: `LazyModule(name).Attr` is a `LazyReference` (nothing is imported), `load()`
-    the module itself, imported once (by `loader()` when given: Kimi Linear's wraps the import).
-
-    Why: a backbone record names its family's classes, and `import attnres_hf` (which builds the table) must not
-    import every family's modeling code, nor fla, which transformers' `modeling_kimi_linear` imports where it is
-    installed; `BackboneTable` resolves a record's references when the family is first used."""
-
-    def __init__(self, name: str, loader: Callable | None = None):
-        self.name, self._loader, self._module = name, loader, None
-
-    def load(self):
-        if self._module is None:
-            self._module = self._loader() if self._loader is not None else importlib.import_module(self.name)
-        return self._module
-
-    def __getattr__(self, attr: str) -> "LazyReference":
-        if attr.startswith("_"):  # dunders (`__deepcopy__`, ...) and private names are never module references
-            raise AttributeError(attr)
-        return LazyReference(self, attr)
-
-    def __repr__(self) -> str:
-        return f"LazyModule({self.name!r})"
-
-
-@dataclass(frozen=True)
-class LazyReference:
-    """`module.attr` of a `LazyModule`, imported by `resolve()`; calling it calls the resolved object (what a
-    factory such as `scaled_embedding` does at model construction)."""
-
-    module: LazyModule
-    attr: str
-
-    def resolve(self):
-        return getattr(self.module.load(), self.attr)
-
-    def __call__(self, *args, **kwargs):
-        return self.resolve()(*args, **kwargs)
-
-
-def resolve(value):
-    """`value` with its `LazyReference`s resolved: a reference, or an `OutputRecorder`, list, tuple or dict of them
-    (a record's `record_outputs`); anything else is returned as it is."""
-    if isinstance(value, LazyReference):
-        return value.resolve()
-    if isinstance(value, dict):
-        return {key: resolve(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(resolve(item) for item in value)
-    if dataclasses.is_dataclass(value) and isinstance(getattr(value, "target_class", None), LazyReference):
-        return dataclasses.replace(value, target_class=value.target_class.resolve())  # an `OutputRecorder`
-    return value
-
-
-class BackboneTable(Mapping):
-    """`model_type -> BackboneAdapter` whose records are resolved on first use: iterating, `len` and `in` import
-    nothing; `table[model_type]` resolves the record's `LazyReference`s once (importing the family's modeling code)
-    and keeps the resolved adapter. `declared(model_type)` is the record as declared, for what needs no family code
-    (`config_class`, `check_config`, `key_value_inputs`).
-
-    `records` maps each model type to its record, or to a function returning it (a family whose record lives in a
-    module that is itself imported on first use: Kimi K3's).
-    """
-
-    def __init__(self, records: dict[str, "BackboneAdapter | Callable[[], BackboneAdapter]"]):
-        self._records, self._resolved = dict(records), {}
-
-    def declared(self, model_type: str) -> "BackboneAdapter":
-        record = self._records[model_type]
-        if not isinstance(record, BackboneAdapter):
-            record = self._records[model_type] = record()
-            if record.model_type != model_type:
-                raise ValueError(f"the backbone record loaded for {model_type!r} is {record.model_type!r}'s")
-        return record
-
-    def __getitem__(self, model_type: str) -> "BackboneAdapter":
-        if model_type not in self._resolved:
-            record = self.declared(model_type)
-            self._resolved[model_type] = dataclasses.replace(
-                record, **{f.name: resolve(getattr(record, f.name)) for f in dataclasses.fields(record)})
-        return self._resolved[model_type]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._records)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __contains__(self, model_type) -> bool:
-        return model_type in self._records
-
-    def immediate(self) -> tuple["BackboneAdapter", ...]:
-        """The records declared in the table's own modules, read without importing anything (not those behind a
-        loader, such as Kimi K3's, until it has run), in table order."""
-        return tuple(record for record in self._records.values() if isinstance(record, BackboneAdapter))
-
-    def resolved(self) -> tuple[str, ...]:
-        """The model types resolved so far, in table order."""
-        return tuple(model_type for model_type in self._records if model_type in self._resolved)
+from .lazy_records import LazyTable
 
 
 @dataclass(frozen=True)
@@ -311,3 +210,12 @@ class BackboneAdapter:
     def can_record_outputs(self) -> dict:
         """This family's `_can_record_outputs` entries: its attention weights, plus `record_outputs`."""
         return {"attentions": self.attention_class, **self.record_outputs}
+
+
+class BackboneTable(LazyTable):
+    """`model_type -> BackboneAdapter` (`lazy_records.LazyTable`): `table[model_type]` imports the family's modeling
+    code on first use; `declared(model_type)` is the record as declared, for what needs no family code
+    (`config_class`, `check_config`, `key_value_inputs`)."""
+
+    record_type = BackboneAdapter
+    key_field = "model_type"

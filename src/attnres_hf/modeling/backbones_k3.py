@@ -66,7 +66,7 @@ with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
 
 from .backbones_base import BackboneAdapter, SubLayer
-from .backbones_moe import (EXPERT_ROUTING, ExpertRouting, check_kimi_linear, kimi_attention_masks, kimi_cache,
+from .backbones_moe import (EXPERT_ROUTING, check_kimi_linear, kimi_attention_masks, kimi_cache,
                             kimi_decoder_layer)
 from .backbones_moe import kimi as _kimi_linear
 
@@ -466,8 +466,6 @@ def check_kimi_k3_backbone(config) -> None:
     check_kimi_linear(config)
     check_kimi_k3(config)
 
-
-EXPERT_ROUTING["kimi_k3"] = ExpertRouting(KimiK3TopkRouter, None, num_experts="num_local_experts")  # no aux loss
 
 K3_BACKBONES = (
     BackboneAdapter(

@@ -54,7 +54,8 @@ from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.utils.output_capturing import OutputRecorder
 
-from .backbones_base import BackboneAdapter, LazyModule, SubLayer
+from .backbones_base import BackboneAdapter, SubLayer
+from .lazy_records import LazyModule
 
 # The families' modeling modules, imported when a family is first used (`backbones_base.BackboneTable`).
 mixtral = LazyModule("transformers.models.mixtral.modeling_mixtral")
@@ -119,6 +120,8 @@ class ExpertRouting:
 
 EXPERT_ROUTING: dict[str, ExpertRouting] = {
     "kimi_linear": ExpertRouting(kimi.KimiLinearTopkRouter, None, num_experts="num_local_experts"),
+    # Kimi K3's router (`backbones_k3.KimiK3TopkRouter`) is a subclass of Kimi Linear's: its recorder catches it
+    "kimi_k3": ExpertRouting(kimi.KimiLinearTopkRouter, None, num_experts="num_local_experts"),  # no aux loss
     "qwen3_moe": ExpertRouting(qwen3_moe.Qwen3MoeTopKRouter, qwen3_moe.load_balancing_loss_func),
     "qwen2_moe": ExpertRouting(qwen2_moe.Qwen2MoeTopKRouter, qwen2_moe.load_balancing_loss_func,
                                gates=("gate", "shared_expert_gate")),

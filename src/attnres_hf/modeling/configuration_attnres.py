@@ -29,11 +29,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.utils.type_validators import interval
 
-from .attnres_fla import check_fla_config
-from .attnres_triton import check_triton_config
 from .backbones import BACKBONES, DEFAULT_BACKBONE, KEY_VALUE_METHODS, backbone_record
 from .backbones_moe import EXPERT_ROUTING
 from .depth_mixing import DEPTH_MIXING
+from .mixing_base import check_implementation
 
 
 DEPTH_MIXING_METHODS = tuple(DEPTH_MIXING)
@@ -221,8 +220,7 @@ class AttnResConfig(PreTrainedConfig):
 
     def _validate_depth_knobs(self):
         # (a knob set after the implementation: what it computes is checked again here)
-        check_fla_config(self, self.attnres_implementation)
-        check_triton_config(self, self.attnres_implementation)
+        check_implementation(self, self.attnres_implementation)
         if self.attnres_window is not None and self.attnres_window < 1:
             raise ValueError(f"attnres_window must be a positive number of sources or None, got {self.attnres_window!r}")
         if self.hidden_size % self.attnres_num_heads:
@@ -230,7 +228,7 @@ class AttnResConfig(PreTrainedConfig):
                 f"attnres_num_heads ({self.attnres_num_heads}) must divide hidden_size ({self.hidden_size})"
             )
         defaults = self.__dataclass_fields__
-        for method in DEPTH_MIXING.values():
+        for method in map(DEPTH_MIXING.declared, DEPTH_MIXING):  # (as declared: no method's module imported)
             if method.name == self.depth_mixing:
                 continue
             changed = [name for name in method.config_fields if getattr(self, name) != defaults[name].default]
@@ -469,8 +467,7 @@ def _setattr(self, name, value):
         setattr(self.backbone, name, value)
     else:
         if name == "attnres_implementation":  # (also in `__init__`: the fields it checks are set before it)
-            check_fla_config(self, value)
-            check_triton_config(self, value)
+            check_implementation(self, value)
         _strict_setattr(self, name, value)
 
 
@@ -478,7 +475,7 @@ AttnResConfig.__init__ = _raise_value_errors(AttnResConfig.__init__)
 AttnResConfig.__setattr__ = _raise_value_errors(_setattr)
 
 ATTNRES_KNOB_DEFAULTS = {name: AttnResConfig.__dataclass_fields__[name].default
-                         for name in DEPTH_MIXING["attnres"].config_fields}
+                         for name in DEPTH_MIXING.declared("attnres").config_fields}
 """The paper's Table 4 ablation knobs of `depth_mixing="attnres"` at their defaults (the paper's AttnRes)."""
 
 __all__ = ["AttnResConfig", "default_attnres_block_size", "DEPTH_MIXING_METHODS", "ATTNRES_KNOB_DEFAULTS"]

@@ -178,9 +178,25 @@ class DepthMixingMethod:
         return (*self.layer_modules._fields, *self.final_modules._fields)
 
 
-def check_implementation(config, implementation: str, needs: dict, computes: str) -> None:
+IMPLEMENTATION_NEEDS: dict[str, tuple[dict, str]] = {
+    "fla": ({"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_key_norm": True,
+             "attnres_query": "static", "attnres_num_heads": 1, "attnres_window": None,
+             "attnres_scalar_weights": False},
+            "fla's fused_attnres is the paper's softmax router with a key norm and one static query"),
+    "triton": ({"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_query": "static",
+                "attnres_num_heads": 1, "attnres_window": None, "attnres_scalar_weights": False},
+               "the kernels compute the paper's softmax router with one static query"),
+}
+"""`attnres_implementation` -> (the config values it computes, what it computes) for the implementations that
+compute only some configs: fla's `fused_attnres` (`attnres_fla.py`: `softmax_i(w . RMSNorm(v_i))` with one static
+query) and the Triton kernels (`attnres_triton.py`: a softmax over the sources of one static pseudo-query per router,
+with or without the key norm). `"torch"` computes every config."""
+
+
+def check_implementation(config, implementation: str) -> None:
     """Raise `ValueError` naming the first field of `config` that `attnres_implementation=implementation` cannot
-    compute: `needs` maps fields to the one value it computes, `computes` says what it is (for the message)."""
+    compute (`IMPLEMENTATION_NEEDS`); nothing for an implementation that computes every config (`"torch"`)."""
+    needs, computes = IMPLEMENTATION_NEEDS.get(implementation, ({}, ""))
     for name, needed in needs.items():
         value = getattr(config, name)
         if value != needed:

@@ -15,6 +15,7 @@ an `# AttnRes:` comment. This file travels with checkpoints as remote code: it i
 those siblings.
 """
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -34,15 +35,15 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .attnres_reference import naive_attnres
 from .backbones import KEY_VALUE_METHODS, backbone_adapter, init_backbone_weights, recorded_outputs
 from .backbones_base import KeyValueRouting
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import (DEPTH_MIXING, MIXING_MODULES, AttnResRMSNorm, AttnResRouter, AttnResState,
-                           modules_to_not_convert, naive_attnres, num_depth_mixing_parameters, register_modules,
-                           registered_modules)
-from .outputs_attnres import (DEPTH_WEIGHTS_OUTPUTS, AttnResCausalLMOutputWithPast,
-                              AttnResModelOutputWithPast, AttnResMoeCausalLMOutputWithPast,
-                              AttnResMoeModelOutputWithPast)
+from .depth_mixing import DEPTH_MIXING, MIXING_MODULES, modules_to_not_convert, num_depth_mixing_parameters
+from .mixing_attnres import AttnResRouter, AttnResState  # (re-exported)
+from .mixing_base import AttnResRMSNorm, register_modules, registered_modules
+from .outputs_attnres import (DEPTH_WEIGHTS_OUTPUTS, AttnResCausalLMOutputWithPast, AttnResModelOutputWithPast,
+                              AttnResMoeCausalLMOutputWithPast, AttnResMoeModelOutputWithPast)
 
 logger = logging.get_logger(__name__)
 
@@ -79,6 +80,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self._mixing_type = DEPTH_MIXING[config.depth_mixing].layer_modules
         register_modules(self, self._mixing_type.build(config, layer_idx))
 
+    recompile_limit: int | None = None  # dynamo's, while this layer runs (`compile_repeated_blocks`); None: its own
+
+    def _dynamo_limits(self):
+        """Dynamo's recompile limit at `recompile_limit` for this layer's call (and checkpointed recomputation)."""
+        config, name = torch._dynamo.config, "recompile_limit"
+        name = name if hasattr(config, name) else "cache_size_limit"  # (torch < 2.7)
+        return (contextlib.nullcontext() if self.recompile_limit is None
+                else config.patch(**{name: max(getattr(config, name), self.recompile_limit)}))
+
     def _finish(self, sublayer, output) -> torch.Tensor:
         """The family's post-processing of a sub-layer output before it joins the stream (post-norms, dropout,
         residual multiplier); a `(hidden, extras...)` tuple (MoE router logits) keeps its hidden states."""
@@ -101,32 +111,33 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         """Returns the new depth state, this layer's attention (query) input `(batch, seq_len, hidden_size)` (its
         entry in `hidden_states`) and the tuple of depth weights its mixing computed (empty for the residual)."""
-        mixing = registered_modules(self, self._mixing_type)
-        # AttnRes: the attention input(s) come from the depth state, not the residual sum.
-        attn_read = state.read_attn(mixing)
-        norm, attention = self._modules[self._attention.norm], self._modules[self._attention_module]
-        if attn_read.key_value is not None:  # MUDDFormer, DCA: one pre-norm per sub-layer, on each routed stream
-            key_input, value_input = (norm(x) for x in attn_read.key_value)
-            self._key_value_routing.route(attention, key_input, value_input)
-        hidden_states = attention(
-            hidden_states=norm(attn_read.hidden),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        if attn_read.key_value is not None:
-            self._key_value_routing.clear()
-        attn_write = attn_read.state.write_attn(mixing, self._finish(self._attention, hidden_states))
+        with self._dynamo_limits():
+            mixing = registered_modules(self, self._mixing_type)
+            # AttnRes: the attention input(s) come from the depth state, not the residual sum.
+            attn_read = state.read_attn(mixing)
+            norm, attention = self._modules[self._attention.norm], self._modules[self._attention_module]
+            if attn_read.key_value is not None:  # MUDDFormer, DCA: one pre-norm per sub-layer, on each routed stream
+                key_input, value_input = (norm(x) for x in attn_read.key_value)
+                self._key_value_routing.route(attention, key_input, value_input)
+            hidden_states = attention(
+                hidden_states=norm(attn_read.hidden),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+            if attn_read.key_value is not None:
+                self._key_value_routing.clear()
+            attn_write = attn_read.state.write_attn(mixing, self._finish(self._attention, hidden_states))
 
-        mlp_read = attn_write.state.read_mlp(mixing)
-        hidden_states = self._modules[self._mlp_module](self._modules[self._mlp.norm](mlp_read.hidden))
-        mlp_write = mlp_read.state.write_mlp(mixing, self._finish(self._mlp, hidden_states))
-        weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
-                   *mlp_write.depth_weights)
-        return mlp_write.state, attn_read.hidden, weights
+            mlp_read = attn_write.state.read_mlp(mixing)
+            hidden_states = self._modules[self._mlp_module](self._modules[self._mlp.norm](mlp_read.hidden))
+            mlp_write = mlp_read.state.write_mlp(mixing, self._finish(self._mlp, hidden_states))
+            weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
+                       *mlp_write.depth_weights)
+            return mlp_write.state, attn_read.hidden, weights
 
 
 def non_reentrant_checkpoint(checkpoint_func: Callable) -> Callable:
@@ -213,18 +224,15 @@ class AttnResPreTrainedModel(PreTrainedModel):
         For training and prefill. With a KV cache the attention compiles once per layer (its cache index,
         `layer_idx`, is a constant to torch): train with `use_cache=False` (gradient checkpointing turns the cache
         off too), and for decoding compile the whole model with a static cache. So that a cached forward still
-        runs compiled, this raises dynamo's recompile limit (`torch._dynamo.config.recompile_limit`) to at least 8
-        times the number of layers (each cached configuration, prefill or decode, with or without gradients,
-        compiles the attention per layer).
+        runs compiled, each decoder layer raises dynamo's recompile limit to 8 x layers while it runs (a cached
+        configuration compiles the attention per layer; `AttnResDecoderLayer.recompile_limit`), nowhere else.
 
         Args:
             **compile_kwargs: `torch.compile`'s (`backend`, `mode`, `dynamic`, `fullgraph`, `options`).
         """
         layers = self.base_model.layers
-        config = torch._dynamo.config  # (`cache_size_limit` before torch 2.7)
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), 8 * len(layers)))
         for layer in layers:
+            layer.recompile_limit = 8 * len(layers)
             mixing = set(layer._mixing_type._fields)
             for name, child in layer.named_children():
                 if name not in mixing:
