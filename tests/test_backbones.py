@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.conversion import UnsupportedSourceError, retrofit
 from attnres_hf.modeling.backbones import BACKBONES, KEY_VALUE_METHODS, KeyValueInputs
-from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter, registered_modules
+from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter
+from attnres_hf.modeling.mixing_base import registered_modules
 from utils import METHODS, OTHER_PROCESS_ATOL, perturb_mixing
 
 BASE = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
