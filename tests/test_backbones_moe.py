@@ -499,3 +499,33 @@ def test_residual_retrofit_is_the_source_model_in_bfloat16(family, sources):
     with torch.no_grad():
         expected = bf16_source(ids()).logits
         torch.testing.assert_close(model.to(torch.bfloat16)(ids()).logits, expected, atol=0, rtol=0)
+
+
+def test_recorders_of_a_subclass_and_its_base_record_each_module_once_in_either_order():
+    """Kimi K3's attention and router subclass Kimi Linear's, and transformers matches recorders with `isinstance`:
+    whichever family an AttnRes model serves first, the table ends with the base class's recorder alone (K3 first,
+    then Kimi Linear, kept both, and a K3 model recorded each attention twice); recorders of other outputs or indices
+    stay apart."""
+    from torch import nn
+    from transformers.utils.output_capturing import OutputRecorder
+
+    from attnres_hf.modeling.backbones import merge_recorders
+
+    class Base(nn.Module):
+        pass
+
+    class Sub(Base):
+        pass
+
+    class Other(nn.Module):
+        pass
+
+    for order in ([Sub, Base], [Base, Sub]):
+        table = {}
+        for cls in order:
+            merge_recorders(table, {"attentions": cls, "router_logits": OutputRecorder(cls, index=0)})
+        assert table["attentions"] == [Base], order
+        assert [r.target_class for r in table["router_logits"]] == [Base], order
+    table = {"attentions": [Sub]}
+    merge_recorders(table, {"attentions": [Other, OutputRecorder(Base, index=1)]})
+    assert table["attentions"][0] is Sub and table["attentions"][1] is Other and len(table["attentions"]) == 3

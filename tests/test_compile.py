@@ -185,3 +185,16 @@ def test_compile_repeated_blocks_raises_the_recompile_limit_only_while_a_layer_r
     assert getattr(config, name) == before
     # 2 layers' forwards and their 2 recomputations under checkpointing
     assert seen == [max(before, 8 * model.config.num_hidden_layers)] * 4
+
+
+def test_a_whole_model_compile_traces_through_the_regional_layers(input_ids):
+    """After `compile_repeated_blocks`, `torch.compile(model, fullgraph=True)` (a decoding compile; transformers'
+    `generate` with a static cache) still traces one graph: the layers' recompile-limit context is entered only in
+    eager calls (dynamo cannot trace `config.patch`: `Unsupported`, a skipped function)."""
+    torch._dynamo.reset()
+    model = tiny_model(attnres_block_size=2, num_hidden_layers=2).eval()
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        model.compile_repeated_blocks(backend="eager")
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids).logits
+    torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)

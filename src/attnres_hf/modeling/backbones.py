@@ -283,11 +283,19 @@ def recorded_outputs() -> dict:
 
 
 def _add_recorders(adapter: BackboneAdapter) -> None:
-    table = _RECORDED_OUTPUTS
-    for key, recorder in adapter.can_record_outputs().items():
-        recorders = recorder if isinstance(recorder, list) else [recorder]
-        table.setdefault(key, [])
-        table[key] += [r for r in recorders if not any(_records(known, r) for known in table[key])]
+    merge_recorders(_RECORDED_OUTPUTS, adapter.can_record_outputs())
+
+
+def merge_recorders(table: dict, recorders: dict) -> None:
+    """Add `recorders` (`key -> recorder or list of recorders`, a family's `_can_record_outputs`) to `table` (`key ->
+    list`, lists extended in place) so that every module is recorded once whatever order the families come in: a
+    recorder `table` covers already is dropped, and one that covers recorders of `table` (of their base class)
+    replaces them."""
+    for key, recorder in recorders.items():
+        kept = table.setdefault(key, [])
+        for new in recorder if isinstance(recorder, list) else [recorder]:
+            if not any(_records(known, new) for known in kept):
+                kept[:] = [known for known in kept if not _records(new, known)] + [new]
 
 
 def _records(known, recorder) -> bool:

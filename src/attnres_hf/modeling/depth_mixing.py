@@ -2,8 +2,9 @@
 
 `DEPTH_MIXING` holds one `DepthMixingMethod` record per `AttnResConfig.depth_mixing` value, and is the only list of
 methods: the config, the decoder, the training recipes (`ROUTER_MODULES`, weight decay), the routing tools, the CLI
-and the tests read it. Adding a method means adding its state and modules (a `mixing_*.py` sibling) and its record
-here. The state contract (`DepthState`, `DepthRead`, `DepthWrite`) is in `mixing_base.py`.
+and the tests read it. Adding a method means adding its state and modules (a `mixing_*.py` sibling), a `LazyModule`
+of that sibling with its loader below, and its record here. The state contract (`DepthState`, `DepthRead`,
+`DepthWrite`) is in `mixing_base.py`.
 
 Importing this module imports no method's module: a record names its classes and functions lazily
 (`lazy_records`), and `DEPTH_MIXING[name]` imports the method's `mixing_*.py` module when the record is first read;

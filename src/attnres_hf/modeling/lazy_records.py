@@ -79,14 +79,17 @@ class LazyTable(Mapping):
     itself imported on first use: Kimi K3's backbone).
 
     Raises:
+        TypeError: a table class without `record_type`.
         KeyError: `table[key]` / `declared(key)` of a key the table does not hold.
         ValueError: a record loaded by a function whose key is not the one it was filed under.
     """
 
-    record_type: type = object
+    record_type: type | None = None  # set by each table
     key_field: str = "name"
 
     def __init__(self, records: dict):
+        if self.record_type is None:
+            raise TypeError(f"{type(self).__name__} must set record_type (the class of its records)")
         self._records, self._resolved = dict(records), {}
 
     def declared(self, key: str):

@@ -84,10 +84,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     def _dynamo_limits(self):
         """Dynamo's recompile limit at `recompile_limit` for this layer's call (and checkpointed recomputation)."""
-        config, name = torch._dynamo.config, "recompile_limit"
-        name = name if hasattr(config, name) else "cache_size_limit"  # (torch < 2.7)
-        return (contextlib.nullcontext() if self.recompile_limit is None
-                else config.patch(**{name: max(getattr(config, name), self.recompile_limit)}))
+        if self.recompile_limit is None or torch.compiler.is_compiling():  # (traced: dynamo skips config.patch)
+            return contextlib.nullcontext()
+        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # (<2.7)
+        return torch._dynamo.config.patch(**{name: max(getattr(torch._dynamo.config, name), self.recompile_limit)})
 
     def _finish(self, sublayer, output) -> torch.Tensor:
         """The family's post-processing of a sub-layer output before it joins the stream (post-norms, dropout,
