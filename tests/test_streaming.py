@@ -274,10 +274,11 @@ print(json.dumps({"above_start": status("VmHWM") - base}))
 def test_a_streamed_conversion_holds_about_one_tensor_not_the_model(tmp_path):
     """Peak resident memory above the process's start (its imports done), converting a 114M-parameter bf16
     checkpoint (0.23 GB; its largest tensors, the embedding and the head, 0.13 GB each in fp32) to fp32, in a fresh
-    interpreter: streamed at most 4 times the largest tensor in fp32 (measured 2.6x on a 2-core AMD EPYC: one write
-    chunk, the verification's layers and head chunks one at a time, the probe's activations, and the allocator's
-    slack, which at this size outweighs the tensors), in memory more than 6 times (measured 7.8x: the source and the
-    AttnRes model in fp32 together)."""
+    interpreter: streamed at most 5 times the largest tensor in fp32 (measured 2.5-3.1x in 18 of 22 runs on a 2-core
+    AMD EPYC, 3.5-4.4x in the other 4, before and after the lazy records alike: one write chunk, the verification's
+    layers and head chunks one at a time, the probe's activations, and the allocator's slack, which at this size
+    outweighs the tensors and varies from run to run; VmHWM also counts file pages the verification's safetensors
+    reads map), in memory more than 6 times (measured 7.8-7.9x: the source and the AttnRes model in fp32 together)."""
     from transformers import LlamaConfig as Config
 
     config = Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
@@ -292,7 +293,7 @@ def test_a_streamed_conversion_holds_about_one_tensor_not_the_model(tmp_path):
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         above[mode] = json.loads(done.stdout.strip().splitlines()[-1])["above_start"] / largest
-    assert above["stream"] <= 4, above
+    assert above["stream"] <= 5, above
     assert above["memory"] > 6, above  # the bound tells the two paths apart
 
 
