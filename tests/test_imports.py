@@ -110,31 +110,34 @@ method's module (`mixing_*`, `attnres_*`: the reads, their kernels and fla's) an
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch and transformers
-@pytest.mark.parametrize("depth_mixing", ["attnres", "delta_attnres", "mhc"])
-def test_a_configuration_imports_no_modeling_code(depth_mixing, tmp_path):
+def test_a_configuration_imports_no_modeling_code(tmp_path):
     """`AutoConfig.from_pretrained(folder, trust_remote_code=True)` without the package (what a hub user's config
-    read runs) imports only the configuration's own files (`CONFIG_CODE`) of the checkpoint, no family's modeling
-    code, no fla; validation of every method's fields still runs (a field of another method is refused by the
-    remote-code class)."""
+    read runs), for AttnRes, Delta AttnRes and mHC, imports only the configuration's own files (`CONFIG_CODE`) of the
+    checkpoint, no family's modeling code, no fla; validation of every method's fields still runs (a field of another
+    method is refused by the remote-code class)."""
     from attnres_hf import AttnResConfig
 
-    AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, depth_mixing=depth_mixing).save_pretrained(tmp_path)
-    (line,) = run(f"""
-        sys.modules["attnres_hf"] = None  # only the checkpoint's own files
+    methods = ["attnres", "delta_attnres", "mhc"]
+    for method in methods:
+        AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, depth_mixing=method).save_pretrained(tmp_path / method)
+    lines = run(f"""
+        sys.modules["attnres_hf"] = None  # only the checkpoints' own files
         from transformers import AutoConfig
-        config = AutoConfig.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
-        try:
-            type(config)(depth_mixing=config.depth_mixing, denseformer_period=2)
-            refused = None
-        except ValueError as error:
-            refused = str(error)
-        files = [getattr(module, "__file__", None) or "" for name, module in list(sys.modules.items())
-                 if name.startswith("transformers_modules.")]
-        checkpoint = sorted({{file.rsplit("/", 1)[-1][:-3] for file in files if file.endswith(".py")}} - {{"__init__"}})
-        print(json.dumps({{**loaded(), "checkpoint": checkpoint, "method": config.depth_mixing, "refused": refused}}))
+        for method in {methods!r}:
+            config = AutoConfig.from_pretrained({str(tmp_path)!r} + "/" + method, trust_remote_code=True)
+            try:
+                type(config)(depth_mixing=config.depth_mixing, denseformer_period=2)
+                refused = None
+            except ValueError as error:
+                refused = str(error)
+            files = [getattr(module, "__file__", None) or "" for name, module in list(sys.modules.items())
+                     if name.startswith("transformers_modules.")]
+            checkpoint = sorted({{file.rsplit("/", 1)[-1][:-3] for file in files if file.endswith(".py")}} - {{"__init__"}})
+            print(json.dumps({{**loaded(), "checkpoint": checkpoint, "method": config.depth_mixing, "refused": refused}}))
     """)
-    assert line["method"] == depth_mixing
-    assert set(line["checkpoint"]) <= CONFIG_CODE and "configuration_attnres" in line["checkpoint"], line["checkpoint"]
-    assert line["family_modeling"] == [] and "fla" not in line["top"]
-    assert line["refused"] is not None and "only apply to depth_mixing='denseformer'" in line["refused"]
+    assert [line["method"] for line in lines] == methods
+    for line in lines:
+        assert set(line["checkpoint"]) <= CONFIG_CODE and "configuration_attnres" in line["checkpoint"], line
+        assert line["family_modeling"] == [] and "fla" not in line["top"]
+        assert line["refused"] is not None and "only apply to depth_mixing='denseformer'" in line["refused"]

@@ -20,7 +20,8 @@ query tile (`tiles == 1`) and of many are both compiled; not those of one source
 `rows == 1`: constants, simpler code).
 
 Measured (Triton 3.9; its ptxas 12.9 for sm_80, 13.4 for sm_90): 137 distinct compiles, none spills or has a stack
-frame, 19 to 137 registers a thread; the fixture takes about 40 s on 2 busy cores. Launched as they were before the
+frame, 19 to 137 registers a thread; the fixture takes about 20 s on 2 quiet cores (one compiling process per
+architecture, side by side; 31 s as one process). Launched as they were before the
 split of a token's `S x D` across programs (`attnres_kernels.TILE`: one program a token, 4 warps), phase 1 forward
 and backward spilled from `D = 2048, S = 8` on (at 7168 and 16 queries, some 45 KB of spill stores a thread).
 """
@@ -160,8 +161,8 @@ def compile_to_cubin(target, source, options) -> dict:
             "error": None}
 
 
-def compile_cases(cases: dict[str, dict]) -> dict:
-    """In a fresh interpreter without `TRITON_INTERPRET`: each case's launches compiled for each of `ARCHS` (an
+def compile_cases(cases: dict[str, dict], archs: dict[str, int] = ARCHS) -> dict:
+    """In a fresh interpreter without `TRITON_INTERPRET`: each case's launches compiled for each of `archs` (an
     identical specialisation once). Returns `{"kernels": every kernel's name, "results": {arch: {case: [...]}}}`."""
     from triton import knobs
 
@@ -173,7 +174,7 @@ def compile_cases(cases: dict[str, dict]) -> dict:
     done, results = {}, {}
     for case_name, case in cases.items():
         recorded = launches(kernels, case)
-        for arch_name, arch in ARCHS.items():
+        for arch_name, arch in archs.items():
             out = results.setdefault(arch_name, {}).setdefault(case_name, [])
             for fn, args, kwargs in recorded:
                 target, source, options = specialise(arch, fn, args, kwargs)
@@ -205,21 +206,30 @@ def _unavailable() -> str | None:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Every case's compile results, from one fresh interpreter (its own empty Triton cache)."""
+    """Every case's compile results: one fresh interpreter per architecture (its own empty Triton cache), side by
+    side (ptxas is single-threaded: two cores compile the two architectures in about half the time of one)."""
     reason = _unavailable()
     if reason is not None:
         pytest.skip(reason)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    script = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_triton_compile as t; "
-              "print(json.dumps(t.compile_cases(t.CASES)))")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False,
-                            timeout=600)  # (a kernel that spills heavily takes ptxas minutes)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    runs = {}
+    for arch_name, arch in ARCHS.items():
+        script = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_triton_compile "
+                  f"as t; print(json.dumps(t.compile_cases(t.CASES, {{{arch_name!r}: {arch}}})))")
+        cache = {"TRITON_CACHE_DIR": str(tmp_path_factory.mktemp(f"triton-cache-{arch_name}"))}
+        runs[arch_name] = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env={**env, **cache})
+    merged = {"kernels": None, "results": {}}
+    for arch_name, run in runs.items():
+        stdout, stderr = run.communicate(timeout=600)  # (a kernel that spills heavily takes ptxas minutes)
+        assert run.returncode == 0, stderr[-5000:]
+        result = json.loads(stdout.splitlines()[-1])
+        merged["kernels"] = result["kernels"]
+        merged["results"].update(result["results"])
+    return merged
 
 
-@pytest.mark.slow  # (the fixture: one fresh interpreter compiles every case, about 40 s on 2 cores)
+@pytest.mark.slow  # (the fixture: two fresh interpreters compile every case, about 20 s on 2 cores)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_kernel_compiles_without_spilling(compiled, arch, case):
