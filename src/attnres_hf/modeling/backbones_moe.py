@@ -118,10 +118,11 @@ class ExpertRouting:
                 "model_output": MoeModelOutputWithPast, "causal_lm_output": MoeCausalLMOutputWithPast}
 
 
+_KIMI_ROUTING = ExpertRouting(kimi.KimiLinearTopkRouter, None, num_experts="num_local_experts")  # no aux loss
+
 EXPERT_ROUTING: dict[str, ExpertRouting] = {
-    "kimi_linear": ExpertRouting(kimi.KimiLinearTopkRouter, None, num_experts="num_local_experts"),
-    # Kimi K3's router (`backbones_k3.KimiK3TopkRouter`) is a subclass of Kimi Linear's: its recorder catches it
-    "kimi_k3": ExpertRouting(kimi.KimiLinearTopkRouter, None, num_experts="num_local_experts"),  # no aux loss
+    "kimi_linear": _KIMI_ROUTING,
+    "kimi_k3": _KIMI_ROUTING,  # K3's router (`backbones_k3.KimiK3TopkRouter`) subclasses Kimi Linear's: one recorder
     "qwen3_moe": ExpertRouting(qwen3_moe.Qwen3MoeTopKRouter, qwen3_moe.load_balancing_loss_func),
     "qwen2_moe": ExpertRouting(qwen2_moe.Qwen2MoeTopKRouter, qwen2_moe.load_balancing_loss_func,
                                gates=("gate", "shared_expert_gate")),

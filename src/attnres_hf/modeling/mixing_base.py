@@ -178,14 +178,13 @@ class DepthMixingMethod:
         return (*self.layer_modules._fields, *self.final_modules._fields)
 
 
+_PAPER_ROUTER = {"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_query": "static",
+                 "attnres_num_heads": 1, "attnres_window": None, "attnres_scalar_weights": False}
+
 IMPLEMENTATION_NEEDS: dict[str, tuple[dict, str]] = {
-    "fla": ({"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_key_norm": True,
-             "attnres_query": "static", "attnres_num_heads": 1, "attnres_window": None,
-             "attnres_scalar_weights": False},
+    "fla": ({**_PAPER_ROUTER, "attnres_key_norm": True},
             "fla's fused_attnres is the paper's softmax router with a key norm and one static query"),
-    "triton": ({"depth_mixing": "attnres", "attnres_score_fn": "softmax", "attnres_query": "static",
-                "attnres_num_heads": 1, "attnres_window": None, "attnres_scalar_weights": False},
-               "the kernels compute the paper's softmax router with one static query"),
+    "triton": (_PAPER_ROUTER, "the kernels compute the paper's softmax router with one static query"),
 }
 """`attnres_implementation` -> (the config values it computes, what it computes) for the implementations that
 compute only some configs: fla's `fused_attnres` (`attnres_fla.py`: `softmax_i(w . RMSNorm(v_i))` with one static
