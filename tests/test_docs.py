@@ -145,6 +145,8 @@ NOT_RUN_HERE = {
     "shared cores (the base, then the fine-tuning); tests/test_benchmarks.py runs it with --smoke",
     ("docs/speed.md", "# Speed and memory"): "an hour-long benchmark (and a GPU); tests/test_overhead_benchmark.py "
     "runs it at a tiny shape",
+    ("docs/speed.md", "## Operator calls"): "the benchmark at the real shape (under a minute) and the table it "
+    "writes; tests/test_op_count.py counts the same calls at the benchmark's --smoke width",
     ("docs/speed.md", "## Compiling: `compile_repeated_blocks`"): "a line about a model it does not define; "
     "tests/test_compile.py compiles tiny models of every method this way",
 }

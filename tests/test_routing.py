@@ -115,19 +115,20 @@ def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch)
     """Completed-block key norms come from the state (once per block), never recomputed per router."""
     from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres
 
-    calls, merges = [], []
-    original, merge = mixing_attnres.inverse_rms, attnres_two_phase._merge_inference
+    calls, merges, closed = [], [], []
+    original, merge, close = mixing_attnres.inverse_rms, attnres_two_phase._merge_inference, mixing_attnres.close_source
     for module in (attnres_buffer, attnres_two_phase, mixing_attnres):  # every module that calls it
         monkeypatch.setattr(module, "inverse_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
-    # (patched where the router looks it up)
+    # (patched where the router looks them up)
     monkeypatch.setattr(mixing_attnres, "_merge_inference", lambda *a: merges.append(1) or merge(*a))
+    monkeypatch.setattr(mixing_attnres, "close_source", lambda *a: closed.append(1) or close(*a))
     model = tiny_model(attnres_block_size=2, num_hidden_layers=4)
     with torch.no_grad():
         model(input_ids)
-        # 1 (embedding) + 3 block closures (blocks 1-3; block 4 stays partial) + one per router that has a partial
-        # source: the final router here, and the MLP router of each layer in its merge (its partial sum's norm in
-        # `_merge_inference`, without depth weights)
-        assert len(calls) == 1 + 3 + 1 and len(merges) == 4
-        calls.clear(), merges.clear()
+        # without depth weights (`attnres_inference.py`): each completed source's scale once, when it is closed, 1
+        # (embedding) + 3 block closures (blocks 1-3; block 4 stays partial); each router with a partial source
+        # takes its norm in `_merge_inference`: the MLP router of each layer and the final router
+        assert len(closed) == 1 + 3 and not calls and len(merges) == 4 + 1
+        calls.clear(), merges.clear(), closed.clear()
         model(input_ids, output_depth_weights=True)  # the merges that also return weights: `inverse_rms` each
-        assert len(calls) == 1 + 3 + 5 and not merges
+        assert len(calls) == 1 + 3 + 5 and not merges and not closed

@@ -419,26 +419,28 @@ def test_second_order_gradients_are_refused_not_wrong(block_size, input_ids):
     (knobs, torch.bfloat16) for knobs in ("default", "sigmoid-rescale")], ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
 def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, input_ids, monkeypatch):
-    """Without gradients and depth weights, the merges (`_merge_inference`) and the direct reads
-    (`AttnResRouter._direct_inference`) take their own shorter forms: the same logits as the autograd paths (a
-    forward with gradients) and as `naive_attnres`, with and without the KV cache (prefill, then one token at a time)."""
+    """Without gradients and depth weights, the merges (`_merge_inference`), phase 1 and the direct reads
+    (`AttnResRouter._direct_lean`, `attnres_inference.py`) take their own shorter forms: the same logits as the
+    autograd paths (a forward with gradients) and as `naive_attnres`, with and without the KV cache (prefill, then
+    one token at a time)."""
     model = tiny_model(attnres_block_size=block_size, **KNOBS[knobs]).to(dtype)
     config = model.config
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     calls = {"merge": 0, "direct": 0}
-    merge, direct = attnres_two_phase._merge_inference, AttnResRouter._direct_inference
+    merge, direct = attnres_two_phase._merge_inference, AttnResRouter._direct_lean
     monkeypatch.setattr(mixing_attnres, "_merge_inference",  # (where the router looks it up)
                         lambda *a: calls.__setitem__("merge", calls["merge"] + 1) or merge(*a))
-    monkeypatch.setattr(AttnResRouter, "_direct_inference",
+    monkeypatch.setattr(AttnResRouter, "_direct_lean",
                         lambda *a: calls.__setitem__("direct", calls["direct"] + 1) or direct(*a))
     autograd = model(input_ids).logits.detach().float()  # parameters require grad: the autograd Functions
     assert calls == {"merge": 0, "direct": 0}
     with torch.no_grad():
         fast = model(input_ids).logits.float()
-        # every router with a partial sum merges (block size > 1), the others read the buffer directly
+        # every router with a partial sum merges it (block size > 1; the final router's direct read too), the
+        # others read the buffer directly
         routers, blocks = config.num_sublayers + 1, -(-config.num_sublayers // block_size)
         merges = 0 if block_size == 1 else config.num_sublayers - blocks
-        assert calls == {"merge": merges, "direct": routers - merges - (0 if block_size == 1 else blocks)}
+        assert calls == {"merge": merges + 1, "direct": routers - merges - (0 if block_size == 1 else blocks)}
         out = model(input_ids[:, :5], use_cache=True)
         steps = [out.logits]
         for position in range(5, input_ids.shape[1]):

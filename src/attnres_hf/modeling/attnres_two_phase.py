@@ -6,7 +6,7 @@ block's partial sum into its phase-1 result, an online-softmax update (`_merge_p
 `_PartialMerge` with gradients).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_buffer.py` and `mixing_base.py`.
+siblings `attnres_buffer.py`, `attnres_inference.py` and `mixing_base.py`.
 """
 
 import math
@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.module import _global_forward_pre_hooks
 
 from .attnres_buffer import _as, _mix
+from .attnres_inference import InferenceLayout
 from .mixing_base import AttnResRMSNorm, inverse_rms
 
 
@@ -109,7 +110,9 @@ class _Constants(NamedTuple):
     has no phase 1, and when hooks manage the routers' weights: each router folds its own query when it reads);
     `eps`, the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see
     `_merge_inference`); `key_norm` and `sigmoid`: whether the routers have a key norm and sigmoid scores (the
-    config's, so that phase 1 needs no router). Tensors and flags only: the state that holds them crosses
+    config's, so that phase 1 needs no router); `layout`: the views and constants of the fewest-calls reads
+    (`attnres_inference.InferenceLayout`; no-grad forwards without depth weights that the torch implementation
+    computes, else `None`), with `rows`, the bank's rows. Tensors and flags only: the state that holds them crosses
     accelerate's device hooks, which move what has a `.to`."""
 
     bank: torch.Tensor | None
@@ -117,14 +120,19 @@ class _Constants(NamedTuple):
     norm_eps: torch.Tensor
     key_norm: bool
     sigmoid: bool
+    layout: InferenceLayout | None = None
+    rows: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def build(cls, config, layers, routers, like: torch.Tensor) -> "_Constants":
+    def build(cls, config, layers, routers, buffer: torch.Tensor, lean: bool = False) -> "_Constants":
+        """`buffer`: the forward's source buffer `(n_slots, B, T, D)`; `lean`: whether its reads take the
+        fewest-calls path (`attnres_inference.py`)."""
         eps = config.rms_norm_eps
-        bank = _query_bank(layers, routers) if config.attnres_block_size > 1 else None
-        return cls(bank, torch.full((), eps, device=like.device),
-                   torch.full((), math.sqrt(like.shape[-1] * eps), device=like.device), config.attnres_key_norm,
-                   config.attnres_score_fn == "sigmoid")
+        bank = _query_bank(layers, routers) if config.attnres_block_size > 1 or lean else None
+        layout = InferenceLayout.build(buffer, bank, config.attnres_key_norm, config.attnres_block_size) if lean else None
+        return cls(bank, torch.full((), eps, device=buffer.device),
+                   torch.full((), math.sqrt(buffer.shape[-1] * eps), device=buffer.device), config.attnres_key_norm,
+                   config.attnres_score_fn == "sigmoid", layout, bank.unbind(0) if lean and bank is not None else ())
 
 
 def _merge_partial(partial, mixed, query, lse, eps, key_norm):
@@ -161,20 +169,22 @@ def _merge_inference(partial, mixed, query, lse, norm_eps):
 
     The key norm enters as `p = (partial . q) sqrt(D) / hypot(sqrt(D eps), ||partial||)` (`norm_eps`: the 0-dim fp32
     tensor `sqrt(D eps)`; `None` without the key norm), which is `(partial . q) rsqrt(mean(partial^2) + eps)`; with
-    softmax scores the completed sources' share `sigmoid(lse - p)` takes one fused `addcdiv`."""
+    softmax scores the completed sources' share `sigmoid(lse - p)` takes one fused `addcdiv`. `lse`: `(B, T, 1)`
+    (`attnres_inference.phase1`) or `(B, T)` (`Phase1`), fp32; `None` for sigmoid scores."""
     values = _as(partial, torch.float32)
-    logit = values @ query  # (B, T): partial . q, before the key norm
+    if lse is not None and lse.dim() < partial.dim():
+        lse = lse.unsqueeze(-1)
+    logit = (values * query).sum(-1, keepdim=True)  # (B, T, 1): partial . q, before the key norm
     if norm_eps is not None:
-        norm = torch.hypot(norm_eps, torch.linalg.vector_norm(values, dim=-1))
+        norm = torch.hypot(norm_eps, torch.linalg.vector_norm(values, dim=-1, keepdim=True))
         scale = math.sqrt(partial.shape[-1])
         if lse is not None:  # lse - p in one operation
             share = torch.sigmoid(torch.addcdiv(lse, logit, norm, value=-scale))
-            return torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+            return torch.lerp(partial, mixed, _as(share, partial.dtype))
         logit = torch.div(logit, norm).mul_(scale)
     if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
-        return torch.addcmul(mixed, _as(torch.sigmoid(logit).unsqueeze(-1), partial.dtype), partial)
-    share = torch.sigmoid(lse - logit)
-    return torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
+        return torch.addcmul(mixed, _as(torch.sigmoid(logit), partial.dtype), partial)
+    return torch.lerp(partial, mixed, _as(torch.sigmoid(lse - logit), partial.dtype))
 
 
 class _PartialMerge(torch.autograd.Function):

@@ -20,6 +20,7 @@ from transformers import initialization as init
 from .attnres_buffer import (_SourceGrads, _SourceMix, _SourceScores, _as, _mix, _read_sources, _scores,
                              _source_inverse_rms, _store)
 from .attnres_fla import fla_read, require_fla
+from .attnres_inference import close as close_source, direct as lean_direct, phase1 as lean_phase1
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
@@ -87,7 +88,7 @@ class AttnResState(NamedTuple):
     """
 
     sources: tuple[torch.Tensor, ...]  # completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums), (B, T, D)
-    inv_rms: torch.Tensor  # (B, T, n) fp32: 1/RMS of each completed source, the key norm statistics
+    inv_rms: torch.Tensor | None  # (B, T, n) fp32: 1/RMS of each completed source (None: `constants.layout`'s)
     partial: torch.Tensor | None  # (B, T, D): b_n^{i-1}, the sum of the current block so far; None at its start
     eps: float
     block_size: int
@@ -114,14 +115,20 @@ class AttnResState(NamedTuple):
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
         grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
-        handle = _store(buffer, grads, 0, embeddings)
-        statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
         constants = None
         if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
             layers = tuple(islice(model.layers, config.num_hidden_layers))
             routers = [router for layer in layers for router in registered_modules(layer, AttnResLayerModules)]
             if all(type(r) in PLAIN_ROUTERS for r in routers):
-                constants = _Constants.build(config, layers, routers, embeddings)
+                # the fewest-calls reads (`attnres_inference.py`): no autograd, no depth weights, the torch reads
+                lean = not (torch.is_grad_enabled() or keep_weights or config.attnres_implementation != "torch")
+                constants = _Constants.build(config, layers, routers, buffer, lean)
+        if constants is not None and constants.layout is not None:
+            close_source(constants.layout, 0, embeddings, constants.norm_eps)
+            handle, statistics = embeddings, None
+        else:
+            handle = _store(buffer, grads, 0, embeddings)
+            statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
                     (handle,), grads, constants, config.attnres_implementation)
         return state._start_block()
@@ -139,6 +146,13 @@ class AttnResState(NamedTuple):
         if bank is None or start >= len(bank):
             return self if self.phase1 is None else self._replace(phase1=None)
         stop, eps = min(start + self.block_size, len(bank)), constants.eps
+        if constants.layout is not None:  # no autograd, no depth weights (`attnres_inference.phase1`)
+            if self.block_size == 1:  # Full AttnRes: each read is a direct one (`_direct`)
+                return self
+            lse, mixed = lean_phase1(constants.layout, len(self.sources), start // self.block_size,
+                                     constants.sigmoid, self.sources[0].shape)
+            rows = constants.rows[start:stop]
+            return self._replace(phase1=Phase1(start, stop, rows, (None,) * len(rows), lse, mixed, bank, eps))
         queries = bank[start:stop]  # (S, D): the block's query bank
         if self.implementation == "triton" and triton_serves(self):  # the fused kernel (`attnres_triton.py`)
             probs, lse, mixed = triton_phase1(self, queries, self.inv_rms if constants.key_norm else None)
@@ -162,6 +176,10 @@ class AttnResState(NamedTuple):
         # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
         slot, partial = len(self.sources), self.partial
         handles = self.handles
+        if self.constants is not None and self.constants.layout is not None:  # (`attnres_inference.close`)
+            close_source(self.constants.layout, slot, partial, self.constants.norm_eps)
+            state = self._replace(sources=(*self.sources, partial), partial=None, handles=(*handles, partial))
+            return state._start_block()
         if self.buffer is not None:
             handles = (*handles, _store(self.buffer, self.grads, slot, partial))
             eps = self.constants.eps if self.constants is not None else self.eps
@@ -334,8 +352,8 @@ class AttnResRouter(nn.Module):
             return read
         if state.implementation == "triton" and triton_serves(state):
             return self._triton_direct(state)
-        if state.constants is not None and not torch.is_grad_enabled():
-            return self._direct_inference(state)
+        if state.constants is not None and state.constants.layout is not None:
+            return self._direct_lean(state)
         partial, buffer, n = state.partial, state.buffer, len(state.sources)
         query = self._folded_query()
         logits = _read_sources(_SourceScores, _scores, state, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
@@ -367,26 +385,24 @@ class AttnResRouter(nn.Module):
             hidden = hidden * self._rescale(count)
         return hidden, weights
 
-    def _direct_inference(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_direct` without autograd, in fewer operations (a decoded token of Full AttnRes runs one per sub-layer):
-        the epsilon is a tensor (`_Constants`), and the scores and the weighted sum are one product each over views
-        of the buffer."""
-        partial, buffer, n, constants = state.partial, state.buffer, len(state.sources), state.constants
-        query = self._folded_query()  # (this router's own: the forward that loads its weights)
-        values = buffer[:n]  # (n, B, T, D), a view
-        logits = (_as(values, torch.float32) @ query).permute(1, 2, 0)  # (B, T, n)
-        if self.key_norm is not None:
-            logits = logits * state.inv_rms
+    def _direct_lean(self, state: AttnResState) -> tuple[torch.Tensor, None]:
+        """`_direct` in the fewest operator calls (`attnres_inference.direct`; no autograd, no depth weights): the
+        query from the bank's transpose when this router has a row there, the partial sum merged as in phase 2."""
+        constants, partial, count = state.constants, state.partial, len(state.sources)
+        layout, sublayer = constants.layout, state.sublayer
+        if sublayer < len(layout.columns) and partial is None:  # (Full AttnRes: every router but the final one)
+            query = layout.columns[sublayer]
+        else:
+            folded = self._folded_query()
+            query = (folded * layout.root_dim if self.key_norm is not None else folded).unsqueeze(-1)
+        lse, hidden = lean_direct(layout, count, query, constants.sigmoid, state.sources[0].shape, partial is not None)
         if partial is not None:
-            logits = torch.cat([logits, self._partial_logit(partial, query, constants.eps).unsqueeze(-1)], dim=-1)
-        weights, mix = self._weights(logits, buffer.dtype)
-        batch, seq, dim = partial.shape if partial is not None else state.sources[0].shape
-        completed = mix if partial is None else mix.narrow(-1, 0, n)
-        per_token = values.view(n, batch * seq, dim).transpose(0, 1)  # (B T, n, D), strided view
-        hidden = torch.bmm(completed.reshape(batch * seq, 1, n), per_token).view(batch, seq, dim)
-        if partial is not None:
-            hidden = torch.addcmul(hidden, mix.narrow(-1, n, 1), partial)
-        return hidden, weights
+            count += 1
+            norm_eps = constants.norm_eps if self.key_norm is not None else None
+            hidden = _merge_inference(partial, hidden, folded, lse, norm_eps)
+        if self.rescale_output:
+            hidden = hidden * self._rescale(count)
+        return hidden, None
 
     def _merge(self, state: AttnResState, phase1: Phase1, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Phase 2 (paper Algorithm 1): router `j` of the block merges the partial sum into its phase-1 result.

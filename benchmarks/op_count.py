@@ -1,0 +1,160 @@
+"""Operator calls of AttnRes against the matching `transformers` Llama, counted: a deterministic cost that does not
+depend on the machine's speed or load.
+
+Every aten operator call a model makes is counted (a `TorchDispatchMode` that sees each call below autograd, views
+and in-place operations included, forward and backward). On a GPU each non-view call is about one kernel launch,
+and at one decoded token (or a small batch) the launches, not the arithmetic, set the time, so the ratio to Llama
+predicts the launch-bound overhead on any machine; on a CPU it is the per-call Python and dispatch cost.
+
+Shape: SmolLM2-135M (`overhead.SMOLLM2_135M`: 30 layers, hidden 576), random weights shared by all models, fp32,
+eager, sdpa attention. Models: `LlamaForCausalLM`, Block AttnRes (8 blocks, `S = 8`: two-phase inference) and
+Full AttnRes (`S = 1`). Workloads:
+
+- decode:  one token's forward with the KV cache (`DynamicCache`), after a 16-token prompt and one decoded token
+           (not counted), no grad;
+- prefill: the forward of 1 x 32 tokens, no grad;
+- train:   forward + backward of a causal-LM loss on 1 x 32 tokens (`model.train()`, no KV cache).
+
+The counts do not depend on the hidden size, the vocabulary or the batch (`--smoke` counts at a tiny width to show
+it; tests/test_op_count.py holds the counts at that width), only on the layer count, the block size and the code
+paths. Targets (`TARGETS`, issue 38): the ratio to Llama's count, PASS when at or below it (one count, no interval).
+
+    python benchmarks/op_count.py                                   # the table, a few seconds
+    python benchmarks/op_count.py --results docs/results/op_count.md   # the table in docs/speed.md
+    python benchmarks/op_count.py --ops                              # plus the operators AttnRes adds, per workload
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
+from overhead import SMOKE, SMOLLM2_135M, build_models  # noqa: E402  (the benchmarks' one SmolLM2-135M shape and models)
+
+WORKLOADS = ("decode", "prefill", "train")
+PROMPT_LEN, PREFILL_LEN, TRAIN_LEN = 16, 32, 32
+TARGETS = {  # model -> {workload: largest ratio of aten calls to Llama's} (issue 38)
+    "block": dict(decode=1.10, prefill=1.10, train=1.20),
+    "full": dict(decode=1.20, train=1.50),
+}
+
+
+class CountCalls(TorchDispatchMode):
+    """Counts every aten operator call made while active, by operator name (`calls`) and in all (`total`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def count(model, workload: str, vocab_size: int) -> collections.Counter:
+    """The aten calls of one `workload` of `model` (see the module docstring), by operator name."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (1, max(PROMPT_LEN, PREFILL_LEN, TRAIN_LEN)), generator=generator)
+    counter = CountCalls()
+    if workload == "train":
+        model.train()
+        model.zero_grad(set_to_none=True)
+        batch = tokens[:, :TRAIN_LEN]
+        with counter:
+            model(batch, labels=batch, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return counter.calls
+    model.eval()
+    with torch.no_grad():
+        if workload == "prefill":
+            with counter:
+                model(tokens[:, :PREFILL_LEN], use_cache=False)
+            return counter.calls
+        cache = DynamicCache(config=model.config)
+        logits = model(tokens[:, :PROMPT_LEN], cache=cache, use_cache=True).logits
+        for position in (PROMPT_LEN, PROMPT_LEN + 1):  # one warm step (caches sized), then the counted one
+            token = logits[:, -1:].argmax(-1)
+            step = dict(cache=cache, position_ids=torch.tensor([[position]]), use_cache=True)
+            if position == PROMPT_LEN:
+                logits = model(token, **step).logits
+            else:
+                with counter:
+                    model(token, **step)
+    return counter.calls
+
+
+def count_all(shape: dict, models: tuple[str, ...] = ("llama", "block", "full")) -> dict:
+    """`{model: {workload: Counter}}` at `shape` for Llama, Block and Full AttnRes (`overhead.build_models`)."""
+    built = build_models(torch.device("cpu"), "sdpa", [], shape)
+    return {name: {workload: count(built[name], workload, shape["vocab_size"]) for workload in WORKLOADS}
+            for name in models}
+
+
+def verdict(ratio: float, target: float | None) -> str:
+    if target is None:
+        return ""
+    return f"{'PASS' if ratio <= target else 'FAIL'} (<= {target:.2f}x)"
+
+
+def report(counts: dict, shape: dict) -> str:
+    """The Markdown table (also what `--results` writes): calls per workload, the ratio to Llama and the verdict."""
+    lines = [f"Aten operator calls, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, fp32, eager, "
+             f"sdpa (decode: one cached token; prefill: 1 x {PREFILL_LEN}; train: forward + backward, 1 x {TRAIN_LEN}):",
+             "", "| model | workload | aten calls | added to Llama's | ratio to Llama | target |",
+             "|---|---|---|---|---|---|"]
+    passed = failed = 0
+    for name, workloads in counts.items():
+        for workload in WORKLOADS:
+            total, base = sum(workloads[workload].values()), sum(counts["llama"][workload].values())
+            ratio = total / base
+            target = TARGETS.get(name, {}).get(workload)
+            judged = verdict(ratio, target)
+            passed += judged.startswith("PASS")
+            failed += judged.startswith("FAIL")
+            added = f"{total - base:+,}" if name != "llama" else ""
+            lines.append(f"| {name} | {workload} | {total:,} | {added} | {ratio:.3f}x | {judged} |")
+    lines += ["", f"Targets met: {passed} of {passed + failed}."]
+    return "\n".join(lines)
+
+
+def added_operators(counts: dict, name: str, workload: str, top: int = 25) -> str:
+    """The operators `name` calls more often than Llama in `workload`, most added first."""
+    added = counts[name][workload].copy()
+    added.subtract(counts["llama"][workload])
+    rows = sorted(((n, op) for op, n in added.items() if n), reverse=True)[:top]
+    return f"{name} {workload}: " + ", ".join(f"{op} {n:+d}" for n, op in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="count at a tiny width (the same counts, in seconds)")
+    parser.add_argument("--ops", action="store_true", help="also print the operators AttnRes adds, per workload")
+    parser.add_argument("--results", metavar="PATH", type=results_path,
+                        help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
+    args = parser.parse_args(argv)
+    measured = Run(__file__, sys.argv[1:] if argv is None else argv)
+    shape = dict(SMOLLM2_135M, **SMOKE) if args.smoke else SMOLLM2_135M
+    counts = count_all(shape)
+    text = report(counts, shape)
+    print(text)
+    if args.ops:
+        for name in ("block", "full"):
+            for workload in WORKLOADS:
+                print(added_operators(counts, name, workload))
+    if args.results:
+        measured.write(args.results, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
