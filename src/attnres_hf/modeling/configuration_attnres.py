@@ -48,6 +48,40 @@ def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> i
     return max(2, 2 * round(num_hidden_layers / num_blocks))
 
 
+def _raise_value_errors(method):
+    """Re-raise `@strict`'s validation errors as one-line `ValueError`s naming the field and the rule (the type users
+    and the tests rely on), e.g. `attnres_num_heads must be greater or equal to 1, got 0.`"""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except StrictDataclassError as error:
+            cause = error.__cause__ if error.__cause__ is not None else error
+            field = re.match(r"Validation error for field '(\w+)'", str(error))
+            message = str(cause)
+            union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
+            if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
+                types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
+                message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
+            elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
+                message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
+                message = message.replace("must be must be", "must be")
+            raise ValueError(" ".join(message.split())) from None
+
+    return wrapper
+
+
+def _value_errors(cls):
+    """Class decorator (outside `@strict`): `__init__` and `__setattr__` raise `@strict`'s validation errors as
+    one-line `ValueError`s (`_raise_value_errors`), so assignments after construction are reported as the
+    constructor's are."""
+    cls.__init__ = _raise_value_errors(cls.__init__)
+    cls.__setattr__ = _raise_value_errors(cls.__setattr__)
+    return cls
+
+
+@_value_errors
 @strict
 class AttnResConfig(PreTrainedConfig):
     r"""
@@ -165,7 +199,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_query: Literal["static", "input_dependent"] = "static"
     attnres_num_heads: int = interval(min=1)(default=1)
     attnres_scalar_weights: bool = False
-    attnres_implementation: Literal["torch", "fla", "triton"] = "torch"  # checked against the knobs when set (`_setattr`)
+    attnres_implementation: Literal["torch", "fla", "triton"] = "torch"  # checked against the knobs when set (`__setattr__`)
     denseformer_dilation: int = interval(min=1)(default=1)
     denseformer_period: int = interval(min=1)(default=1)
     mhc_num_streams: int = interval(min=2)(default=4)  # one stream cannot hold a doubly-stochastic mix of anything
@@ -193,6 +227,16 @@ class AttnResConfig(PreTrainedConfig):
             return getattr(backbone, name)
         except AttributeError:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+
+    def __setattr__(self, name, value):
+        # (wrapped by `@strict`, which validates AttnRes's own fields first.) A backbone field goes to the backbone,
+        # validated by the family's own `@strict`.
+        if self._forwards_to_backbone(name):
+            setattr(self.backbone, name, value)
+            return
+        if name == "attnres_implementation":  # (also in `__init__`: the fields it checks are set before it)
+            check_implementation(self, value)
+        super().__setattr__(name, value)
 
     def _forwards_to_backbone(self, name: str) -> bool:
         """Whether an assignment to `name` belongs to the backbone: a field the backbone has and AttnRes does not."""
@@ -432,47 +476,6 @@ def _validate_backbone(backbone) -> None:
         if "sliding_attention" in layer_types and window is None:
             raise ValueError("layer_types has 'sliding_attention' layers, so sliding_window must be set")
 
-
-def _raise_value_errors(method):
-    """Re-raise `@strict`'s validation errors as one-line `ValueError`s naming the field and the rule (the type users
-    and the tests rely on), e.g. `attnres_num_heads must be greater or equal to 1, got 0.`"""
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except StrictDataclassError as error:
-            cause = error.__cause__ if error.__cause__ is not None else error
-            field = re.match(r"Validation error for field '(\w+)'", str(error))
-            message = str(cause)
-            union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
-            if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
-                types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
-                message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
-            elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
-                message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
-                message = message.replace("must be must be", "must be")
-            raise ValueError(" ".join(message.split())) from None
-
-    return wrapper
-
-
-# AttnRes: after `@strict` wrapped them; assignments after construction are validated (and reported) the same way.
-_strict_setattr = AttnResConfig.__setattr__
-
-
-def _setattr(self, name, value):
-    # AttnRes: an assignment to a backbone field goes to the backbone (validated by the family's own `@strict`).
-    if self._forwards_to_backbone(name):
-        setattr(self.backbone, name, value)
-    else:
-        if name == "attnres_implementation":  # (also in `__init__`: the fields it checks are set before it)
-            check_implementation(self, value)
-        _strict_setattr(self, name, value)
-
-
-AttnResConfig.__init__ = _raise_value_errors(AttnResConfig.__init__)
-AttnResConfig.__setattr__ = _raise_value_errors(_setattr)
 
 ATTNRES_KNOB_DEFAULTS = {name: AttnResConfig.__dataclass_fields__[name].default
                          for name in DEPTH_MIXING.declared("attnres").config_fields}
