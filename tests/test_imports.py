@@ -104,7 +104,7 @@ def test_the_table_lists_every_family_without_resolving_it():
 
 
 CONFIG_CODE = {"configuration_attnres", "depth_mixing", "mixing_base", "lazy_records", "backbones", "backbones_base",
-               "backbones_moe"}
+               "backbones_moe", "configuration_kimi_k3"}
 """The checkpoint files a configuration imports: the config, the method and family records and their bases; no
 method's module (`mixing_*`, `attnres_*`: the reads, their kernels and fla's) and no `modeling_attnres`."""
 
@@ -114,18 +114,24 @@ def test_a_configuration_imports_no_modeling_code(tmp_path):
     """`AutoConfig.from_pretrained(folder, trust_remote_code=True)` without the package (what a hub user's config
     read runs), for AttnRes, Delta AttnRes and mHC, imports only the configuration's own files (`CONFIG_CODE`) of the
     checkpoint, no family's modeling code, no fla; validation of every method's fields still runs (a field of another
-    method is refused by the remote-code class)."""
+    method is refused by the remote-code class). Also over a Kimi K3 backbone, whose modules subclass Kimi Linear's:
+    its config class alone (`configuration_kimi_k3.py`), not `backbones_k3.py` nor transformers' Kimi Linear module."""
     from attnres_hf import AttnResConfig
 
     methods = ["attnres", "delta_attnres", "mhc"]
     for method in methods:
         AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, depth_mixing=method).save_pretrained(tmp_path / method)
+    k3 = dict(model_type="kimi_k3", vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, pad_token_id=0, layer_types=["linear_attention", "full_attention"],
+              hidden_act="situ")
+    AttnResConfig(backbone=k3).save_pretrained(tmp_path / "kimi_k3")
+    folders = [*methods, "kimi_k3"]
     lines = run(f"""
         sys.modules["attnres_hf"] = None  # only the checkpoints' own files
         from transformers import AutoConfig
-        for method in {methods!r}:
-            config = AutoConfig.from_pretrained({str(tmp_path)!r} + "/" + method, trust_remote_code=True)
+        for folder in {folders!r}:
+            config = AutoConfig.from_pretrained({str(tmp_path)!r} + "/" + folder, trust_remote_code=True)
             try:
                 type(config)(depth_mixing=config.depth_mixing, denseformer_period=2)
                 refused = None
@@ -134,9 +140,11 @@ def test_a_configuration_imports_no_modeling_code(tmp_path):
             files = [getattr(module, "__file__", None) or "" for name, module in list(sys.modules.items())
                      if name.startswith("transformers_modules.")]
             checkpoint = sorted({{file.rsplit("/", 1)[-1][:-3] for file in files if file.endswith(".py")}} - {{"__init__"}})
-            print(json.dumps({{**loaded(), "checkpoint": checkpoint, "method": config.depth_mixing, "refused": refused}}))
+            print(json.dumps({{**loaded(), "checkpoint": checkpoint, "method": config.depth_mixing, "refused": refused,
+                              "backbone": config.backbone.model_type}}))
     """)
-    assert [line["method"] for line in lines] == methods
+    assert [(line["method"], line["backbone"]) for line in lines] == [*((m, "llama") for m in methods),
+                                                                      ("attnres", "kimi_k3")]
     for line in lines:
         assert set(line["checkpoint"]) <= CONFIG_CODE and "configuration_attnres" in line["checkpoint"], line
         assert line["family_modeling"] == [] and "fla" not in line["top"]

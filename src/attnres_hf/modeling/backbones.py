@@ -39,9 +39,9 @@ Adding a family (tens of lines): one `BackboneAdapter(...)` (the record type and
 `backbones_moe.MOE_BACKBONES`), naming the family's classes through its modeling module as a `LazyModule` (`llama =
 LazyModule("transformers.models.llama.modeling_llama")`, then `llama.LlamaForCausalLM`): `BACKBONES` resolves a
 record when the family is first used, so `import attnres_hf` imports no family's modeling code (nor fla, which
-transformers' Kimi Linear module imports); config classes are imported as they are (config modules are light).
-A record whose module must itself wait (Kimi K3's, whose classes subclass Kimi Linear's) is a loader function in
-the table (`_kimi_k3`). The record declares:
+transformers' Kimi Linear module imports); config classes are imported as they are (config modules are light). A family of our own modules does the same
+with a `LazyModule` whose loader holds a relative import (Kimi K3's, `backbones_moe.k3`: its classes subclass Kimi
+Linear's; its config is in `configuration_kimi_k3.py`). The record declares:
 
 - `model_type`, `config_class`, `causal_lm` (the family's `*ForCausalLM`, the source of a retrofit),
   `pretrained_model` (its `*PreTrainedModel`, whose `_init_weights` initialises the family's modules, incl.
@@ -207,18 +207,7 @@ _DENSE = (
     ),
 )
 
-def _kimi_k3() -> BackboneAdapter:
-    # K3's module defines its classes on Kimi Linear's and GLM-5-Next's (which imports fla where it is installed), so
-    # the whole module is imported when the family is first used. (A relative import statement, which transformers'
-    # remote-code loader follows to copy the file.)
-    from .backbones_k3 import K3_BACKBONES
-
-    (adapter,) = K3_BACKBONES
-    return adapter
-
-
-BACKBONES: BackboneTable = BackboneTable({**{adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES)},
-                                          "kimi_k3": _kimi_k3})  # Kimi K3's text model
+BACKBONES: BackboneTable = BackboneTable({adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES)})
 """`model_type` of a backbone config -> its adapter: the one list of backbone families. A family's modeling code is
 imported when its adapter is first read (`BACKBONES[model_type]`, `backbone_adapter`); `BACKBONES.declared` reads a
 record without it."""

@@ -39,8 +39,9 @@ equations that imports neither attnres-hf nor transformers' models (`tests/test_
 Parameter names are transformers' Kimi Linear names (`mlp.experts.gate_up_proj`, one `conv1d` for q/k/v); K3's
 released names (`block_sparse_moe.experts.{e}.w1`, `q_conv1d`, ...) are mapped by `conversion/k3_layout.py`.
 
-Travels with checkpoints as remote code (a sibling of `backbones.py`, which imports it): imports only torch,
-transformers, huggingface_hub and its siblings `backbones_base.py` and `backbones_moe.py` (never `backbones.py`).
+Travels with checkpoints as remote code (a sibling of `backbones_moe.py`, whose record of the family imports it when
+the family is first used): imports only torch, transformers and its siblings `backbones_moe.py` and
+`configuration_kimi_k3.py` (`KimiK3Config`, which a configuration reads without this module).
 """
 
 import functools
@@ -50,7 +51,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub.dataclasses import strict
 from torch import nn
 
 from transformers import initialization as init
@@ -58,21 +58,18 @@ from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.utils.output_capturing import OutputRecorder
 
 with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's import-time warning without a GPU
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
 
-from .backbones_base import BackboneAdapter, SubLayer
-from .backbones_moe import (EXPERT_ROUTING, check_kimi_linear, kimi_attention_masks, kimi_cache,
-                            kimi_decoder_layer)
 from .backbones_moe import kimi as _kimi_linear
+from .backbones_moe import kimi_decoder_layer
+from .configuration_kimi_k3 import SITU, KimiK3Config, check_kimi_k3, token_id_problem
 
 kimi = _kimi_linear.load()  # transformers' module, KDA dispatched by device (this module is imported on first use)
 
-SITU = "situ"
 
 MLA_LATENT_NORM_EPS = 1e-6
 """The eps of MLA's latent norms (`q_a_layernorm`, `kv_a_layernorm`), whatever `rms_norm_eps` says: K3's released
@@ -83,140 +80,6 @@ MiniFrontier `minifrontier/models/minikimik3/upstream_layers.py`; NVIDIA NeMo Au
 torchtitan's `kimi_k3` (pull request #4281) and an MLX port build them at `rms_norm_eps`, so their logits differ from
 the release's (and ours) wherever `rms_norm_eps` is not 1e-6: at the release's 1e-5, by 2e-5 to 4.5e-4 of the
 logits' scale on tiny models; at `rms_norm_eps` 0.1, by 0.6 of it (`tests/test_k3.py`)."""
-
-_LINEAR_ATTN_KEYS = frozenset({"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers",
-                               "use_full_rank_gate", "gate_lower_bound"})
-"""The keys of K3's `linear_attn_config` (Kimi Linear's five, K3's two gate options)."""
-
-
-@strict
-class KimiK3Config(KimiLinearConfig):
-    r"""
-    Kimi K3's text model (`text_config` of the released `config.json`, whose own `model_type` is `kimi_linear`),
-    without its AttnRes field: [`KimiLinearConfig`] (and its defaults) plus the fields below, whose defaults are what
-    K3's released code reads for a missing field (as its public ports read it: `getattr(config, name, default)`).
-
-    Args:
-        hidden_act (`str`, defaults to `"silu"`): `"situ"` (SiTU-GLU, K3's) or a transformers activation.
-        activation_situ_beta (`float`, *optional*): SiTU's gate scale `b` (K3: 4.0); `None` is 1.
-        activation_situ_linear_beta (`float`, *optional*): SiTU's up-projection bound `c` (K3: 25.0); `None` leaves
-            the up projection unbounded.
-        routed_expert_hidden_size (`int`, *optional*): width R of the latent MoE (K3: 3584); `None` runs the
-            experts at `hidden_size`.
-        latent_moe_use_norm (`bool`, defaults to `False`): RMSNorm of the experts' weighted sum, in the latent space.
-        mla_use_nope (`bool`, defaults to `True`): MLA without rotary embedding (the only form implemented).
-        mla_use_output_gate (`bool`, defaults to `False`): MLA's per-channel sigmoid output gate `g_proj`.
-        linear_use_full_rank_gate (`bool`, defaults to `False`): KDA's output gate is one full-rank `g_proj`
-            (K3's `linear_attn_config.use_full_rank_gate`).
-        linear_lower_bound (`float`, *optional*): KDA's safe forget gate bound (K3's
-            `linear_attn_config.gate_lower_bound`, -5.0; named as transformers' GLM-5-Next names it).
-        moe_router_activation_func (`str`, defaults to `"sigmoid"`): the router's score (the only one K3 uses).
-
-    `linear_attn_config` (K3's nested form) is read into the flat fields and not kept. Raises `ValueError` for a
-    value no module here implements (naming the field).
-    """
-
-    model_type = "kimi_k3"
-    own_activations = (SITU,)  # `hidden_act` values beside transformers' `ACT2FN` (`situ_glu`)
-
-    activation_situ_beta: float | None = None
-    activation_situ_linear_beta: float | None = None
-    routed_expert_hidden_size: int | None = None
-    latent_moe_use_norm: bool = False
-    mla_use_nope: bool = True
-    mla_use_output_gate: bool = False
-    linear_use_full_rank_gate: bool = False
-    linear_lower_bound: float | None = None
-    moe_router_activation_func: str = "sigmoid"
-
-    def __post_init__(self, **kwargs):
-        if "text_config" in kwargs:  # the release's top-level config, whose model_type is this one's too
-            raise ValueError("this is Kimi K3's multimodal config (its text model under text_config): `attnres "
-                             "convert` reads K3 folders; K3's own code loads them with trust_remote_code=True")
-        linear = kwargs.get("linear_attn_config") or {}
-        if not isinstance(linear, dict):
-            raise ValueError(f"linear_attn_config must be a dict, got {type(linear).__name__}")
-        unknown = sorted(set(linear) - _LINEAR_ATTN_KEYS)
-        if unknown:
-            raise ValueError(f"linear_attn_config has keys kimi_k3 does not implement: {', '.join(unknown)}")
-        _check_layer_lists(linear, self.num_hidden_layers)
-        self.linear_use_full_rank_gate = linear.get("use_full_rank_gate", self.linear_use_full_rank_gate)
-        self.linear_lower_bound = linear.get("gate_lower_bound", self.linear_lower_bound)
-        if self.mlp_layer_types is None and "moe_layer_freq" in kwargs:  # K3's MoE rule, with its layer frequency
-            first, freq = kwargs.get("first_k_dense_replace", 1), kwargs.pop("moe_layer_freq")
-            self.mlp_layer_types = ["sparse" if i >= first and i % freq == 0 else "dense"
-                                    for i in range(self.num_hidden_layers)]
-        super().__post_init__(**kwargs)
-        self.__dict__.pop("linear_attn_config", None)  # its values are the flat fields now (one home each)
-        check_kimi_k3(self)
-
-
-def _check_layer_lists(linear: dict, num_hidden_layers: int) -> None:
-    """K3's 1-based `kda_layers` / `full_attn_layers` name each decoder layer once (checked before Kimi Linear's
-    config builds `layer_types` from them, which fails on a bad list with a bare IndexError)."""
-    if "kda_layers" not in linear and "full_attn_layers" not in linear:
-        return
-    lists = {name: linear.get(name, []) for name in ("kda_layers", "full_attn_layers")}
-    for name, layers in lists.items():
-        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-            raise ValueError(f"linear_attn_config.{name} must be a list of 1-based layer numbers, got {layers!r}")
-    named = sorted(lists["kda_layers"] + lists["full_attn_layers"])
-    if named != list(range(1, num_hidden_layers + 1)):
-        raise ValueError(f"linear_attn_config.kda_layers and full_attn_layers must name each of the "
-                         f"{num_hidden_layers} layers once, 1-based, got {lists['kda_layers']} and "
-                         f"{lists['full_attn_layers']}")
-
-
-def check_kimi_k3(config) -> None:
-    """Refuse the K3 settings no module here implements, that its router cannot choose from, or a `pad_token_id`
-    outside the vocabulary (the embedding's `padding_idx`); raises `ValueError` naming the field."""
-    if not config.mla_use_nope:
-        raise ValueError("kimi_k3 with mla_use_nope=False (rotary MLA) is not implemented: K3's MLA has no rotary "
-                         "embedding")
-    if config.moe_router_activation_func != "sigmoid":
-        raise ValueError(f"kimi_k3 moe_router_activation_func={config.moe_router_activation_func!r} is not "
-                         "implemented (K3's router scores with 'sigmoid')")
-    if config.hidden_act != SITU and config.hidden_act not in ACT2FN:
-        raise ValueError(f"kimi_k3 hidden_act must be 'situ' or a transformers activation, got {config.hidden_act!r}")
-    for name in ("activation_situ_beta", "activation_situ_linear_beta"):
-        value = getattr(config, name)
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be a positive number or None, got {value!r}")
-    bound = config.linear_lower_bound
-    if bound is not None and not bound < 0:
-        raise ValueError(f"linear_attn_config.gate_lower_bound must be negative (a log-decay bound), got {bound!r}")
-    width = config.routed_expert_hidden_size
-    if width is not None and not width > 0:
-        raise ValueError(f"routed_expert_hidden_size must be a positive integer or None, got {width!r}")
-    if "sparse" in config.mlp_layer_types:
-        experts, groups, top_groups, top_k = (config.num_local_experts, config.n_group, config.topk_group,
-                                              config.num_experts_per_tok)
-        if not experts >= 2:  # the router's group score sums each group's top two
-            raise ValueError(f"num_experts must be at least 2 on MoE layers, got {experts!r}")
-        if not groups >= 1 or experts % groups or experts // groups < 2:
-            raise ValueError(f"num_expert_group ({groups!r}) must divide num_experts ({experts}) into groups of at "
-                             "least 2 experts")
-        if not 1 <= top_groups <= groups:
-            raise ValueError(f"topk_group must be between 1 and num_expert_group ({groups}), got {top_groups!r}")
-        if not 1 <= top_k <= top_groups * experts // groups:
-            raise ValueError(f"num_experts_per_token must be between 1 and the {top_groups * experts // groups} "
-                             f"experts of the topk_group groups chosen, got {top_k!r}")
-    if problem := token_id_problem("pad_token_id", config.pad_token_id, config.vocab_size):
-        raise ValueError(problem)  # the embedding's padding_idx: torch fails on it with a bare AssertionError
-    if "full_attention" not in config.layer_types:
-        raise ValueError("kimi_k3 needs at least one MLA (full_attention) layer: transformers' hybrid cache counts "
-                         "the tokens seen on its attention layers")
-
-
-def token_id_problem(name: str, value, vocab_size: int) -> str | None:
-    """Why `value` (`name`: an int, a list of ints for `eos_token_id`, or None) is not a token id of a vocabulary of
-    `vocab_size`, or None when it is one (or None)."""
-    ids = value if isinstance(value, list) else [value]
-    if all(i is None or isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
-        return None
-    return (f"{name}={value!r} is not a token of the vocabulary (vocab_size {vocab_size}): give a token id below it, "
-            "or None")
-
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU, K3's MLP activation (`hidden_act: "situ"`, its released code's `SituAndMul`): `beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up /
@@ -461,26 +324,13 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, kimi.KimiLinearForCausalLM):
         self.post_init()
 
 
-def check_kimi_k3_backbone(config) -> None:
-    """Kimi Linear's refusals (grouped key/value heads, layer types) and K3's own (`check_kimi_k3`)."""
-    check_kimi_linear(config)
-    check_kimi_k3(config)
+def k3_decoder_layer(config, layer_idx: int) -> nn.Module:
+    """K3's decoder layer (`KimiK3DecoderLayer`), built as Kimi Linear's are (`backbones_moe.kimi_decoder_layer`):
+    the adapter's `decoder_layer` (`backbones_moe.MOE_BACKBONES`)."""
+    return kimi_decoder_layer(config, layer_idx, layer_class=KimiK3DecoderLayer)
 
 
-K3_BACKBONES = (
-    BackboneAdapter(
-        "kimi_k3", KimiK3Config, KimiK3ForCausalLM, KimiK3PreTrainedModel,
-        functools.partial(kimi_decoder_layer, layer_class=KimiK3DecoderLayer),
-        attention=SubLayer("self_attn", "input_layernorm"), mlp=SubLayer("mlp", "post_attention_layernorm"),
-        norm=kimi.KimiLinearRMSNorm, rotary=None, attention_class=KimiK3Attention,
-        key_value_inputs=None,  # MLA: keys and values come from one latent of one input (as Kimi Linear)
-        make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_k3_backbone,
-        **EXPERT_ROUTING["kimi_k3"].adapter_fields(),
-    ),
-)
-"""The adapter of this module, joined into `backbones.BACKBONES`."""
-
-
-__all__ = ["K3_BACKBONES", "MLA_LATENT_NORM_EPS", "KimiK3Attention", "KimiK3Config", "KimiK3DecoderLayer",
+__all__ = ["MLA_LATENT_NORM_EPS", "KimiK3Attention", "KimiK3Config", "KimiK3DecoderLayer",
            "KimiK3DeltaAttention", "KimiK3Experts", "KimiK3ForCausalLM", "KimiK3MLP", "KimiK3MoE", "KimiK3Model",
-           "KimiK3PreTrainedModel", "KimiK3TopkRouter", "check_kimi_k3", "situ_glu", "token_id_problem"]
+           "KimiK3PreTrainedModel", "KimiK3TopkRouter", "check_kimi_k3", "k3_decoder_layer", "situ_glu",
+           "token_id_problem"]

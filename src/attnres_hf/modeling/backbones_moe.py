@@ -38,6 +38,7 @@ transformers and its siblings (`backbones_base.py`, never `backbones.py`).
 
 import functools
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.utils.output_capturing import OutputRecorder
 
 from .backbones_base import BackboneAdapter, SubLayer
+from .configuration_kimi_k3 import KimiK3Config, check_kimi_k3
 from .lazy_records import LazyModule
 
 # The families' modeling modules, imported when a family is first used (`backbones_base.BackboneTable`).
@@ -83,6 +85,18 @@ def _import_kimi_linear():
 kimi = LazyModule("transformers.models.kimi_linear.modeling_kimi_linear", _import_kimi_linear)
 """transformers' Kimi Linear module, imported (and its KDA dispatched by device) when Kimi Linear or K3 is first
 used: it imports fla where fla is installed. `kimi.load()` is the module."""
+
+
+def _import_k3():
+    """`backbones_k3`, whose classes subclass Kimi Linear's (a relative import statement: the form transformers'
+    remote-code loader follows to copy the file along)."""
+    from .backbones_k3 import KimiK3ForCausalLM
+
+    return sys.modules[KimiK3ForCausalLM.__module__]
+
+
+k3 = LazyModule(f"{__package__}.backbones_k3", _import_k3)
+"""Kimi K3's modules (`backbones_k3.py`), imported when the family is first used."""
 
 
 @dataclass(frozen=True)
@@ -229,6 +243,12 @@ def kimi_decoder_layer(config, layer_idx: int, layer_class: type = kimi.KimiLine
     return layer
 
 
+def check_kimi_k3_backbone(config) -> None:
+    """Kimi Linear's refusals (grouped key/value heads, layer types) and K3's own (`check_kimi_k3`)."""
+    check_kimi_linear(config)
+    check_kimi_k3(config)
+
+
 def check_kimi_linear(config) -> None:
     """Refuse the Kimi Linear settings transformers' own model cannot run (raises `ValueError` naming why)."""
     if config.num_key_value_heads != config.num_attention_heads:
@@ -256,6 +276,14 @@ MOE_BACKBONES = (
         make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_linear,
         tested=_TESTED + " (KDA/MLA hybrid cache; MUDDFormer and DCA refused)",
         **EXPERT_ROUTING["kimi_linear"].adapter_fields(), **_LAYOUT,
+    ),
+    BackboneAdapter(  # Kimi K3's text model: Kimi Linear with K3's pieces (`backbones_k3.py`)
+        "kimi_k3", KimiK3Config, k3.KimiK3ForCausalLM, k3.KimiK3PreTrainedModel, k3.k3_decoder_layer,
+        attention=SubLayer("self_attn", "input_layernorm"), mlp=SubLayer("mlp", "post_attention_layernorm"),
+        norm=kimi.KimiLinearRMSNorm, rotary=None, attention_class=k3.KimiK3Attention,
+        key_value_inputs=None,  # MLA: keys and values come from one latent of one input (as Kimi Linear)
+        make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_k3_backbone,
+        **EXPERT_ROUTING["kimi_k3"].adapter_fields(),
     ),
     BackboneAdapter(
         "qwen3_moe", Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.Qwen3MoePreTrainedModel,
@@ -285,5 +313,5 @@ MOE_BACKBONES = (
 
 
 __all__ = ["EXPERT_ROUTING", "ExpertRouting", "KDA_KERNELS", "MOE_BACKBONES", "backbone_model_type",
-           "check_kimi_linear", "expert_gate_modules", "kda_by_device",
+           "check_kimi_k3_backbone", "check_kimi_linear", "expert_gate_modules", "kda_by_device",
            "kimi_attention_masks", "kimi_cache", "kimi_decoder_layer"]
