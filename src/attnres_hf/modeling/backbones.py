@@ -40,7 +40,7 @@ Adding a family (tens of lines): one `BackboneAdapter(...)` (the record type and
 LazyModule("transformers.models.llama.modeling_llama")`, then `llama.LlamaForCausalLM`): `BACKBONES` resolves a
 record when the family is first used, so `import attnres_hf` imports no family's modeling code (nor fla, which
 transformers' Kimi Linear module imports); config classes are imported as they are (config modules are light). A family of our own modules does the same
-with a `LazyModule` whose loader holds a relative import (Kimi K3's, `backbones_moe.k3`: its classes subclass Kimi
+with a `LazyModule` whose loader holds a relative import (Kimi K3's, `k3`: its classes subclass Kimi
 Linear's; its config is in `configuration_kimi_k3.py`). The record declares:
 
 - `model_type`, `config_class`, `causal_lm` (the family's `*ForCausalLM`, the source of a retrofit),
@@ -70,6 +70,7 @@ Travels with checkpoints as remote code (a relative import of `modeling_attnres.
 transformers and its siblings.
 """
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -87,7 +88,9 @@ from transformers.models.smollm3.configuration_smollm3 import SmolLM3Config
 
 from .backbones_base import (BackboneAdapter, BackboneTable, KeyValueInputs, SubLayer,
                              default_attention_masks, default_layer_types)
-from .backbones_moe import MOE_BACKBONES  # mixture-of-experts families and Kimi Linear
+from .backbones_moe import (EXPERT_ROUTING, MOE_BACKBONES,  # mixture-of-experts families and Kimi Linear
+                            check_kimi_k3_backbone, kimi, kimi_attention_masks, kimi_cache)
+from .configuration_kimi_k3 import KimiK3Config
 from .lazy_records import LazyModule
 
 # The families' modeling modules, imported when a family is first used (`BackboneTable`): `import attnres_hf` imports
@@ -207,7 +210,30 @@ _DENSE = (
     ),
 )
 
-BACKBONES: BackboneTable = BackboneTable({adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES)})
+
+def _import_k3():
+    """`backbones_k3`, whose classes subclass Kimi Linear's (a relative import statement: the form transformers'
+    remote-code loader follows to copy the file along)."""
+    from .backbones_k3 import KimiK3ForCausalLM
+
+    return sys.modules[KimiK3ForCausalLM.__module__]
+
+
+k3 = LazyModule(f"{__package__}.backbones_k3", _import_k3)
+"""Kimi K3's modules (`backbones_k3.py`), imported when the family is first used."""
+
+_K3 = (
+    BackboneAdapter(  # Kimi K3's text model: Kimi Linear with K3's pieces (`backbones_k3.py`)
+        "kimi_k3", KimiK3Config, k3.KimiK3ForCausalLM, k3.KimiK3PreTrainedModel, k3.k3_decoder_layer,
+        attention=SubLayer("self_attn", "input_layernorm"), mlp=SubLayer("mlp", "post_attention_layernorm"),
+        norm=kimi.KimiLinearRMSNorm, rotary=None, attention_class=k3.KimiK3Attention,
+        key_value_inputs=None,  # MLA: keys and values come from one latent of one input (as Kimi Linear)
+        make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_k3_backbone,
+        **EXPERT_ROUTING["kimi_k3"].adapter_fields(),
+    ),
+)
+
+BACKBONES: BackboneTable = BackboneTable({adapter.model_type: adapter for adapter in (*_DENSE, *MOE_BACKBONES, *_K3)})
 """`model_type` of a backbone config -> its adapter: the one list of backbone families. A family's modeling code is
 imported when its adapter is first read (`BACKBONES[model_type]`, `backbone_adapter`); `BACKBONES.declared` reads a
 record without it."""

@@ -39,8 +39,8 @@ equations that imports neither attnres-hf nor transformers' models (`tests/test_
 Parameter names are transformers' Kimi Linear names (`mlp.experts.gate_up_proj`, one `conv1d` for q/k/v); K3's
 released names (`block_sparse_moe.experts.{e}.w1`, `q_conv1d`, ...) are mapped by `conversion/k3_layout.py`.
 
-Travels with checkpoints as remote code (a sibling of `backbones_moe.py`, whose record of the family imports it when
-the family is first used): imports only torch, transformers and its siblings `backbones_moe.py` and
+Travels with checkpoints as remote code (a sibling of `backbones.py`, whose record of the family imports it when the
+family is first used): imports only torch, transformers and its siblings `backbones_moe.py` and
 `configuration_kimi_k3.py` (`KimiK3Config`, which a configuration reads without this module).
 """
 
@@ -326,7 +326,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, kimi.KimiLinearForCausalLM):
 
 def k3_decoder_layer(config, layer_idx: int) -> nn.Module:
     """K3's decoder layer (`KimiK3DecoderLayer`), built as Kimi Linear's are (`backbones_moe.kimi_decoder_layer`):
-    the adapter's `decoder_layer` (`backbones_moe.MOE_BACKBONES`)."""
+    the adapter's `decoder_layer` (`backbones.BACKBONES`)."""
     return kimi_decoder_layer(config, layer_idx, layer_class=KimiK3DecoderLayer)
 
 

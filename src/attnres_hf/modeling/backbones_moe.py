@@ -38,7 +38,6 @@ transformers and its siblings (`backbones_base.py`, never `backbones.py`).
 
 import functools
 import inspect
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,18 +84,6 @@ def _import_kimi_linear():
 kimi = LazyModule("transformers.models.kimi_linear.modeling_kimi_linear", _import_kimi_linear)
 """transformers' Kimi Linear module, imported (and its KDA dispatched by device) when Kimi Linear or K3 is first
 used: it imports fla where fla is installed. `kimi.load()` is the module."""
-
-
-def _import_k3():
-    """`backbones_k3`, whose classes subclass Kimi Linear's (a relative import statement: the form transformers'
-    remote-code loader follows to copy the file along)."""
-    from .backbones_k3 import KimiK3ForCausalLM
-
-    return sys.modules[KimiK3ForCausalLM.__module__]
-
-
-k3 = LazyModule(f"{__package__}.backbones_k3", _import_k3)
-"""Kimi K3's modules (`backbones_k3.py`), imported when the family is first used."""
 
 
 @dataclass(frozen=True)
@@ -276,14 +263,6 @@ MOE_BACKBONES = (
         make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_linear,
         tested=_TESTED + " (KDA/MLA hybrid cache; MUDDFormer and DCA refused)",
         **EXPERT_ROUTING["kimi_linear"].adapter_fields(), **_LAYOUT,
-    ),
-    BackboneAdapter(  # Kimi K3's text model: Kimi Linear with K3's pieces (`backbones_k3.py`)
-        "kimi_k3", KimiK3Config, k3.KimiK3ForCausalLM, k3.KimiK3PreTrainedModel, k3.k3_decoder_layer,
-        attention=SubLayer("self_attn", "input_layernorm"), mlp=SubLayer("mlp", "post_attention_layernorm"),
-        norm=kimi.KimiLinearRMSNorm, rotary=None, attention_class=k3.KimiK3Attention,
-        key_value_inputs=None,  # MLA: keys and values come from one latent of one input (as Kimi Linear)
-        make_cache=kimi_cache, attention_masks=kimi_attention_masks, check_config=check_kimi_k3_backbone,
-        **EXPERT_ROUTING["kimi_k3"].adapter_fields(),
     ),
     BackboneAdapter(
         "qwen3_moe", Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.Qwen3MoePreTrainedModel,

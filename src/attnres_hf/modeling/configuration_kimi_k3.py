@@ -2,11 +2,11 @@
 and the checks of the settings no module here implements.
 
 A configuration imports no modeling code: an `AttnResConfig` over a `kimi_k3` backbone reads this module (through
-the backbone's declared record, `backbones_moe.MOE_BACKBONES`), never transformers' Kimi Linear modeling module, which
+the backbone's declared record in `backbones.BACKBONES`), never transformers' Kimi Linear modeling module, which
 imports fla where it is installed.
 
-Travels with checkpoints as remote code (a sibling of `backbones_moe.py`, which imports it): imports only
-transformers and huggingface_hub.
+Travels with checkpoints as remote code (a sibling of `backbones.py` and `backbones_moe.py`, which import it):
+imports only transformers and huggingface_hub.
 """
 
 from huggingface_hub.dataclasses import strict
