@@ -6,7 +6,7 @@ block's partial sum into its phase-1 result, an online-softmax update (`_merge_p
 `_PartialMerge` with gradients).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_buffer.py` and `mixing_base.py`.
+siblings `attnres_buffer.py`, `mixing_base.py` and `torch_internals.py`.
 """
 
 import math
@@ -15,10 +15,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.module import _global_forward_pre_hooks
 
 from .attnres_buffer import _as, _mix
 from .mixing_base import AttnResRMSNorm, inverse_rms
+from .torch_internals import global_pre_hooks
 
 
 def _two_phase_applies(config) -> bool:
@@ -64,8 +64,9 @@ def _forward_is_plain(module: nn.Module) -> bool:
 
 
 def _global_pre_hooks() -> bool:
-    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`)."""
-    return bool(_global_forward_pre_hooks)
+    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`; `True` where
+    torch's table of them is unknown: `torch_internals.global_pre_hooks`)."""
+    return global_pre_hooks()
 
 
 def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
