@@ -108,6 +108,8 @@ def test_a_backward_pass_without_an_id_takes_per_source_gradients(block_size, in
                                                        if p.grad is not None}})
     assert results[1].keys() == results[0].keys()
     assert_same_grads(results[1], results[0])
+    own = results[1]["inputs_embeds"]  # its own storage, not a view of a reader's gradient for all its sources
+    assert own.untyped_storage().nbytes() == own.numel() * own.element_size()
 
 
 @pytest.mark.parametrize("block_size", **BLOCK_SIZES)

@@ -136,7 +136,7 @@ class _SourceSlot(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):  # grad (B, T, D): the readers' per-source gradients, or None when they summed in place
         summed = ctx.grads.take(ctx.slot)
-        if summed is None:
+        if summed is None:  # (autograd's sum of the slot's readers, at least two: its own tensor, no copy needed)
             return None, None, grad
         return None, None, (summed.clone() if ctx.leaf else summed) if grad is None else summed + grad
 
