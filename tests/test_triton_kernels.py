@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM
-from attnres_hf.modeling import attnres_buffer
+from attnres_hf.modeling import torch_internals
 from attnres_hf.modeling.attnres_reference import naive_attnres
 from utils import tiny_config, tiny_model
 
@@ -236,9 +236,9 @@ def pair(kernels, dtype=torch.float32, **overrides):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_model_with_the_kernels_trains_like_the_torch_path(kernels, monkeypatch, input_ids, name, per_source):
     """fp32: logits, depth weights and every gradient, with the sources' gradients summed in place (eager training)
-    and one per source (what tracing uses: `_SourceGrads.applies` off)."""
+    and one per source (what tracing uses, and a torch without graph-task ids: `torch_internals`)."""
     if per_source:
-        monkeypatch.setattr(attnres_buffer._SourceGrads, "applies", staticmethod(lambda: False))
+        monkeypatch.setattr(torch_internals, "current_graph_task_id", None)  # (no in-place sums)
     torch_model, triton_model = pair(kernels, **MODELS[name])
     ours, theirs = training_step(triton_model, input_ids), training_step(torch_model, input_ids)
     assert relative(ours[0], theirs[0]) < 1e-5

@@ -4,13 +4,14 @@ written once, in place, into a slot-major buffer, and the custom autograd Functi
 instead of saved copies of the sources, and in eager training sums the sources' gradients in place (`_SourceGrads`).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-sibling `mixing_base.py`.
+siblings `mixing_base.py` and `torch_internals.py`.
 """
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .mixing_base import inverse_rms
+from .torch_internals import at_graph_task_end, graph_task, graph_tasks_known
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -50,10 +51,12 @@ class _SourceGrads:
     hands a slot's sum to its source once: every reader of the slot is an autograd consumer of the slot's handle, so
     the engine runs them all before it.
 
-    The sums belong to one backward pass (graph task): `retain_graph` replays and partial `torch.autograd.grad` calls
-    each start from zero, and the pass drops them when it ends (they would otherwise live as long as the forward's
-    outputs, e.g. through the next forward of a training loop). Tracing (`torch.compile`) keeps autograd's own sums
-    (`_store`), which inductor fuses.
+    The sums belong to one backward pass (graph task, `torch_internals.graph_task`): `retain_graph` replays and
+    partial `torch.autograd.grad` calls each start from zero, and the pass drops them when it ends (they would otherwise
+    live as long as the forward's outputs, e.g. through the next forward of a training loop). Where a pass has no id
+    to use (compiled autograd traces it; a torch without the private names), `open` gives `None` and each reader
+    returns one gradient per source to the slot's handle, which autograd sums, as in a traced forward
+    (`torch.compile`, which fuses those sums) that makes no `_SourceGrads` at all (`applies`).
     """
 
     def __init__(self, buffer: torch.Tensor):
@@ -61,41 +64,46 @@ class _SourceGrads:
 
     @staticmethod
     def applies() -> bool:
-        """Eager training with a torch that names the current backward pass (`torch._C._current_graph_task_id`)."""
-        return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and hasattr(torch._C, "_current_graph_task_id"))
+        """Eager training with a torch that names its backward passes (`torch_internals.graph_tasks_known`)."""
+        return torch.is_grad_enabled() and not torch.compiler.is_compiling() and graph_tasks_known()
 
-    def _current(self) -> torch.Tensor:
-        task = torch._C._current_graph_task_id()
+    def open(self) -> "_SourceGrads | None":
+        """`self`, its sums those of the running backward pass (zeros when the pass first asks), for a reader to add
+        into; `None` where this pass cannot sum in place (`torch_internals.graph_task`): the reader returns one gradient
+        per source instead."""
+        task = graph_task()
+        if task is None:
+            return None
         if task != self.task:
             self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
-            torch.autograd.Variable._execution_engine.queue_callback(self._release)  # when this pass ends
-        return self.grad
+            at_graph_task_end(self._release)
+        return self
 
     def _release(self) -> None:
         self.grad, self.score_terms = None, []
 
     def sums(self) -> torch.Tensor:
         """`(n_slots, B, T, D)`: the slots' gradient sums of this backward pass (buffer dtype), for a reader that adds
-        its whole gradient in place (the fused kernels, `attnres_triton.py`)."""
-        return self._current()
+        its whole gradient in place (the fused kernels, `attnres_triton.py`). After `open`, as the adders below."""
+        return self.grad
 
     def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
         """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
-        self._current()
         self.score_terms.append((grad_logits, queries))
 
     def add_mix(self, n: int, grad_values: torch.Tensor, lo: int = 0) -> None:
         """Add `grad_values (n - lo, B, T, D)` (a view is fine) to slots `lo .. n - 1`."""
-        self._current()[lo:n].add_(grad_values)
+        self.grad[lo:n].add_(grad_values)
 
     def add_mix_product(self, n: int, weights: torch.Tensor, grad: torch.Tensor, lo: int = 0) -> None:
         """Add `weights_i * grad` to slot `i` for `i` in `lo .. n - 1`: `weights (n - lo, B, T, 1)`, `grad (B, T, D)`."""
-        self._current()[lo:n].addcmul_(weights, grad)
+        self.grad[lo:n].addcmul_(weights, grad)
 
     def take(self, slot: int) -> torch.Tensor | None:
-        """Slot `slot`'s summed gradient `(B, T, D)` (buffer dtype), or `None` when no reader ran in this pass."""
-        if self.task != torch._C._current_graph_task_id():
+        """Slot `slot`'s summed gradient `(B, T, D)` (buffer dtype), or `None` when no reader summed in place in this
+        pass."""
+        task = graph_task()
+        if task is None or task != self.task or self.grad is None:
             return None
         grad = self.grad[slot]
         terms = [(g[..., slot], q) for g, q in self.score_terms if slot < g.shape[-1]]
@@ -111,23 +119,26 @@ class _SourceGrads:
 
 
 class _SourceSlot(torch.autograd.Function):
-    """Write `source` into `buffer[slot]` and return its handle: a 0-dim tensor the slot's readers take as an input
-    (the autograd edge to the source) whose backward hands the source the slot's summed gradient (`_SourceGrads`).
-    A leaf source (`inputs_embeds` that requires grad) gets a copy: autograd would keep the slot's view itself as
-    its `.grad`, and with it every slot's gradient."""
+    """Write `source` into `buffer[slot]` and return its handle, the autograd edge to the source that the slot's
+    readers take as an input: zeros shaped like the source, one element expanded. Its backward hands the source the
+    slot's summed gradient (`_SourceGrads.take`), or, in a pass that cannot sum in place, the readers' per-source
+    gradients as autograd summed them into the handle. A leaf source (`inputs_embeds` that requires grad) gets a copy
+    of the slot's sum: autograd would keep the slot's view itself as its `.grad`, and with it every slot's gradient."""
 
     @staticmethod
     def forward(ctx, grads, slot, source):
         grads.buffer[slot].copy_(source)
         ctx.grads, ctx.slot, ctx.leaf = grads, slot, source.is_leaf
         ctx.set_materialize_grads(False)
-        return source.new_zeros(())
+        return source.new_zeros(()).expand(source.shape)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, _):
-        grad = ctx.grads.take(ctx.slot)
-        return None, None, grad.clone() if ctx.leaf and grad is not None else grad
+    def backward(ctx, grad):  # grad (B, T, D): the readers' per-source gradients, or None when they summed in place
+        summed = ctx.grads.take(ctx.slot)
+        if summed is None:  # (autograd's sum of the slot's readers, at least two: its own tensor, no copy needed)
+            return None, None, grad
+        return None, None, (summed.clone() if ctx.leaf else summed) if grad is None else summed + grad
 
 
 class _SourceScores(torch.autograd.Function):
@@ -136,8 +147,8 @@ class _SourceScores(torch.autograd.Function):
     The buffer is written in place (a slot once per forward, before any reader) and is not saved with
     `save_for_backward`, so later writes do not trip autograd's version counter; slots `< n` never change after they
     are read. `inputs` are the `n` slots' autograd handles: `_SourceSlot` handles with `grads` (the gradients are
-    summed in `grads`), or the source tensors themselves with `grads=None` (one gradient per source, autograd sums
-    them; the traced path)."""
+    summed in `grads` where the pass can, `_SourceGrads.open`), or the source tensors themselves with `grads=None`
+    (one gradient per source, autograd sums them; the traced path)."""
 
     @staticmethod
     def forward(ctx, buffer, grads, n, queries, *inputs):
@@ -152,7 +163,8 @@ class _SourceScores(torch.autograd.Function):
         values, n = ctx.buffer[: ctx.n], ctx.n
         grad = _as(grad, queries.dtype)  # (autocast computes the forward's product, so its gradient, in its dtype)
         needs = ctx.needs_input_grad[4:]
-        per_source = any(needs) and ctx.grads is None
+        grads = ctx.grads.open() if ctx.grads is not None and any(needs) else None
+        per_source = any(needs) and grads is None
         grad_queries = flat_grad = None
         if ctx.needs_input_grad[3] or per_source:  # (one permuted copy for both products)
             flat_grad = grad.permute(3, 0, 1, 2).reshape(n * values.shape[1] * values.shape[2], -1)  # (n B T, S)
@@ -160,8 +172,8 @@ class _SourceScores(torch.autograd.Function):
             grad_queries = flat_grad.T @ _as(values.reshape(flat_grad.shape[0], -1), queries.dtype)
         if not any(needs):
             return None, None, None, grad_queries, *_nones(needs)
-        if ctx.grads is not None:
-            ctx.grads.add_scores(grad, queries)
+        if grads is not None:
+            grads.add_scores(grad, queries)
             return None, None, None, grad_queries, *_nones(needs)
         grad_values = (flat_grad @ queries).view(values.shape)
         return None, None, None, grad_queries, *_per_source(grad_values, ctx, n)
@@ -193,14 +205,15 @@ class _SourceMix(torch.autograd.Function):
         if not any(needs):
             return None, None, None, grad_weights, *_nones(needs)
         flat = weights.reshape(batch * seq, -1, n)
-        if ctx.grads is not None:  # summed in place, from the first slot that needs a gradient
+        grads = ctx.grads.open() if ctx.grads is not None else None
+        if grads is not None:  # summed in place, from the first slot that needs a gradient
             lo = needs.index(True)
             if flat.shape[1] == 1:  # one router: slot i += w_i * grad
-                ctx.grads.add_mix_product(n, flat[:, 0, lo:].T.reshape(n - lo, batch, seq, 1),
-                                          grad.view(batch, seq, dim), lo)
+                grads.add_mix_product(n, flat[:, 0, lo:].T.reshape(n - lo, batch, seq, 1), grad.view(batch, seq, dim),
+                                      lo)
             else:  # a block's routers: (B T, n, S) @ (B T, S, D), added through a (n, B T, D) view
                 product = torch.bmm(flat[..., lo:].transpose(1, 2), grad)
-                ctx.grads.add_mix(n, product.transpose(0, 1).unflatten(1, (batch, seq)), lo)
+                grads.add_mix(n, product.transpose(0, 1).unflatten(1, (batch, seq)), lo)
             return None, None, None, grad_weights, *_nones(needs)
         # (n, B, T, D), slot-major and contiguous: autograd sums each slot's gradient with the source's others
         if flat.shape[1] == 1:  # one router: w_i * grad, a broadcast product
@@ -232,8 +245,9 @@ class _SourceInverseRMS(torch.autograd.Function):
         (inv,) = ctx.saved_tensors
         value = ctx.buffer[ctx.slot]
         coefficient = (grad * inv.pow(3) / -value.shape[-1]).unsqueeze(-1)
-        if ctx.grads is not None:
-            ctx.grads.add_mix_product(ctx.slot + 1, _as(coefficient, value.dtype).unsqueeze(0), value, ctx.slot)
+        grads = ctx.grads.open() if ctx.grads is not None else None
+        if grads is not None:
+            grads.add_mix_product(ctx.slot + 1, _as(coefficient, value.dtype).unsqueeze(0), value, ctx.slot)
             return None, None, None, None, None
         return None, None, None, None, (coefficient * value.float()).to(ctx.buffer.dtype)
 

@@ -119,9 +119,10 @@ class _FusedRead(torch.autograd.Function):
         found = iter(torch.autograd.grad(hidden, wanted, grad, retain_graph=True))
         got = [next(found) if t is not None and t.requires_grad else None for t in leaves]
         slot_grads = got[: len(sources)]
-        if ctx.grads is not None:  # summed in place with the other readers' (the handles get them from there)
+        grads = ctx.grads.open() if ctx.grads is not None else None
+        if grads is not None:  # summed in place with the other readers' (the handles get them from there)
             for slot, slot_grad in enumerate(slot_grads):
                 if slot_grad is not None:
-                    ctx.grads.add_mix(slot + 1, slot_grad.unsqueeze(0), slot)
+                    grads.add_mix(slot + 1, slot_grad.unsqueeze(0), slot)
             slot_grads = [None] * len(sources)
         return None, None, None, None, got[-3], got[-2], None, got[-1], *slot_grads

@@ -106,8 +106,9 @@ class _Phase1(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:]
         target, accumulate = None, False
         if any(needs):
-            if ctx.grads is not None:  # added to the slots' sums in place (`_SourceGrads.sums`)
-                target, accumulate = ctx.grads.sums()[:n], True
+            grads = ctx.grads.open() if ctx.grads is not None else None
+            if grads is not None:  # added to the slots' sums in place (`_SourceGrads.sums`)
+                target, accumulate = grads.sums()[:n], True
             else:
                 target = torch.empty_like(values)
         grad_inv, grad_queries = _kernels().phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse,

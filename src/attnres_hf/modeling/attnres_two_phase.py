@@ -6,7 +6,7 @@ block's partial sum into its phase-1 result, an online-softmax update (`_merge_p
 `_PartialMerge` with gradients).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_buffer.py`, `attnres_inference.py` and `mixing_base.py`.
+siblings `attnres_buffer.py`, `attnres_inference.py`, `mixing_base.py` and `torch_internals.py`.
 """
 
 import math
@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.module import _global_forward_pre_hooks
 
 from .attnres_buffer import _as, _mix
 from .attnres_inference import InferenceLayout
 from .mixing_base import AttnResRMSNorm, inverse_rms
+from .torch_internals import forward_pre_hooks, global_pre_hooks
 
 
 def _two_phase_applies(config) -> bool:
@@ -61,12 +61,13 @@ def _forward_is_plain(module: nn.Module) -> bool:
     in for its forward only, or move them to its device). Then its parameters, read outside its forward, are what
     its forward would read. (Forward hooks run after the forward, so they do not count; hooks registered for every
     module: `_global_pre_hooks`.)"""
-    return not (module._forward_pre_hooks or "forward" in module.__dict__)
+    return not (forward_pre_hooks(module) or "forward" in module.__dict__)
 
 
 def _global_pre_hooks() -> bool:
-    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`)."""
-    return bool(_global_forward_pre_hooks)
+    """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`; `True` where
+    torch's table of them is unknown: `torch_internals.global_pre_hooks`)."""
+    return global_pre_hooks()
 
 
 def _key_norm_reads_directly(key_norm: nn.Module) -> bool:

@@ -6,7 +6,7 @@ the source buffer and its autograd Functions (`attnres_buffer.py`), and two-phas
 (`attnres_two_phase.py`, the paper's Algorithm 1), and fla's fused read on CUDA (`attnres_fla.py`).
 
 Travels with checkpoints as remote code (a relative import of `depth_mixing.py`): imports only torch, transformers and
-its siblings `attnres_*.py` and `mixing_base.py`.
+its siblings `attnres_*.py`, `mixing_base.py` and `torch_internals.py`.
 """
 
 from itertools import islice
@@ -27,6 +27,7 @@ from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm
                                 _merge_partial, _merged_weights, _PartialMerge, _two_phase_applies)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           routed_sublayers, stacked_norms)
+from .torch_internals import functorch_active
 
 
 class ResidualState(NamedTuple):
@@ -76,8 +77,9 @@ class AttnResState(NamedTuple):
     only its partial sum, an online-softmax update (`AttnResRouter` docstring).
 
     Configurations the buffer does not serve (`attnres_num_heads > 1`, `attnres_window`, `attnres_query=
-    "input_dependent"`, `attnres_scalar_weights`) keep the direct path over a stacked `(B, T, n, D)` tensor, grown
-    by one source per closed block (`stacked`); the numbers are the same either way.
+    "input_dependent"`, `attnres_scalar_weights`), and every forward under a `torch.func` transform, keep the direct
+    path over a stacked `(B, T, n, D)` tensor, grown by one source per closed block (`stacked`); the numbers are the
+    same either way.
 
     Gradient checkpointing: a replayed layer rewrites its block's slot with the same values, after every reader of
     that slot ran its backward; the state itself is immutable.
@@ -108,7 +110,8 @@ class AttnResState(NamedTuple):
         per-block query bank (`_query_bank`; without it, or when hooks manage the routers' weights, every router takes
         the direct path: same numbers). The state keeps no reference to them."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
-        if not _two_phase_applies(config):
+        # (a `torch.func` transform takes neither the buffer's in-place writes nor its autograd Functions: stacked)
+        if not _two_phase_applies(config) or functorch_active(embeddings):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
             return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), None,
                        keep_weights)
@@ -429,7 +432,9 @@ class AttnResRouter(nn.Module):
                 hidden, logit = triton_merge(state, probs, partial, mixed, phase1.queries[j], lse, state.eps,
                                              self.key_norm is not None)
             elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
-                mix_weights = _as(probs, state.buffer.dtype)  # phase 1's, for backward to recompute `mixed`
+                # phase 1's, for backward to recompute `mixed` (detached: their gradient flows through `mixed`, and
+                # compiled autograd fails on the `None` gradient of an input that requires one)
+                mix_weights = _as(probs, state.buffer.dtype).detach()
                 hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
             elif not state.keep_weights:  # inference: the output alone
                 norm_eps = state.constants.norm_eps if self.key_norm is not None else None

@@ -42,6 +42,7 @@ from .configuration_attnres import AttnResConfig
 from .depth_mixing import DEPTH_MIXING, MIXING_MODULES, modules_to_not_convert, num_depth_mixing_parameters
 from .mixing_attnres import AttnResRouter, AttnResState  # (re-exported)
 from .mixing_base import AttnResRMSNorm, register_modules, registered_modules
+from .torch_internals import recompile_limit_at_least
 from .outputs_attnres import (DEPTH_WEIGHTS_OUTPUTS, AttnResCausalLMOutputWithPast, AttnResModelOutputWithPast,
                               AttnResMoeCausalLMOutputWithPast, AttnResMoeModelOutputWithPast)
 
@@ -86,8 +87,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """Dynamo's recompile limit at `recompile_limit` for this layer's call (and checkpointed recomputation)."""
         if self.recompile_limit is None or torch.compiler.is_compiling():  # (traced: dynamo skips config.patch)
             return contextlib.nullcontext()
-        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # (<2.7)
-        return torch._dynamo.config.patch(**{name: max(getattr(torch._dynamo.config, name), self.recompile_limit)})
+        return recompile_limit_at_least(self.recompile_limit)
 
     def _finish(self, sublayer, output) -> torch.Tensor:
         """The family's post-processing of a sub-layer output before it joins the stream (post-norms, dropout,
