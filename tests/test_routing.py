@@ -130,5 +130,7 @@ def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch)
         # takes its norm in `_merge_inference`: the MLP router of each layer and the final router
         assert len(closed) == 1 + 3 and not calls and len(merges) == 4 + 1
         calls.clear(), merges.clear(), closed.clear()
-        model(input_ids, output_depth_weights=True)  # the merges that also return weights: `inverse_rms` each
-        assert len(calls) == 1 + 3 + 5 and not merges and not closed
+        # with depth weights: the completed sources' statistics once each (`inverse_rms`), the final router's partial
+        # sum's too; the merges take their partial sum's norm in `_merge_partial`
+        model(input_ids, output_depth_weights=True)
+        assert len(calls) == 1 + 3 + 1 and not merges and not closed

@@ -137,22 +137,26 @@ class _Constants(NamedTuple):
 
 
 def _merge_partial(partial, mixed, query, lse, eps, key_norm):
-    """Phase 2's arithmetic (see `AttnResRouter._merge`): the partial sum's logit `(B, T)` fp32 (and its `1/RMS`, or
-    `None` without the key norm), the completed sources' share (softmax; `lse` is their log-sum-exp) or the
-    partial sum's sigmoid gate (`lse` is `None`), that share's complement `1 - share` (computed as a sigmoid of its
-    own: `1 - sigmoid(x)` in fp32 loses the digits of a small complement, which backward multiplies gradients by),
-    and the merged router output `(B, T, D)` in the stream dtype."""
-    logit = _as(partial, query.dtype) @ query
-    inv = inverse_rms(partial, eps) if key_norm else None
-    if inv is not None:
+    """Phase 2's arithmetic (see `AttnResRouter._merge`): the merged router output `(B, T, D)` in the stream dtype, the
+    partial sum's logit `(B, T)` fp32, then, as `(B, T, 1)` fp32 columns (what backward reads), that logit, its
+    `1/RMS` (`None` without the key norm), the completed sources' share (softmax; `lse (B, T)` is their
+    log-sum-exp) or the partial sum's sigmoid gate (`lse` is `None`), and that share's complement `1 - share`
+    (computed as a sigmoid of its own: `1 - sigmoid(x)` in fp32 loses the digits of a small complement, which
+    backward multiplies gradients by). `eps`: the key norm's epsilon, a 0-dim fp32 tensor (`_Constants`)."""
+    values = _as(partial, query.dtype)
+    logit = (values * query).sum(-1, keepdim=True)  # (B, T, 1)
+    inv = None
+    if key_norm:  # rsqrt(mean(partial^2) + eps)
+        inv = torch.rsqrt(torch.add(eps, (values * values).sum(-1, keepdim=True), alpha=1 / values.shape[-1]))
         logit = logit * inv
     if lse is None:  # sigmoid scores: h = mixed + sigmoid(p) partial
         share, complement = torch.sigmoid(logit), torch.sigmoid(-logit)
-        hidden = mixed + _as(share.unsqueeze(-1), partial.dtype) * partial
+        hidden = torch.addcmul(mixed, _as(share, partial.dtype), partial)
     else:  # softmax: the completed sources keep sigmoid(lse - p) of the mass (online-softmax update)
+        lse = lse.unsqueeze(-1)
         share, complement = torch.sigmoid(lse - logit), torch.sigmoid(logit - lse)
-        hidden = torch.lerp(partial, mixed, _as(share.unsqueeze(-1), partial.dtype))
-    return hidden, logit, inv, share, complement
+        hidden = torch.lerp(partial, mixed, _as(share, partial.dtype))
+    return hidden, logit.squeeze(-1), logit, inv, share, complement
 
 
 def _merged_weights(probs, lse, logit):
@@ -203,38 +207,41 @@ class _PartialMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buffer, n, weights, partial, mixed, query, lse, eps, key_norm):
-        hidden, logit, inv, share, complement = _merge_partial(partial, mixed, query, lse, eps, key_norm)
+        hidden, logit, *columns = _merge_partial(partial, mixed, query, lse, eps, key_norm)
         ctx.buffer, ctx.n, ctx.softmax = buffer, n, lse is not None
-        ctx.save_for_backward(weights, partial, query, logit, inv, share, complement)
+        ctx.save_for_backward(weights, partial, query, *columns)
         ctx.set_materialize_grads(False)
         return hidden, logit
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_hidden, grad_logit):
-        weights, partial, query, logit, inv, share, complement = ctx.saved_tensors
+        weights, partial, query, logit, inv, share, complement = ctx.saved_tensors  # (B, T, 1) columns but `weights`
         values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
-        grad_partial = grad_mixed = grad_lse = None
-        grad_p = grad_logit if grad_logit is not None else torch.zeros_like(logit)
+        grad_mixed = grad_lse = None
+        grad_p = None if grad_logit is None else grad_logit.unsqueeze(-1)  # (B, T, 1)
         if grad_hidden is not None:
             grad = _as(grad_hidden, query.dtype)
             if ctx.softmax:
                 mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)  # forward's value, recomputed
-                grad_share = (grad * (_as(mixed, query.dtype) - values)).sum(-1)
-                grad_lse = grad_share * share * complement
-                grad_p = grad_p - grad_lse
-                grad_partial, grad_mixed = grad * complement.unsqueeze(-1), grad * share.unsqueeze(-1)
+                grad_lse = (grad * (_as(mixed, query.dtype) - values)).sum(-1, keepdim=True) * (share * complement)
+                grad_p = -grad_lse if grad_p is None else grad_p - grad_lse
+                grad_mixed, kept = grad * share, complement  # `kept`: the partial sum's own share of the output
+                grad_lse = grad_lse.squeeze(-1)
             else:
-                grad_p = grad_p + (grad * values).sum(-1) * share * complement
-                grad_partial, grad_mixed = grad * share.unsqueeze(-1), grad
+                term = (grad * values).sum(-1, keepdim=True) * (share * complement)
+                grad_p = term if grad_p is None else grad_p + term
+                grad_mixed, kept = grad, share
+        if grad_p is None:  # (no gradient reached either output: autograd does not call backward then)
+            grad_p = torch.zeros_like(logit)
         if inv is not None:  # p = r (partial . q) with r = (mean(partial^2) + eps)^(-1/2)
             coefficient = grad_p * inv
-            grad_values = (coefficient.unsqueeze(-1) * query
-                           - (coefficient * logit * inv / values.shape[-1]).unsqueeze(-1) * values)
+            grad_values = torch.addcmul(coefficient * query, coefficient * logit * inv, values,
+                                        value=-1 / values.shape[-1])
         else:
             coefficient = grad_p
-            grad_values = coefficient.unsqueeze(-1) * query
-        grad_query = coefficient.reshape(-1) @ values.reshape(-1, values.shape[-1])
-        grad_partial = grad_values if grad_partial is None else grad_partial + grad_values
+            grad_values = coefficient * query
+        grad_query = (coefficient * values).sum(tuple(range(values.dim() - 1)))
+        grad_partial = grad_values if grad_hidden is None else torch.addcmul(grad_values, grad, kept)
         grad_mixed = None if grad_mixed is None else _as(grad_mixed, ctx.buffer.dtype)
         return None, None, None, _as(grad_partial, partial.dtype), grad_mixed, grad_query, grad_lse, None, None
