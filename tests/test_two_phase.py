@@ -371,7 +371,7 @@ def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size
     (accumulator,) = made
 
     def released():
-        return accumulator.grad is None and accumulator.score_terms == []
+        return accumulator.grad is None and accumulator.coefficients is None
 
     embed = model.get_input_embeddings().weight
     (partial,) = torch.autograd.grad(loss, [embed], retain_graph=True)

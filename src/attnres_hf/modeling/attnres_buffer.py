@@ -47,7 +47,9 @@ class _SourceGrads:
     per reader per source, two per router (scores and mixing), so Full AttnRes's ~L^2/2 router reads cost ~L^2 such
     sums (they were about 70% of its extra training time). Here a reader's backward adds its mixing term for all the
     slots it read into `grad` `(n_slots, B, T, D)`, one in-place product, and records its scores term (rank `S` per
-    slot: `dL/dlogit` times the queries), which `take` adds in one `(B T, K) @ (K, D)` product per slot. `_SourceSlot`
+    slot: `dL/dlogit` times the queries) in its own columns of `coefficients` `(n_slots, B T, K)` and rows of
+    `queries` `(K, D)` (fp32; the columns are the reader's from its forward, `register`), which `take` adds in one
+    `(B T, K) @ (K, D)` product per slot (a slot's column of a reader that did not read it is zero). `_SourceSlot`
     hands a slot's sum to its source once: every reader of the slot is an autograd consumer of the slot's handle, so
     the engine runs them all before it.
 
@@ -60,7 +62,14 @@ class _SourceGrads:
     """
 
     def __init__(self, buffer: torch.Tensor):
-        self.buffer, self.task, self.grad, self.score_terms = buffer, None, None, []
+        self.buffer, self.task, self.grad = buffer, None, None
+        self.columns = 0  # the score columns the readers of this forward registered (`register`)
+        self.coefficients = self.queries = None  # this pass's score terms (`add_scores`), made on the first one
+
+    def register(self, count: int) -> int:
+        """A scores reader's first column of `coefficients` (it reads with `count` queries), given in its forward."""
+        column, self.columns = self.columns, self.columns + count
+        return column
 
     @staticmethod
     def applies() -> bool:
@@ -75,21 +84,37 @@ class _SourceGrads:
         if task is None:
             return None
         if task != self.task:
-            self.task, self.grad, self.score_terms = task, torch.zeros_like(self.buffer), []
+            self.task, self.grad, self.coefficients, self.queries = task, torch.zeros_like(self.buffer), None, None
             at_graph_task_end(self._release)
         return self
 
     def _release(self) -> None:
-        self.grad, self.score_terms = None, []
+        self.grad = self.coefficients = self.queries = None
 
     def sums(self) -> torch.Tensor:
         """`(n_slots, B, T, D)`: the slots' gradient sums of this backward pass (buffer dtype), for a reader that adds
         its whole gradient in place (the fused kernels, `attnres_triton.py`). After `open`, as the adders below."""
         return self.grad
 
-    def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor) -> None:
-        """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32)."""
-        self.score_terms.append((grad_logits, queries))
+    def add_scores(self, grad_logits: torch.Tensor, queries: torch.Tensor, column: int) -> None:
+        """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32), in its columns from
+        `column` (`register`)."""
+        count, n = queries.shape[0], grad_logits.shape[-1]
+        if self.coefficients is None or self.coefficients.shape[-1] < column + count:
+            self._widen(max(self.columns, column + count))  # (a reentrant checkpoint's replay registers anew)
+        terms = grad_logits.permute(3, 0, 1, 2).reshape(n, -1, count)  # (n, B T, S), a view
+        self.coefficients[:n, :, column:column + count].copy_(terms)
+        self.queries[column:column + count].copy_(queries)
+
+    def _widen(self, width: int) -> None:
+        """Zero `coefficients` and `queries` of `width` columns, keeping the terms recorded so far."""
+        slots, batch, seq, dim = self.buffer.shape
+        coefficients = self.buffer.new_zeros(slots, batch * seq, width, dtype=torch.float32)
+        queries = self.buffer.new_zeros(width, dim, dtype=torch.float32)
+        if self.coefficients is not None:
+            coefficients[..., :self.coefficients.shape[-1]].copy_(self.coefficients)
+            queries[:self.queries.shape[0]].copy_(self.queries)
+        self.coefficients, self.queries = coefficients, queries
 
     def add_mix(self, n: int, grad_values: torch.Tensor, lo: int = 0) -> None:
         """Add `grad_values (n - lo, B, T, D)` (a view is fine) to slots `lo .. n - 1`."""
@@ -106,15 +131,12 @@ class _SourceGrads:
         if task is None or task != self.task or self.grad is None:
             return None
         grad = self.grad[slot]
-        terms = [(g[..., slot], q) for g, q in self.score_terms if slot < g.shape[-1]]
-        if terms:
-            dim = grad.shape[-1]
-            coefficients = torch.cat([g.reshape(-1, g.shape[-1]) for g, _ in terms], dim=-1)  # (B T, K) fp32
-            queries = torch.cat([q for _, q in terms])  # (K, D) fp32
-            if grad.dtype == queries.dtype:
-                grad.view(-1, dim).addmm_(coefficients, queries)
+        if self.coefficients is not None:
+            flat = grad.view(-1, grad.shape[-1])
+            if grad.dtype == torch.float32:
+                flat.addmm_(self.coefficients[slot], self.queries)
             else:  # the product in fp32, added in the buffer's dtype
-                grad.view(-1, dim).add_((coefficients @ queries).to(grad.dtype))
+                flat.add_((self.coefficients[slot] @ self.queries).to(grad.dtype))
         return grad
 
 
@@ -153,6 +175,7 @@ class _SourceScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer, grads, n, queries, *inputs):
         ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
+        ctx.column = grads.register(queries.shape[0]) if grads is not None else None
         ctx.save_for_backward(queries)
         return _scores(buffer[:n], queries)
 
@@ -173,7 +196,7 @@ class _SourceScores(torch.autograd.Function):
         if not any(needs):
             return None, None, None, grad_queries, *_nones(needs)
         if grads is not None:
-            grads.add_scores(grad, queries)
+            grads.add_scores(grad, queries, ctx.column)
             return None, None, None, grad_queries, *_nones(needs)
         grad_values = (flat_grad @ queries).view(values.shape)
         return None, None, None, grad_queries, *_per_source(grad_values, ctx, n)
