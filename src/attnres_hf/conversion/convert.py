@@ -24,6 +24,7 @@ from .hf_source import unused_config_keys
 from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
                         verify_k3_tensors)
 from .model_card import model_card
+from .sources import HFSource
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, check_representable,
                        load_source, load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion
@@ -272,7 +273,7 @@ def convert(
                 print(f"Converting the tokenizer of {file_name} ...", flush=True)
             tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
             if file_name is None:
-                plan, mode = _streaming_choice(source, source_config, target_dtype, stream, overrides)
+                plan, mode = _streaming_choice(HFSource(source, source_config), target_dtype, stream, overrides)
                 if plan is not None:
                     return _convert_streamed(plan, source, source_config, output_dir, tokenizer, probe_text,
                                              source_name, max_shard_size, force, mode,
@@ -360,18 +361,18 @@ def _report(source_fields: dict, output_dir, dtype: torch.dtype, config, verific
     }
 
 
-def _streaming_choice(source, source_config, target_dtype, stream, overrides) -> tuple:
-    """`(plan, mode)`: the `StreamPlan` when this HF folder converts streamed (else `None`), and why each way."""
-    from .streaming import STREAM_ABOVE_BYTES, safetensors_files, stream_plan, stored_dtype
+def _streaming_choice(source, target_dtype, stream, overrides) -> tuple:
+    """`(plan, mode)`: the `StreamPlan` when this `sources.Source` converts streamed (else `None`), and why each
+    way."""
+    from .streaming import STREAM_ABOVE_BYTES, stream_plan
 
     if stream is False:
         return None, "requested (stream=False)"
-    files = safetensors_files(Path(source))
-    dtype = stored_dtype(source_config, files or []) if target_dtype == "auto" else target_dtype
-    plan = stream_plan(source, source_config, dtype, **overrides)
+    auto = target_dtype == "auto"
+    plan = stream_plan(source, source.checkpoint_dtype() if auto else target_dtype, auto, **overrides)
     if isinstance(plan, str):
         if stream is True:
-            raise ValueError(f"{source} cannot be converted streamed: {plan}")
+            raise ValueError(f"{source.path} cannot be converted streamed: {plan}")
         return None, f"not streamable: {plan}"
     fp32_bytes = sum(tensor.numel() for tensor in plan.targets.values()) * 4
     if stream is True:
@@ -388,11 +389,11 @@ def _convert_streamed(plan, source, source_config, output_dir, tokenizer, probe_
     staging folder, then the source and the written folder compared with every module offloaded to disk."""
     from ..modeling import AttnResForCausalLM
     from .offloaded import offloaded
-    from .streaming import generation_config_of, write_folder_files, write_streamed
+    from .streaming import write_folder_files, write_streamed
 
     input_ids = _probe_ids(tokenizer, probe_text, plan.config.vocab_size)
     with staged_folder(output_dir, replace=force) as staging:
-        write_folder_files(plan, staging, generation_config=generation_config_of(source, source_config))
+        write_folder_files(plan, staging, generation_config=plan.source.generation_config())
         print(f"Writing {len(plan.targets)} tensors ({plan.num_bytes / 2**30:.2f} GiB), streamed from the source "
               "files ...", flush=True)
         write_streamed(plan, staging, max_shard_size, progress=True)
