@@ -52,14 +52,12 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
-    """Same files, same config and index, every tensor bit for bit with its dtype; the report's logits compared the
-    same way (within float noise of each other: offloaded modules load the same weights)."""
-    config_class, model_class, extras, options = CASES[case]
-    write_source(tmp_path / "src", config_class, model_class, extras)
-    streamed = convert(tmp_path / "src", tmp_path / "streamed", stream=True, max_shard_size="60KB", **options)
-    resident = convert(tmp_path / "src", tmp_path / "resident", stream=False, max_shard_size="60KB", **options)
+def converted_both_ways(source: Path, tmp_path: Path, options: dict) -> tuple[dict, dict]:
+    """`source` converted streamed and in memory (`tmp_path / "streamed"`, `/ "resident"`); asserts the two folders
+    hold the same files, the same config, generation config and index, and every tensor bit for bit with its dtype;
+    returns the two reports."""
+    streamed = convert(source, tmp_path / "streamed", stream=True, max_shard_size="60KB", **options)
+    resident = convert(source, tmp_path / "resident", stream=False, max_shard_size="60KB", **options)
     files = sorted(p.name for p in (tmp_path / "streamed").iterdir())
     assert files == sorted(p.name for p in (tmp_path / "resident").iterdir())
     assert "model.safetensors.index.json" in files  # sharded: the index written last, as save_pretrained's
@@ -71,6 +69,17 @@ def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
     for key in ours:
         assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
     assert streamed["conversion"] == {"mode": "streamed", "why": "requested (stream=True)"}
+    assert streamed["dtype"] == resident["dtype"] and streamed["source"] == resident["source"]
+    return streamed, resident
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
+    """Same files, same config and index, every tensor bit for bit with its dtype; the report's logits compared the
+    same way (within float noise of each other: offloaded modules load the same weights)."""
+    config_class, model_class, extras, options = CASES[case]
+    write_source(tmp_path / "src", config_class, model_class, extras)
+    streamed, resident = converted_both_ways(tmp_path / "src", tmp_path, options)
     assert resident["conversion"] == {"mode": "in-memory", "why": "requested (stream=False)"}
     # the same check: offloaded modules compute with the same fp32 weights as resident ones (measured: equal deltas)
     check, resident_check = streamed["verification"], resident["verification"]
@@ -85,6 +94,55 @@ def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
     ids = torch.randint(3, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # the same weights through the same code
         torch.testing.assert_close(loaded(ids).logits, again(ids).logits, atol=1e-6, rtol=0)
+
+
+def _fla_folder(folder: Path, block_size: int | None, dtype: torch.dtype = torch.float32) -> None:
+    pytest.importorskip("fla")
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    from fla_interop import fla_model  # a tiny fla model with trained-like routers (the benchmark's own)
+
+    fla_model(layers=3, block_size=block_size).to(dtype).save_pretrained(folder, max_shard_size="40KB")
+
+
+def _k3_folder(folder: Path, block_size: int | None, **writer) -> None:
+    from k3_reference import DELETE, MXFP4_OVERRIDES, tiny_k3_text_config, write_k3_checkpoint
+
+    if writer.get("mxfp4_experts"):
+        pytest.importorskip("compressed_tensors")
+    fields = (MXFP4_OVERRIDES if writer.get("mxfp4_experts") else {}) | {
+        "attn_res_block_size": DELETE if block_size is None else block_size,
+        "num_hidden_layers": 3, "linear_attn_config": {"kda_layers": [1, 3], "full_attn_layers": [2]}}
+    write_k3_checkpoint(folder, tiny_k3_text_config(**fields), seed=0, **writer)
+
+
+FOLDER_SOURCES = {  # (writer, convert options)
+    "fla-attnres": (lambda folder: _fla_folder(folder, 2), {}),
+    "fla-retrofit-bf16-auto": (lambda folder: _fla_folder(folder, None, torch.bfloat16), {"dtype": "auto"}),
+    "k3-multimodal-mxfp4": (lambda folder: _k3_folder(folder, 1, mxfp4_experts=True), {}),
+    "k3-text-bf16-auto-retrofit": (lambda folder: _k3_folder(folder, None, layout="text", dtype=torch.bfloat16),
+                                   {"dtype": "auto", "attnres_block_size": 4}),
+}
+"""fla and Kimi K3 folders (`sources.Source` implementations beside the HF folder's): imported trained routers
+(pseudo-queries reshaped) and retrofits, both K3 layouts, MXFP4 experts, K3's fp32 tensors kept in a bf16 checkpoint,
+the checkpoint's dtype read from the headers."""
+
+
+@pytest.mark.parametrize("case", list(FOLDER_SOURCES))
+def test_fla_and_k3_folders_stream_to_the_in_memory_conversions_folder(case, tmp_path):
+    """Streamed, an fla or K3 folder gives the in-memory conversion's folder tensor for tensor; its check compares a
+    retrofit's logits with the source's backbone model read through the same `Source` (offloaded), and an imported
+    model's written tensors with the checkpoint's (no fla or K3 code runs in a streamed check)."""
+    write, options = FOLDER_SOURCES[case]
+    write(tmp_path / "src")
+    streamed, resident = converted_both_ways(tmp_path / "src", tmp_path, options)
+    check = streamed["verification"]
+    if streamed["source"]["imported_routers"]:
+        assert check["tensors_identical"] and check["tensors_checked"] > 0 and check["max_abs_tensor_delta"] == 0
+        assert check["logits_compared"].startswith("no") and check["greedy_new_tokens"] == 4
+    else:  # the same logits as the in-memory check's (measured: within 1e-7 of max |logits|, as for HF folders)
+        scale = max(1.0, resident["verification"]["source_max_abs_logit"])
+        assert check["max_abs_logit_delta"] <= 1e-5 * scale and check["greedy_match"]
 
 
 def test_auto_streams_above_the_threshold_and_says_why(tmp_path, monkeypatch):

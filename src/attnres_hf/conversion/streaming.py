@@ -217,7 +217,8 @@ def write_streamed(plan: StreamPlan, folder: str | os.PathLike, max_shard_size: 
                 raise ValueError(f"{path}: the written shard holds other tensors than planned")
             written.append(path)
     if split.is_sharded:
-        index = {"metadata": {"total_parameters": sum(t.numel() for t in plan.targets.values()), **split.metadata},
+        # `save_pretrained`'s count: the parameters (each of a tied pair once), not the persistent buffers
+        index = {"metadata": {"total_parameters": plan.model.num_parameters(), **split.metadata},
                  "weight_map": split.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return written
