@@ -36,10 +36,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "large file); default: each kind of tensor in the first and last block, which checks "
                              "every rule of the mapping, and the report says how many of how many")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
-                        help="a folder of safetensors weights (HF, fla or Kimi K3): --stream converts it tensor by tensor and "
-                             "verifies it with "
-                             "every module offloaded to disk (memory of about its largest tensor in fp32, for a model "
-                             "of any size), --no-stream in memory (about twice its fp32 size; faster for small models). "
+                        help="a folder of safetensors weights (HF, fla or Kimi K3) or a GGUF file: --stream converts "
+                             "it tensor by tensor and verifies it with every module offloaded to disk (memory of about "
+                             "one layer in fp32, for a model of any size), --no-stream in memory (about twice its fp32 "
+                             "size; faster for small models). "
                              "Default: streamed above 1 GiB of fp32 parameters; conversion_report.json says which ran")
     add_writing_options(parser)
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
-from .gguf_source import check_against_gguf
+from .gguf_source import GGUFSource, check_against_gguf
 from .fla_source import (FlaStreamSource, check_fla_installed, check_fla_tensors, checkpoint_dtype, fla_overrides,
                          fla_report_fields, fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
@@ -195,7 +195,8 @@ def convert(
             (`sampled_gguf_tensors`; SmolLM2: 20 of 272 weights), which checks each rule of the file-to-model
             mapping; the report's `gguf_tensors_checked` of `gguf_tensors` says which. The logits are compared
             either way.
-        stream: a folder of safetensors weights (HF, flash-linear-attention or Kimi K3): `True` converts it
+        stream: a folder of safetensors weights (HF, flash-linear-attention or Kimi K3) or a GGUF file (`sources`:
+            every weight written also compared with the file's dequantised tensor): `True` converts it
             streamed (`streaming`: read tensor by tensor through its `sources.Source`, written shard by shard as it is
             read; checked with every module offloaded to disk, one module's weights resident at a time, and a 4-token
             greedy continuation, `STREAMED_NEW_TOKENS`: a retrofit's logits against the source's backbone model read
@@ -203,8 +204,8 @@ def convert(
             checkpoint's, since their own code does not run in a streamed check), `False` in memory (source and
             AttnRes model resident: about twice the fp32 size of the model), `"auto"` (default) streamed when the
             model's parameters exceed `STREAM_ABOVE_BYTES` in fp32 (1 GiB) and its tensors can be streamed. The
-            report's `conversion.mode` says which ran and `conversion.why` why. GGUF files and in-memory models are
-            converted in memory.
+            report's `conversion.mode` says which ran and `conversion.why` why. A model in memory is converted in
+            memory.
         **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
 
     Returns:
@@ -234,10 +235,9 @@ def convert(
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
-    folder_source = not isinstance(source, PreTrainedModel) and gguf_file is None and Path(source).suffix != ".gguf"
-    if stream is True and not folder_source:
-        raise ValueError("stream=True: only a model folder of safetensors weights (HF, flash-linear-attention or Kimi "
-                         "K3) converts streamed (this source is an in-memory model or a GGUF file)")
+    if stream is True and isinstance(source, PreTrainedModel):
+        raise ValueError("stream=True: a model in memory is converted in memory (streaming reads safetensors folders "
+                         "and GGUF files)")
     if not isinstance(source, PreTrainedModel) and gguf_file is None and is_fla_folder(source):
         # flash-linear-attention's transformer: mapped tensor by tensor, checked against fla's own model
         fla = fla_source(source)  # refuses every fla option with no exact counterpart
@@ -284,13 +284,14 @@ def convert(
             if tokenizer is None and file_name is not None:  # built from the file's vocabulary: not instant
                 print(f"Converting the tokenizer of {file_name} ...", flush=True)
             tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
-            if file_name is None:
-                plan, mode = _streaming_choice(HFSource(source, source_config), target_dtype, stream, overrides)
-                if plan is not None:
-                    unused = unused_config_keys(folder / "config.json", source_config)
-                    return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
-                        source_name or str(source), source_config.model_type, unused, tokenizer, source),
-                        max_shard_size)
+            streamed = HFSource(source, source_config) if file_name is None else GGUFSource(folder / file_name,
+                                                                                            source_config)
+            plan, mode = _streaming_choice(streamed, target_dtype, stream, overrides)
+            if plan is not None:
+                unused = unused_config_keys(folder / "config.json", source_config) if file_name is None else []
+                return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
+                    source_name or str(source), source_config.model_type, unused, tokenizer, source,
+                    gguf_file=gguf_file), max_shard_size)
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
             if file_name is not None:
                 print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
@@ -345,8 +346,7 @@ def convert(
                                    fla_report_fields(fla) if fla is not None else k3_report_fields(k3)
                                    if k3 is not None else {}, gguf_file)
     dtype = most_common_dtype(model.state_dict().values()) if k3 is not None else target_dtype  # K3: most values'
-    mode = {"mode": "in-memory", "why": mode or "streaming reads model folders only (this source is an in-memory "
-                                                "model or a GGUF file)"}
+    mode = {"mode": "in-memory", "why": mode or "streaming reads files (this source is a model in memory)"}
     report = _report(source_fields, output_dir, dtype, model.config, verification, mode)
     with staged_folder(output_dir, replace=force) as staging:
         _write_folder(staging, model, tokenizer, report, max_shard_size)
@@ -431,6 +431,12 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
             else:
                 with offloaded(plan.source) as source_model:
                     verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
+        if plan.source.kind == "gguf":  # every weight written against the file's dequantised tensor
+            print(f"Checking every weight written against {plan.source.path.name} ...", flush=True)
+            checked = written_tensors_check(plan, staging)
+            verification |= {"gguf_tensors_checked": checked["tensors_checked"],
+                             "gguf_tensors": checked["tensors_checked"],
+                             "gguf_max_abs_delta": checked["max_abs_tensor_delta"]}
         if tokenizer is not None:
             for which in ("source", "converted"):
                 if f"{which}_continuation_ids" in verification:

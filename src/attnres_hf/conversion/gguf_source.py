@@ -15,6 +15,7 @@ rows), un-shifted (Gemma's norms, stored as `1 + w`) and split (mixture-of-exper
 
 import copy
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from .families import GGUF_ARCHITECTURES, GGUF_NORM_OFFSETS, GGUF_PERMUTED_QK, backbone_keys
+from .sources import Source, StoredTensor, TensorRead, generation_config_of
 
 # llama.cpp writes these for Llama 3.1-style rope scaling and Phi-3's long-context rope; transformers' GGUF loader
 # ignores them, so a model built from such a file would use unscaled rotary frequencies.
@@ -387,3 +389,92 @@ def check_against_gguf(model: torch.nn.Module, path: str | os.PathLike, source_c
             raise ValueError(f"{name}: tensor {gguf_name} ({hf_name}) has no weight in the model; it would be dropped")
     return {"gguf_tensors_checked": len(set(seen.values())), "gguf_tensors": len(set(mapping.values())),
             "gguf_max_abs_delta": worst}
+
+
+class GGUFSource(Source):
+    """A GGUF file read tensor by tensor (`sources.Source`), by the same rules as `read_gguf_tensors`: each tensor
+    dequantised by the `gguf` package a row range at a time (a quantised row is whole blocks), Llama-layout q/k rows
+    un-permuted whole heads at a time, Gemma's norm offset subtracted, an MoE `gate_up_proj` read from its two halves
+    (`ffn_gate_exps`, `ffn_up_exps`), a tensor stored in another shape of the same size (Qwen2-MoE's 1-D shared-expert
+    gate) reshaped. Reads go through the `gguf` reader's read-only memory map of the file.
+
+    Args:
+        path: the `.gguf` file; `config`: its config, checked by `retrofit.load_source_config`.
+    """
+
+    kind = "gguf"
+
+    def __init__(self, path: str | os.PathLike, config):
+        super().__init__(path, config, [Path(path)])
+
+    def stored(self) -> dict[str, StoredTensor]:
+        return {tensor.name: StoredTensor(self.path, tuple(int(n) for n in reversed(tensor.shape)), torch.float32)
+                for tensor in _reader(self.path).tensors}  # dequantised: fp32
+
+    def checkpoint_dtype(self) -> torch.dtype:
+        """fp32, the dtype of the dequantised tensors, unless the config names another (as transformers' GGUF loading
+        under `dtype="auto"` reads it)."""
+        dtype = getattr(self.config, "dtype", None)
+        dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+    def generation_config(self):
+        """The generation config of the GGUF-loaded model (`retrofit.load_source`): stops on every end token of the
+        file (`gguf_stop_token_ids`), as llama.cpp does."""
+        config = generation_config_of(self.path.parent, self.config)
+        stop = gguf_stop_token_ids(self.path)
+        if stop:
+            config.eos_token_id = stop if len(stop) > 1 else stop[0]
+        return config
+
+    def reads(self) -> dict[str, TensorRead]:
+        from transformers import AutoModelForCausalLM
+
+        reader, config, where = _reader(self.path), self.config, str(self.path)
+        mapping = gguf_tensor_map(self.path, config)
+        arch = gguf_architecture(reader)
+        with torch.device("meta"):  # the shapes the model gives each weight (on a copy: from_config edits it)
+            expected = {n: tuple(t.shape) for n, t in AutoModelForCausalLM.from_config(copy.deepcopy(config))
+                        .state_dict().items()}
+        reads, halves = {}, {}
+        for tensor in reader.tensors:
+            hf_name, half = mapping[tensor.name], _expert_half(tensor.name)
+            heads = None
+            if arch in GGUF_PERMUTED_QK and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+                heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            offset = GGUF_NORM_OFFSETS.get(arch, 0.0) if tensor.name.endswith("norm.weight") else 0.0
+            read = TensorRead(tuple(int(n) for n in reversed(tensor.shape)), torch.float32, where,
+                              _gguf_rows(tensor, heads, offset))
+            wanted = expected.get(hf_name, read.shape)
+            if half is not None:
+                halves.setdefault(hf_name, {})[half] = read
+            elif read.shape != wanted and math.prod(read.shape) == math.prod(wanted):
+                reads[hf_name] = TensorRead.whole(wanted, torch.float32, where,
+                                                  lambda r=read, s=wanted: r.rows().reshape(s))
+            else:
+                reads[hf_name] = read
+        for hf_name, (gate, up) in ((n, (h[0], h[1])) for n, h in halves.items()):  # experts (E, 2 I, H), gate first
+            reads[hf_name] = TensorRead((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), torch.float32, where,
+                                        lambda start, stop, dtype, g=gate, u=up: torch.cat(
+                                            [g.rows(start, stop, dtype), u.rows(start, stop, dtype)], dim=1))
+        return reads
+
+
+def _gguf_rows(tensor, heads: int | None, offset: float):
+    """`(start, stop, dtype) -> rows` of a GGUF tensor in HF shape, dequantised (`read_gguf_tensors`' rules): with
+    `heads`, the rows of whole heads are read and un-permuted, then the rows asked for kept."""
+    from gguf import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    per_head = shape[0] // heads if heads else 1
+
+    def read_rows(start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        first, last = start // per_head * per_head, -(-stop // per_head) * per_head
+        values = dequantize(tensor.data[first:last], tensor.tensor_type).astype(np.float32).reshape(last - first, *shape[1:])
+        if heads:
+            values = _unpermute(values, (last - first) // per_head)
+        if offset:
+            values = values - np.float32(offset)
+        return torch.from_numpy(np.ascontiguousarray(values[start - first:stop - first])).to(dtype)
+
+    return read_rows
