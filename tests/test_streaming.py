@@ -16,7 +16,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 from attnres_hf.cli import main
-from attnres_hf.conversion import convert, streaming
+from attnres_hf.conversion import convert, export, streaming
 from utils import TINY
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -52,22 +52,28 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_folders(folder: Path, other: Path) -> None:
+    """The same files, the same config, generation config and (sharded: written last, as `save_pretrained`'s) index,
+    and every tensor bit for bit with its dtype."""
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == sorted(p.name for p in other.iterdir())
+    assert "model.safetensors.index.json" in files
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        if (other / name).is_file():
+            assert json.loads((folder / name).read_text()) == json.loads((other / name).read_text()), name
+    ours, theirs = weights(folder), weights(other)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+
+
 def converted_both_ways(source: Path, tmp_path: Path, options: dict) -> tuple[dict, dict]:
     """`source` converted streamed and in memory (`tmp_path / "streamed"`, `/ "resident"`); asserts the two folders
     hold the same files, the same config, generation config and index, and every tensor bit for bit with its dtype;
     returns the two reports."""
     streamed = convert(source, tmp_path / "streamed", stream=True, max_shard_size="60KB", **options)
     resident = convert(source, tmp_path / "resident", stream=False, max_shard_size="60KB", **options)
-    files = sorted(p.name for p in (tmp_path / "streamed").iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "resident").iterdir())
-    assert "model.safetensors.index.json" in files  # sharded: the index written last, as save_pretrained's
-    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
-        assert json.loads((tmp_path / "streamed" / name).read_text()) == json.loads(
-            (tmp_path / "resident" / name).read_text()), name
-    ours, theirs = weights(tmp_path / "streamed"), weights(tmp_path / "resident")
-    assert set(ours) == set(theirs)
-    for key in ours:
-        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    assert_same_folders(tmp_path / "streamed", tmp_path / "resident")
     assert streamed["conversion"] == {"mode": "streamed", "why": "requested (stream=True)"}
     assert streamed["dtype"] == resident["dtype"] and streamed["source"] == resident["source"]
     return streamed, resident
@@ -151,7 +157,8 @@ def test_fla_k3_and_gguf_sources_stream_to_the_in_memory_conversions_folder(case
     """Streamed, an fla or K3 folder or a GGUF file gives the in-memory conversion's folder tensor for tensor; its check
     compares a retrofit's logits with the source's backbone model read through the same `Source` (offloaded), an
     imported model's written tensors with the checkpoint's (no fla or K3 code runs in a streamed check), and every
-    weight written from a GGUF file with the file's dequantised tensor."""
+    weight written from a GGUF file with the file's dequantised tensor. An imported model exported back streamed
+    (`attnres export --stream`) is the in-memory export's folder."""
     write, options = SOURCES[case]
     source = write(tmp_path / "src") or tmp_path / "src"
     streamed, resident = converted_both_ways(source, tmp_path, options)
@@ -159,6 +166,12 @@ def test_fla_k3_and_gguf_sources_stream_to_the_in_memory_conversions_folder(case
     if streamed["source"].get("imported_routers"):
         assert check["tensors_identical"] and check["tensors_checked"] > 0 and check["max_abs_tensor_delta"] == 0
         assert check["logits_compared"].startswith("no") and check["greedy_new_tokens"] == 4
+        # and back to its own layout: a streamed export is the in-memory export's folder, its read-back check passes
+        to = {"fla": "fla", "k3": "k3-layout"}[streamed["source"]["format"]]
+        exported = export(tmp_path / "streamed", tmp_path / "back", to=to, stream=True, max_shard_size="60KB")
+        export(tmp_path / "streamed", tmp_path / "back-resident", to=to, stream=False, max_shard_size="60KB")
+        assert_same_folders(tmp_path / "back", tmp_path / "back-resident")
+        assert exported["export"]["mode"] == "streamed" and exported["verification"]["tensors_identical"]
     else:  # the in-memory check's logits (measured: within 1e-7 of max |logits|, as for HF folders); a bf16 output
         # is checked as written: its rounding (measured 2e-3 of max |logits| here), where the in-memory check runs
         # the fp32 model before the cast

@@ -448,23 +448,14 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
     return report
 
 
-@torch.no_grad()
 def written_tensors_check(plan, folder: Path) -> dict:
     """Every tensor written into `folder` from the source (`plan.sources`) against the source's, as read through its
-    `Source` (row chunks at a time, compared in fp32, which holds every stored value): `tensors_checked`,
-    `max_abs_tensor_delta`, `tensors_identical`, and `logits_compared` (no: the source's own code does not run
-    here)."""
-    from .sources import CHUNK_BYTES, identity_reads, safetensors_files, stored_tensors
+    `Source` (`sources.max_read_delta`: row chunks, fp32): `tensors_checked`, `max_abs_tensor_delta`,
+    `tensors_identical`, and `logits_compared` (no: the source's own code does not run here)."""
+    from .sources import identity_reads, max_read_delta, safetensors_files, stored_tensors
 
     written = identity_reads(stored_tensors(safetensors_files(folder)))
-    delta = 0.0
-    for name, read in plan.sources.items():
-        step = max(1, CHUNK_BYTES // max(4 * int(torch.Size(read.shape[1:]).numel()), 1))
-        for start in range(0, read.num_rows, step):
-            stop = min(start + step, read.num_rows)
-            ours = written[name].rows(start, stop, torch.float32)
-            theirs = read.rows(start, stop).to(plan.targets[name].dtype).float()  # as written: in the output dtype
-            delta = max(delta, float((ours - theirs).abs().max()) if ours.numel() else 0.0)
+    delta = max_read_delta(plan.sources, written, {name: plan.targets[name].dtype for name in plan.sources})
     kind = {"fla": "flash-linear-attention's", "k3": "Kimi K3's"}.get(plan.source.kind, "the source's")
     return {"tensors_checked": len(plan.sources), "max_abs_tensor_delta": delta, "tensors_identical": delta == 0.0,
             "logits_compared": f"no: streamed, the written tensors are compared with the checkpoint's; {kind} own "

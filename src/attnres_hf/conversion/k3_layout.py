@@ -185,6 +185,63 @@ def _expert_parts(layer: int, parts: dict, config: KimiK3Config, prefix: str) ->
             f"{base}.down_proj": ("stack", [[parts[(e, "w2")]] for e in range(count)])}
 
 
+def k3_export_parts(names, layout: str = "text") -> tuple[dict, list[str]]:
+    """Where each of K3's tensors (`layout`'s names) comes from in an attnres-hf `kimi_k3` model with tensors `names`:
+    `{K3 name: (attnres-hf name, how, index)}`, `how` one of `"one"`, `"query"` (`[hidden]` as `[1, hidden]`),
+    `"a_log"` (zero-padded to `a_log_width`), `"conv"` (part `index` of `CONV`), `"gate"`, `"up"` (expert `index`'s
+    half of `gate_up_proj`) and `"down"` (expert `index` of `down_proj`, whose `experts` count is read from the
+    name's own tensor by `k3_piece`'s caller: `index` runs over it); and the names K3's layout has no name for.
+    Expert parts are listed per expert with `index` `None`, expanded by `expand_experts`."""
+    prefix, head = PREFIXES[layout]
+    parts, unnamed = {}, []
+    for name in names:
+        if name == "lm_head.weight":
+            parts[head] = (name, "one", None)
+        elif (k3 := rename(name, _TO_K3)) is not None:
+            how = "query" if _is_query(name) else "a_log" if name.endswith("forget_gate.A_log") else "one"
+            parts[prefix + k3] = (name, how, None)
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
+            for index, part in enumerate(CONV):
+                parts[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = (name, "conv", index)
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
+            # one entry per stacked tensor (`expand_experts` names K3's per-expert tensors)
+            parts[f"{prefix}layers.{match.group(1)}.block_sparse_moe.experts.{match.group(2)}"] = (name, match.group(2),
+                                                                                                None)
+        else:
+            unnamed.append(name)
+    return parts, unnamed
+
+
+def expand_experts(parts: dict, experts: int) -> dict:
+    """`k3_export_parts`' result with each expert entry (`gate_up_proj` / `down_proj`, `index` `None`) as K3's
+    per-expert tensors, in K3's order (`w1`, `w3` of each expert; `w2` of each)."""
+    out = {}
+    for k3, (name, how, index) in parts.items():
+        base = k3.rpartition(".")[0]
+        if how == "gate_up_proj":
+            for e in range(experts):
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = (name, "gate", e), (name, "up", e)
+        elif how == "down_proj":
+            out |= {f"{base}.{e}.w2.weight": (name, "down", e) for e in range(experts)}
+        else:
+            out[k3] = (name, how, index)
+    return out
+
+
+def k3_piece(how: str, index: int | None, tensor: torch.Tensor, config: KimiK3Config) -> torch.Tensor:
+    """K3's tensor `how` / `index` (`k3_export_parts`) of attnres-hf's `tensor` (for an expert part: the expert's own
+    row of the stacked tensor); values and dtype unchanged, contiguous, in its own storage where it is a part."""
+    if how == "query":
+        return tensor.reshape(1, -1)
+    if how == "a_log":
+        return torch.cat([tensor, tensor.new_zeros(a_log_width(config) - tensor.shape[0])])
+    if how == "conv":
+        return tensor.chunk(3)[index].clone()
+    if how in ("gate", "up"):
+        return tensor.chunk(2)[0 if how == "gate" else 1].clone()
+    return tensor.clone() if how == "down" else tensor
+
+
 def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text", strict: bool = True) -> dict:
     """K3's tensors (`layout`'s names) of an attnres-hf `kimi_k3` state dict; values and dtypes unchanged
     (pseudo-queries as `[1, hidden]`, `A_log` zero-padded to `max(heads, head_dim)` as K3 stores it). With
@@ -193,32 +250,17 @@ def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text", st
     Raises:
         ValueError: naming the tensors K3's layout has no name for (`strict`).
     """
-    prefix, head = PREFIXES[layout]
-    out, unnamed = {}, []
-    for name, tensor in state.items():
-        if name == "lm_head.weight":
-            out[head] = tensor
-        elif (k3 := rename(name, _TO_K3)) is not None:
-            if _is_query(name):
-                tensor = tensor.reshape(1, -1)
-            elif name.endswith("forget_gate.A_log"):
-                tensor = torch.cat([tensor, tensor.new_zeros(a_log_width(config) - tensor.shape[0])])
-            out[prefix + k3] = tensor
-        elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
-            for part, piece in zip(CONV, tensor.chunk(3)):
-                out[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = piece.clone()  # its own storage
-        elif match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
-            base = f"{prefix}layers.{match.group(1)}.block_sparse_moe.experts"
-            for e, expert in enumerate(tensor):
-                if match.group(2) == "down_proj":
-                    out[f"{base}.{e}.w2.weight"] = expert.clone()
-                else:
-                    gate, up = expert.chunk(2)
-                    out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate.clone(), up.clone()
-        else:
-            unnamed.append(name)
+    parts, unnamed = k3_export_parts(state, layout)
     if unnamed and strict:
         raise ValueError(f"tensors with no name in K3's layout: {', '.join(sorted(unnamed)[:6])}")
+    out = {}
+    for k3, (name, how, index) in parts.items():
+        tensor = state[name]
+        if how in ("gate_up_proj", "down_proj"):
+            for k3_expert, (_, part, e) in expand_experts({k3: (name, how, None)}, tensor.shape[0]).items():
+                out[k3_expert] = k3_piece(part, e, tensor[e], config)
+        else:
+            out[k3] = k3_piece(how, index, tensor, config)
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
@@ -417,5 +459,5 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
 __all__ = ["CHECKED", "CONV", "EXPERT", "IGNORED", "K3_DEFAULTS", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE",
            "PREFIXES", "READ_AS_IS", "RELEASE_AUTO_MAP", "REQUIRED", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES",
            "SPECIAL_TOKENS", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3", "k3_block_size", "k3_from_backbone",
-           "k3_parts", "k3_text_fields", "remote_code_files", "to_attnres_state_dict", "to_attnres_tensor",
+           "expand_experts", "k3_export_parts", "k3_parts", "k3_piece", "k3_text_fields", "remote_code_files", "to_attnres_state_dict", "to_attnres_tensor",
            "to_k3_state_dict"]

@@ -293,3 +293,28 @@ def generation_config_of(folder: str | os.PathLike, config):
     if (Path(folder) / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(folder)
     return GenerationConfig.from_model_config(config)
+
+
+@torch.no_grad()
+def max_read_delta(reads: dict[str, TensorRead], others: dict[str, TensorRead],
+                   dtypes: dict[str, torch.dtype] | None = None, chunk_bytes: int = CHUNK_BYTES) -> float:
+    """The largest |a - b| over the tensors of `reads`, each against the tensor of the same name in `others`, compared
+    in fp32 row chunks of at most `chunk_bytes` (fp32 holds every value of the 16- and 32-bit float dtypes read);
+    `dtypes`: the dtype each tensor of `reads` is cast to first (as it was written).
+
+    Raises:
+        ValueError: a tensor of `reads` that `others` lacks or holds in another shape (naming it).
+    """
+    worst = 0.0
+    for name, read in reads.items():
+        other = others.get(name)
+        if other is None or tuple(other.shape) != tuple(read.shape):
+            found = "absent" if other is None else f"of shape {tuple(other.shape)}"
+            raise ValueError(f"{read.where}: tensor {name} {tuple(read.shape)} is {found} in what was read back")
+        step = max(1, chunk_bytes // max(4 * math.prod(read.shape[1:]), 1))
+        for start in range(0, read.num_rows, step):
+            stop = min(start + step, read.num_rows)
+            ours = read.rows(start, stop).to((dtypes or {}).get(name, read.dtype)).float()
+            theirs = other.rows(start, stop, torch.float32)
+            worst = max(worst, float((ours - theirs).abs().max()) if ours.numel() else 0.0)
+    return worst

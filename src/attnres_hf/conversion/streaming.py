@@ -56,19 +56,19 @@ class StreamPlan:
     (shape, dtype), and where its values come from.
 
     Attributes:
-        config: the `AttnResConfig` of the output.
+        config: the `AttnResConfig` of the output (`None`: an export, `export.py`, which writes another layout).
         model: the AttnRes model on the meta device (no weights; its `save_pretrained` writes the config, the
-            generation config and the modeling files).
+            generation config and the modeling files); `None` for an export.
         targets: `{output name: meta tensor}`, tied weights `save_pretrained` leaves out removed.
         sources: `{output name: TensorRead}` for the tensors read from the source (the backbone's, and the trained
-            routers of a source that has them: `Source.imported_routers`).
+            routers of a source that has them: `Source.imported_routers`; an export's every tensor).
         mixing: `{output name: tensor}`, the other depth-mixing parameters at their residual-model initialisation,
             in the output dtype.
-        source: the `Source` read.
+        source: the `Source` read (`None` for an export: the AttnRes folder's own tensors).
     """
 
     config: object
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     targets: dict[str, torch.Tensor]
     sources: dict[str, TensorRead]
     mixing: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -217,8 +217,10 @@ def write_streamed(plan: StreamPlan, folder: str | os.PathLike, max_shard_size: 
                 raise ValueError(f"{path}: the written shard holds other tensors than planned")
             written.append(path)
     if split.is_sharded:
-        # `save_pretrained`'s count: the parameters (each of a tied pair once), not the persistent buffers
-        index = {"metadata": {"total_parameters": plan.model.num_parameters(), **split.metadata},
+        # `save_pretrained`'s count: the parameters (each of a tied pair once), not the persistent buffers; an export
+        # (no model) writes huggingface_hub's `save_torch_state_dict` index, without one
+        counted = {"total_parameters": plan.model.num_parameters()} if plan.model is not None else {}
+        index = {"metadata": {**counted, **split.metadata},
                  "weight_map": split.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return written
