@@ -6,7 +6,9 @@ from the files' headers (`stored`), and for each tensor of the AttnRes model the
 rows at a time: the name map from the checkpoint's names to the model's and the per-tensor transforms (a pseudo-query
 `[1, D]` read as `[D]`, K3's convolutions concatenated, per-expert weights stacked, MXFP4 experts dequantised), each
 read only when its rows are asked for. Implementations: `HFSource` (a transformers folder: the family's names are the
-model's, identity reads), `fla_source.FlaStreamSource` and `k3_source.K3StreamSource`.
+model's, identity reads), `fla_source.FlaStreamSource`, `k3_source.K3StreamSource` and `gguf_source.GGUFSource`
+(each tensor dequantised by the `gguf` package a row range at a time). `export.py` reads an AttnRes folder the other
+way with the same `TensorRead`s, and checks what it wrote by reading it back through the importer's `Source`.
 """
 
 import json
@@ -138,7 +140,8 @@ def stored_tensors(files: list[Path]) -> dict[str, StoredTensor]:
 
 @dataclass(frozen=True)
 class TensorRead:
-    """How the values of one tensor of the AttnRes model are read from a source, rows (dim 0) at a time.
+    """How the values of one tensor (of the AttnRes model, or of an export's layout) are read from files, rows (dim 0)
+    at a time, into fresh contiguous CPU tensors.
 
     Attributes:
         shape: the tensor's shape in the model.
@@ -162,19 +165,14 @@ class TensorRead:
         return self.read_rows(start, self.num_rows if stop is None else stop, dtype or self.dtype)
 
     @classmethod
-    def stored(cls, file: "SafetensorsFile | Path", name: str) -> "TensorRead":
-        """Tensor `name` of a safetensors file as it is stored (plain row-range reads, `SafetensorsFile.read`)."""
-        opened: dict = {}
+    def stored(cls, file: SafetensorsFile, name: str) -> "TensorRead":
+        """Tensor `name` of a safetensors file as it is stored (plain row-range reads, `SafetensorsFile.read`).
 
-        def read_rows(start, stop, dtype):
-            if "file" not in opened:  # opened (its header read) once, on the first read
-                opened["file"] = file if isinstance(file, SafetensorsFile) else SafetensorsFile(file)
-            return opened["file"].read(name, dtype, start, stop)
-
-        path = file.path if isinstance(file, SafetensorsFile) else Path(file)
-        entry = stored_tensors([path])[name] if not isinstance(file, SafetensorsFile) else StoredTensor(
-            path, tuple(file.entries[name]["shape"]), file.dtype(name))
-        return cls(entry.shape, entry.dtype, str(path), read_rows)
+        Raises:
+            KeyError: no tensor `name` in the file; ValueError: a dtype the reader does not know.
+        """
+        return cls(tuple(file.entries[name]["shape"]), file.dtype(name), str(file.path),
+                   lambda start, stop, dtype: file.read(name, dtype, start, stop))
 
     @classmethod
     def whole(cls, shape, dtype: torch.dtype, where: str, load: Callable[[], torch.Tensor]) -> "TensorRead":
