@@ -426,14 +426,14 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
               f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...", flush=True)
         with offloaded(staging, AttnResForCausalLM) as model:
             if plan.source.imported_routers:
-                verification = written_tensors_check(plan, staging) | _continuation(
+                verification = _written_tensors_check(plan, staging) | _continuation(
                     model, input_ids, STREAMED_NEW_TOKENS)
             else:
                 with offloaded(plan.source) as source_model:
                     verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
         if plan.source.kind == "gguf":  # every weight written against the file's dequantised tensor
             print(f"Checking every weight written against {plan.source.path.name} ...", flush=True)
-            checked = written_tensors_check(plan, staging)
+            checked = _written_tensors_check(plan, staging)
             verification |= {"gguf_tensors_checked": checked["tensors_checked"],
                              "gguf_tensors": checked["tensors_checked"],
                              "gguf_max_abs_delta": checked["max_abs_tensor_delta"]}
@@ -448,7 +448,7 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
     return report
 
 
-def written_tensors_check(plan, folder: Path) -> dict:
+def _written_tensors_check(plan, folder: Path) -> dict:
     """Every tensor written into `folder` from the source (`plan.sources`) against the source's, as read through its
     `Source` (`sources.max_read_delta`: row chunks, fp32): `tensors_checked`, `max_abs_tensor_delta`,
     `tensors_identical`, and `logits_compared` (no: the source's own code does not run here)."""

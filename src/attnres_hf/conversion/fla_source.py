@@ -22,8 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
-from .fla_layout import (FLA_MODEL_TYPE, backbone_from_fla, fla_block_size, is_pseudo_query, to_attnres_name,
-                         to_attnres_tensor)
+from .fla_layout import FLA_MODEL_TYPE, backbone_from_fla, fla_block_size, to_attnres_name, to_attnres_tensor
 from .hf_source import _quiet_transformers, _shown, folder_tensors
 from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
 from .sources import SafetensorsFile, Source, TensorRead, stored_tensors
@@ -207,11 +206,12 @@ class FlaStreamSource(Source):
             if entry.file not in files:  # each file's header read once
                 files[entry.file] = SafetensorsFile(entry.file)
             file = files[entry.file]
-            if is_pseudo_query(ours) and len(entry.shape) == 2:
-                reads[ours] = TensorRead.whole((entry.shape[1],), entry.dtype, str(entry.file), lambda f=file, n=name, o=ours:
-                                               to_attnres_tensor(o, f.read(n, f.dtype(n))))
-            else:
+            shape = tuple(to_attnres_tensor(ours, torch.empty(entry.shape, device="meta")).shape)  # `[1, D]` query: `[D]`
+            if shape == tuple(entry.shape):
                 reads[ours] = TensorRead.stored(file, name)
+            else:
+                reads[ours] = TensorRead.whole(shape, entry.dtype, str(entry.file), lambda f=file, n=name, o=ours:
+                                               to_attnres_tensor(o, f.read(n, f.dtype(n))))
         return reads
 
     def checkpoint_dtype(self) -> torch.dtype:

@@ -306,24 +306,13 @@ def read_gguf_tensors(path: str | os.PathLike, config, only: set[str] | None = N
 
     Raises `ValueError` like `gguf_tensor_map`.
     """
-    from gguf import dequantize
-
     reader = _reader(path)
     mapping = gguf_tensor_map(path, config)
     arch = gguf_architecture(reader)
-    permuted, offset = arch in GGUF_PERMUTED_QK, GGUF_NORM_OFFSETS.get(arch, 0.0)
     for tensor in reader.tensors:
         if only is not None and tensor.name not in only:
             continue
-        weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        weights = weights.reshape([int(n) for n in reversed(tensor.shape)])
-        if permuted and ".attn_q." in tensor.name:
-            weights = _unpermute(weights, config.num_attention_heads)
-        elif permuted and ".attn_k." in tensor.name:
-            weights = _unpermute(weights, config.num_key_value_heads)
-        if offset and tensor.name.endswith("norm.weight"):
-            weights = weights - np.float32(offset)
-        yield tensor.name, mapping[tensor.name], torch.from_numpy(weights)
+        yield tensor.name, mapping[tensor.name], _gguf_tensor_read(tensor, config, arch, str(path)).rows()
 
 
 @torch.no_grad()
@@ -439,12 +428,7 @@ class GGUFSource(Source):
         reads, halves = {}, {}
         for tensor in reader.tensors:
             hf_name, half = mapping[tensor.name], _expert_half(tensor.name)
-            heads = None
-            if arch in GGUF_PERMUTED_QK and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-                heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
-            offset = GGUF_NORM_OFFSETS.get(arch, 0.0) if tensor.name.endswith("norm.weight") else 0.0
-            read = TensorRead(tuple(int(n) for n in reversed(tensor.shape)), torch.float32, where,
-                              _gguf_rows(tensor, heads, offset))
+            read = _gguf_tensor_read(tensor, config, arch, where)
             wanted = expected.get(hf_name, read.shape)
             if half is not None:
                 halves.setdefault(hf_name, {})[half] = read
@@ -453,28 +437,37 @@ class GGUFSource(Source):
                                                   lambda r=read, s=wanted: r.rows().reshape(s))
             else:
                 reads[hf_name] = read
-        for hf_name, (gate, up) in ((n, (h[0], h[1])) for n, h in halves.items()):  # experts (E, 2 I, H), gate first
+        for hf_name, pair in halves.items():  # stacked experts (E, 2 I, H): the gate half first
+            gate, up = pair[0], pair[1]
             reads[hf_name] = TensorRead((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), torch.float32, where,
                                         lambda start, stop, dtype, g=gate, u=up: torch.cat(
                                             [g.rows(start, stop, dtype), u.rows(start, stop, dtype)], dim=1))
         return reads
 
 
-def _gguf_rows(tensor, heads: int | None, offset: float):
-    """`(start, stop, dtype) -> rows` of a GGUF tensor in HF shape, dequantised (`read_gguf_tensors`' rules): with
-    `heads`, the rows of whole heads are read and un-permuted, then the rows asked for kept."""
+def _gguf_tensor_read(tensor, config, arch: str, where: str) -> TensorRead:
+    """A GGUF tensor (the reader's) in HF shape `(out_features, in_features)` / `(features,)` / `(experts, out, in)`,
+    fp32, read a row range at a time: dequantised by the `gguf` package, Llama-layout q/k rows un-permuted (whole heads
+    read), Gemma's norm offset (`families.GGUF_NORM_OFFSETS`) subtracted."""
     from gguf import dequantize
 
     shape = tuple(int(n) for n in reversed(tensor.shape))
+    heads = None
+    if arch in GGUF_PERMUTED_QK and ".attn_q." in tensor.name:
+        heads = config.num_attention_heads
+    elif arch in GGUF_PERMUTED_QK and ".attn_k." in tensor.name:
+        heads = config.num_key_value_heads
+    offset = GGUF_NORM_OFFSETS.get(arch, 0.0) if tensor.name.endswith("norm.weight") else 0.0
     per_head = shape[0] // heads if heads else 1
 
     def read_rows(start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         first, last = start // per_head * per_head, -(-stop // per_head) * per_head
-        values = dequantize(tensor.data[first:last], tensor.tensor_type).astype(np.float32).reshape(last - first, *shape[1:])
+        values = dequantize(tensor.data[first:last], tensor.tensor_type).astype(np.float32)
+        values = values.reshape(last - first, *shape[1:])  # (rows, *HF row shape)
         if heads:
             values = _unpermute(values, (last - first) // per_head)
         if offset:
             values = values - np.float32(offset)
         return torch.from_numpy(np.ascontiguousarray(values[start - first:stop - first])).to(dtype)
 
-    return read_rows
+    return TensorRead(shape, torch.float32, where, read_rows)

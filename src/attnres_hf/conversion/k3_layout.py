@@ -458,6 +458,6 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
 
 __all__ = ["CHECKED", "CONV", "EXPERT", "IGNORED", "K3_DEFAULTS", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE",
            "PREFIXES", "READ_AS_IS", "RELEASE_AUTO_MAP", "REQUIRED", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES",
-           "SPECIAL_TOKENS", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3", "k3_block_size", "k3_from_backbone",
-           "expand_experts", "k3_export_parts", "k3_parts", "k3_piece", "k3_text_fields", "remote_code_files", "to_attnres_state_dict", "to_attnres_tensor",
-           "to_k3_state_dict"]
+           "SPECIAL_TOKENS", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3", "expand_experts", "k3_block_size",
+           "k3_export_parts", "k3_from_backbone", "k3_parts", "k3_piece", "k3_text_fields", "remote_code_files",
+           "to_attnres_state_dict", "to_attnres_tensor", "to_k3_state_dict"]

@@ -358,13 +358,13 @@ class K3StreamSource(Source):
         for ours, (how, names) in parts.items():
             if how == "one":
                 shape, dtype = tensors[names]
-                if ours.endswith(".query") or ours.endswith("forget_gate.A_log"):
-                    shape = (int(torch.Size(shape).numel()),) if ours.endswith(".query") else (
-                        self.config.linear_num_heads,)
-                    reads[ours] = TensorRead.whole(shape, dtype, str(stored[names].file), lambda n=names, o=ours:
-                                                   to_attnres_tensor(o, load(n), self.config, n))
-                else:
+                # the shape `to_attnres_tensor` gives (a pseudo-query reshaped, `A_log` unpadded; its shape checked)
+                ours_shape = tuple(to_attnres_tensor(ours, torch.empty(shape, device="meta"), self.config, names).shape)
+                if ours_shape == tuple(shape):
                     reads[ours] = TensorRead.stored(file(names), names)
+                else:
+                    reads[ours] = TensorRead.whole(ours_shape, dtype, str(stored[names].file), lambda n=names, o=ours:
+                                                   to_attnres_tensor(o, load(n), self.config, n))
             elif how == "cat":
                 shapes = [tensors[name][0] for name in names]
                 shape = (sum(s[0] for s in shapes), *shapes[0][1:])
@@ -405,6 +405,6 @@ def k3_report_fields(source: K3Source) -> dict:
             "mxfp4_experts": source.mxfp4, "k3_text_config": source.text_config}
 
 
-__all__ = ["K3Model", "K3Source", "K3StreamSource", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES", "check_compressed_tensors", "check_k3_tensors",
-           "is_family_folder", "is_k3_folder", "k3_overrides", "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors",
-           "verify_k3_tensors"]
+__all__ = ["K3Model", "K3Source", "K3StreamSource", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES",
+           "check_compressed_tensors", "check_k3_tensors", "is_family_folder", "is_k3_folder", "k3_overrides",
+           "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors", "verify_k3_tensors"]
