@@ -422,8 +422,13 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
         write_streamed(plan, staging, max_shard_size, progress=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
-              f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...", flush=True)
+        if plan.source.imported_routers:
+            print(f"Checking every tensor written against the checkpoint's, and a {STREAMED_NEW_TOKENS}-token greedy "
+                  "continuation of the written folder offloaded to disk ...", flush=True)
+        else:
+            print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
+                  f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...",
+                  flush=True)
         with offloaded(staging, AttnResForCausalLM) as model:
             if plan.source.imported_routers:
                 verification = _written_tensors_check(plan, staging) | _continuation(
