@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 from attnres_hf.cli import main
-from attnres_hf.conversion import convert, streaming
+from attnres_hf.conversion import convert, export, streaming
 from utils import TINY
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -52,25 +52,40 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_folders(folder: Path, other: Path) -> None:
+    """The same files, the same config, generation config and (sharded: written last, as `save_pretrained`'s) index,
+    and every tensor bit for bit with its dtype."""
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == sorted(p.name for p in other.iterdir())
+    assert "model.safetensors.index.json" in files
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        if (other / name).is_file():
+            assert json.loads((folder / name).read_text()) == json.loads((other / name).read_text()), name
+    ours, theirs = weights(folder), weights(other)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+
+
+def converted_both_ways(source: Path, tmp_path: Path, options: dict) -> tuple[dict, dict]:
+    """`source` converted streamed and in memory (`tmp_path / "streamed"`, `/ "resident"`); asserts the two folders
+    hold the same files, the same config, generation config and index, and every tensor bit for bit with its dtype;
+    returns the two reports."""
+    streamed = convert(source, tmp_path / "streamed", stream=True, max_shard_size="20KB", **options)
+    resident = convert(source, tmp_path / "resident", stream=False, max_shard_size="20KB", **options)
+    assert_same_folders(tmp_path / "streamed", tmp_path / "resident")
+    assert streamed["conversion"] == {"mode": "streamed", "why": "requested (stream=True)"}
+    assert streamed["dtype"] == resident["dtype"] and streamed["source"] == resident["source"]
+    return streamed, resident
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
     """Same files, same config and index, every tensor bit for bit with its dtype; the report's logits compared the
     same way (within float noise of each other: offloaded modules load the same weights)."""
     config_class, model_class, extras, options = CASES[case]
     write_source(tmp_path / "src", config_class, model_class, extras)
-    streamed = convert(tmp_path / "src", tmp_path / "streamed", stream=True, max_shard_size="60KB", **options)
-    resident = convert(tmp_path / "src", tmp_path / "resident", stream=False, max_shard_size="60KB", **options)
-    files = sorted(p.name for p in (tmp_path / "streamed").iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "resident").iterdir())
-    assert "model.safetensors.index.json" in files  # sharded: the index written last, as save_pretrained's
-    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
-        assert json.loads((tmp_path / "streamed" / name).read_text()) == json.loads(
-            (tmp_path / "resident" / name).read_text()), name
-    ours, theirs = weights(tmp_path / "streamed"), weights(tmp_path / "resident")
-    assert set(ours) == set(theirs)
-    for key in ours:
-        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
-    assert streamed["conversion"] == {"mode": "streamed", "why": "requested (stream=True)"}
+    streamed, resident = converted_both_ways(tmp_path / "src", tmp_path, options)
     assert resident["conversion"] == {"mode": "in-memory", "why": "requested (stream=False)"}
     # the same check: offloaded modules compute with the same fp32 weights as resident ones (measured: equal deltas)
     check, resident_check = streamed["verification"], resident["verification"]
@@ -85,6 +100,88 @@ def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
     ids = torch.randint(3, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # the same weights through the same code
         torch.testing.assert_close(loaded(ids).logits, again(ids).logits, atol=1e-6, rtol=0)
+
+
+def _fla_folder(folder: Path, block_size: int | None, dtype: torch.dtype = torch.float32) -> None:
+    pytest.importorskip("fla")
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    from fla_interop import fla_model  # a tiny fla model with trained-like routers (the benchmark's own)
+
+    fla_model(layers=3, block_size=block_size).to(dtype).save_pretrained(folder, max_shard_size="40KB")
+
+
+def _k3_folder(folder: Path, block_size: int | None, **writer) -> None:
+    from k3_reference import DELETE, MXFP4_OVERRIDES, tiny_k3_text_config, write_k3_checkpoint
+
+    if writer.get("mxfp4_experts"):
+        pytest.importorskip("compressed_tensors")
+    fields = (MXFP4_OVERRIDES if writer.get("mxfp4_experts") else {}) | {
+        "attn_res_block_size": DELETE if block_size is None else block_size,
+        "num_hidden_layers": 2, "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]}}
+    write_k3_checkpoint(folder, tiny_k3_text_config(**fields), seed=0, **writer)
+
+
+def _gguf_file(path: Path, model_class, config, file_type: str) -> Path:
+    from gguf_fixtures import write_gguf
+
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():  # random biases and norms, so that a dropped one shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return write_gguf(model, path.with_suffix(".gguf"), file_type)
+
+
+SOURCES = {  # (writer of the source at a path, convert options)
+    "fla-attnres-bf16-auto": (lambda path: _fla_folder(path, 2, torch.bfloat16), {"dtype": "auto"}),
+    "k3-text-bf16-auto": (lambda path: _k3_folder(path, 1, layout="text", dtype=torch.bfloat16), {"dtype": "auto"}),
+    "k3-multimodal-mxfp4-retrofit": (lambda path: _k3_folder(path, None, mxfp4_experts=True),
+                                     {"attnres_block_size": 4}),
+    "gguf-llama-biases-q8_0": (lambda path: _gguf_file(path, LlamaForCausalLM, LlamaConfig(
+        **TINY, attention_bias=True, mlp_bias=True), "Q8_0"), {}),
+    "gguf-qwen2-moe": (lambda path: _gguf_file(path, Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+        "F32"), {"dtype": "bfloat16"}),
+}
+"""fla and Kimi K3 folders and GGUF files (the `sources.Source` implementations beside the HF folder's): imported
+trained routers (pseudo-queries reshaped; exported back, streamed, to the checkpoint itself) and a retrofit whose check
+runs the source's backbone through the `Source`'s reads (K3's: stacked experts, MXFP4), both K3 layouts, K3's fp32
+tensors kept in a bf16 checkpoint, the checkpoint's dtype read from the headers (fla's, K3's), a quantised GGUF file
+with Llama's permuted q/k rows and biases, GGUF's stacked expert halves and 1-D shared-expert gate. (An fla retrofit's
+streamed check, Llama's model read through fla's names, was measured the same way: 9e-8 of max |logits|.)"""
+
+
+@pytest.mark.parametrize("case", list(SOURCES))
+def test_fla_k3_and_gguf_sources_stream_to_the_in_memory_conversions_folder(case, tmp_path):
+    """Streamed, an fla or K3 folder or a GGUF file gives the in-memory conversion's folder tensor for tensor; its check
+    compares a retrofit's logits with the source's backbone model read through the same `Source` (offloaded), an
+    imported model's written tensors with the checkpoint's (no fla or K3 code runs in a streamed check), and every
+    weight written from a GGUF file with the file's dequantised tensor. An imported model exported back streamed
+    (`attnres export --stream`) is the in-memory export's folder."""
+    write, options = SOURCES[case]
+    source = write(tmp_path / "src") or tmp_path / "src"
+    streamed, resident = converted_both_ways(source, tmp_path, options)
+    check = streamed["verification"]
+    if streamed["source"].get("imported_routers"):
+        assert check["tensors_identical"] and check["tensors_checked"] > 0 and check["max_abs_tensor_delta"] == 0
+        assert check["logits_compared"].startswith("no") and check["greedy_new_tokens"] == 4
+        # and back to its own layout, streamed (`attnres export --stream`): the checkpoint's every tensor, value and
+        # dtype (as the in-memory export gives it: tests/test_fla.py, tests/test_k3.py), its read-back check passed
+        to = {"fla": "fla", "k3": "k3-layout"}[streamed["source"]["format"]]
+        exported = export(tmp_path / "streamed", tmp_path / "back", to=to, stream=True, max_shard_size="20KB")
+        assert exported["export"]["mode"] == "streamed" and exported["verification"]["tensors_identical"]
+        back, original = weights(tmp_path / "back"), weights(source)
+        assert set(back) == set(original)
+        assert all(back[n].dtype == original[n].dtype and torch.equal(back[n], original[n]) for n in original)
+    else:  # a retrofit: the source's logits (measured: within 1e-7 of max |logits|, as for HF folders; a bf16 output
+        # of an fp32 source is checked as written, its rounding included: 2e-3 of max |logits| here)
+        scale = max(1.0, resident["verification"]["source_max_abs_logit"])
+        bound = 1e-2 if streamed["dtype"] == "bfloat16" and options.get("dtype") != "auto" else 1e-5
+        assert check["max_abs_logit_delta"] <= bound * scale and check["argmax_agreement"] >= 0.9
+    if case.startswith("gguf"):
+        assert check["gguf_tensors_checked"] == check["gguf_tensors"] and check["gguf_max_abs_delta"] == 0.0
 
 
 def test_auto_streams_above_the_threshold_and_says_why(tmp_path, monkeypatch):

@@ -36,9 +36,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "large file); default: each kind of tensor in the first and last block, which checks "
                              "every rule of the mapping, and the report says how many of how many")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
-                        help="an HF safetensors folder: --stream converts it tensor by tensor and verifies it with "
-                             "every module offloaded to disk (memory of about its largest tensor in fp32, for a model "
-                             "of any size), --no-stream in memory (about twice its fp32 size; faster for small models). "
+                        help="a folder of safetensors weights (HF, fla or Kimi K3) or a GGUF file: --stream converts "
+                             "it tensor by tensor and verifies it with every module offloaded to disk (memory of about "
+                             "one layer in fp32, for a model of any size), --no-stream in memory (about twice its fp32 "
+                             "size; faster for small models). "
                              "Default: streamed above 1 GiB of fp32 parameters; conversion_report.json says which ran")
     add_writing_options(parser)
 
@@ -74,10 +75,13 @@ def run_convert(args: argparse.Namespace) -> int:
               + ("" if check["exact"] else " (see conversion_report.json)"))
     elif "max_abs_logit_delta" in check:
         print(f"max |delta logits| vs source: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens")
-    if "tensors_identical" in check:  # a Kimi K3 source: its tensors, written back, against the checkpoint's
+    if "tensors_not_written_back" in check:  # a Kimi K3 source: its tensors, written back, against the checkpoint's
         print(f"K3 tensors written back identical: {check['tensors_identical']} ({check['tensors_checked']} "
               "tensors)" + ("; logits not compared (no Kimi K3 runtime runs here)" if "logits_compared" in check
                             else ""))
+    elif "tensors_identical" in check:  # streamed, an fla or K3 AttnRes source: the written tensors against its own
+        print(f"tensors written identical to the checkpoint's: {check['tensors_identical']} "
+              f"({check['tensors_checked']} tensors); logits not compared (a streamed check)")
     if "greedy_match" in check:
         print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
     if "gguf_tensors_checked" in check:

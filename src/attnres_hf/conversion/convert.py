@@ -16,14 +16,15 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
-from .gguf_source import check_against_gguf
-from .fla_source import (check_fla_installed, check_fla_tensors, checkpoint_dtype, fla_overrides, fla_report_fields,
-                         fla_source, is_fla_folder, load_fla_model, verify_against_fla)
+from .gguf_source import GGUFSource, check_against_gguf
+from .fla_source import (FlaStreamSource, check_fla_installed, check_fla_tensors, checkpoint_dtype, fla_overrides,
+                         fla_report_fields, fla_source, is_fla_folder, load_fla_model, verify_against_fla)
 from .gguf_tokenizer import load_gguf_tokenizer
 from .hf_source import unused_config_keys
-from .k3_source import (check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source, load_k3_model,
-                        verify_k3_tensors)
+from .k3_source import (K3StreamSource, check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source,
+                        load_k3_model, verify_k3_tensors)
 from .model_card import model_card
+from .sources import HFSource
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, check_representable,
                        load_source, load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion
@@ -194,12 +195,17 @@ def convert(
             (`sampled_gguf_tensors`; SmolLM2: 20 of 272 weights), which checks each rule of the file-to-model
             mapping; the report's `gguf_tensors_checked` of `gguf_tensors` says which. The logits are compared
             either way.
-        stream: an HF safetensors folder: `True` converts it streamed (`streaming`: tensor by tensor, written shard by
-            shard as it is read; verified with every module offloaded to disk, one module's weights resident at a
-            time, and a 4-token greedy continuation, `STREAMED_NEW_TOKENS`), `False` in memory (source and AttnRes
-            model resident: about twice the fp32 size of the model), `"auto"` (default) streamed when the model's
-            parameters exceed `STREAM_ABOVE_BYTES` in fp32 (1 GiB) and its tensors can be streamed. The report's
-            `conversion.mode` says which ran and `conversion.why` why. Other sources are converted in memory.
+        stream: a folder of safetensors weights (HF, flash-linear-attention or Kimi K3) or a GGUF file (`sources`:
+            every weight written also compared with the file's dequantised tensor): `True` converts it
+            streamed (`streaming`: read tensor by tensor through its `sources.Source`, written shard by shard as it is
+            read; checked with every module offloaded to disk, one module's weights resident at a time, and a 4-token
+            greedy continuation, `STREAMED_NEW_TOKENS`: a retrofit's logits against the source's backbone model read
+            through the same `Source`; an fla or K3 AttnRes checkpoint's every written tensor against the
+            checkpoint's, since their own code does not run in a streamed check), `False` in memory (source and
+            AttnRes model resident: about twice the fp32 size of the model), `"auto"` (default) streamed when the
+            model's parameters exceed `STREAM_ABOVE_BYTES` in fp32 (1 GiB) and its tensors can be streamed. The
+            report's `conversion.mode` says which ran and `conversion.why` why. A model in memory is converted in
+            memory.
         **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
 
     Returns:
@@ -229,18 +235,21 @@ def convert(
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
-    hf_folder = not isinstance(source, PreTrainedModel) and gguf_file is None and Path(source).suffix != ".gguf" and not (
-        is_fla_folder(source) or is_k3_folder(source))
-    if stream is True and not hf_folder:
-        raise ValueError("stream=True: only an HF model folder of safetensors weights converts streamed (this source "
-                         "is an in-memory model, a GGUF file, or a flash-linear-attention or Kimi K3 folder)")
+    if stream is True and isinstance(source, PreTrainedModel):
+        raise ValueError("stream=True: a model in memory is converted in memory (streaming reads safetensors folders "
+                         "and GGUF files)")
     if not isinstance(source, PreTrainedModel) and gguf_file is None and is_fla_folder(source):
         # flash-linear-attention's transformer: mapped tensor by tensor, checked against fla's own model
         fla = fla_source(source)  # refuses every fla option with no exact counterpart
         overrides = fla_overrides(fla, **overrides)
         names = check_fla_tensors(fla, retrofit_config(fla.backbone, **overrides))
-        check_fla_installed()
         tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
+        plan, mode = _streaming_choice(FlaStreamSource(fla), target_dtype, stream, overrides)
+        if plan is not None:
+            return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
+                source_name or str(source), fla.fields["model_type"], [], tokenizer, source, fla_report_fields(fla)),
+                max_shard_size)
+        check_fla_installed()
         model, name = load_fla_model(fla, overrides, names), str(source)  # fp32: every stored value exactly
         target_dtype = checkpoint_dtype(fla) if target_dtype == "auto" else target_dtype
         source_type = fla.fields["model_type"]
@@ -250,6 +259,10 @@ def convert(
         overrides = k3_overrides(k3, **overrides)
         check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
         tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
+        plan, mode = _streaming_choice(K3StreamSource(k3), target_dtype, stream, overrides)
+        if plan is not None:
+            return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
+                source_name or str(source), "kimi_k3", [], tokenizer, source, k3_report_fields(k3)), max_shard_size)
         model, source_model, k3_tensors, stored = load_k3_model(k3, overrides)  # fp32: every stored value exactly
         # K3 keeps some tensors in fp32 inside its bf16 checkpoint: `auto` keeps each one's stored dtype, and a 16-bit
         # `dtype` leaves K3's fp32 ones fp32 (as the model keeps them under any dtype)
@@ -271,12 +284,14 @@ def convert(
             if tokenizer is None and file_name is not None:  # built from the file's vocabulary: not instant
                 print(f"Converting the tokenizer of {file_name} ...", flush=True)
             tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
-            if file_name is None:
-                plan, mode = _streaming_choice(source, source_config, target_dtype, stream, overrides)
-                if plan is not None:
-                    return _convert_streamed(plan, source, source_config, output_dir, tokenizer, probe_text,
-                                             source_name, max_shard_size, force, mode,
-                                             unused_config_keys(folder / "config.json", source_config))
+            streamed = HFSource(source, source_config) if file_name is None else GGUFSource(folder / file_name,
+                                                                                            source_config)
+            plan, mode = _streaming_choice(streamed, target_dtype, stream, overrides)
+            if plan is not None:
+                unused = unused_config_keys(folder / "config.json", source_config) if file_name is None else []
+                return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
+                    source_name or str(source), source_config.model_type, unused, tokenizer, source,
+                    gguf_file=gguf_file), max_shard_size)
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
             if file_name is not None:
                 print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
@@ -327,14 +342,11 @@ def convert(
     for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
         if key in kept:
             tensor.data = kept[key]
-    source_fields = {"name": name, "gguf_file": gguf_file, "model_type": source_type, "unused_config_keys": unused,
-                     "tokenizer_code": (tokenizer_code(Path(source)) if tokenizer is not None and not isinstance(
-                         source, PreTrainedModel) and Path(source).is_dir() else None),
-                     **(fla_report_fields(fla) if fla is not None else {}),
-                     **(k3_report_fields(k3) if k3 is not None else {})}
+    source_fields = _source_fields(name, source_type, unused, tokenizer, source,
+                                   fla_report_fields(fla) if fla is not None else k3_report_fields(k3)
+                                   if k3 is not None else {}, gguf_file)
     dtype = most_common_dtype(model.state_dict().values()) if k3 is not None else target_dtype  # K3: most values'
-    mode = {"mode": "in-memory", "why": mode or "streaming reads HF folders only (this source is an in-memory "
-                                                "model, a GGUF file, or a flash-linear-attention or Kimi K3 folder)"}
+    mode = {"mode": "in-memory", "why": mode or "streaming reads files (this source is a model in memory)"}
     report = _report(source_fields, output_dir, dtype, model.config, verification, mode)
     with staged_folder(output_dir, replace=force) as staging:
         _write_folder(staging, model, tokenizer, report, max_shard_size)
@@ -360,18 +372,18 @@ def _report(source_fields: dict, output_dir, dtype: torch.dtype, config, verific
     }
 
 
-def _streaming_choice(source, source_config, target_dtype, stream, overrides) -> tuple:
-    """`(plan, mode)`: the `StreamPlan` when this HF folder converts streamed (else `None`), and why each way."""
-    from .streaming import STREAM_ABOVE_BYTES, safetensors_files, stream_plan, stored_dtype
+def _streaming_choice(source, target_dtype, stream, overrides) -> tuple:
+    """`(plan, mode)`: the `StreamPlan` when this `sources.Source` converts streamed (else `None`), and why each
+    way."""
+    from .streaming import STREAM_ABOVE_BYTES, stream_plan
 
     if stream is False:
         return None, "requested (stream=False)"
-    files = safetensors_files(Path(source))
-    dtype = stored_dtype(source_config, files or []) if target_dtype == "auto" else target_dtype
-    plan = stream_plan(source, source_config, dtype, **overrides)
+    auto = target_dtype == "auto"
+    plan = stream_plan(source, source.checkpoint_dtype() if auto else target_dtype, auto, **overrides)
     if isinstance(plan, str):
         if stream is True:
-            raise ValueError(f"{source} cannot be converted streamed: {plan}")
+            raise ValueError(f"{source.path} cannot be converted streamed: {plan}")
         return None, f"not streamable: {plan}"
     fp32_bytes = sum(tensor.numel() for tensor in plan.targets.values()) * 4
     if stream is True:
@@ -382,38 +394,78 @@ def _streaming_choice(source, source_config, target_dtype, stream, overrides) ->
                                             f"({STREAM_ABOVE_BYTES / 2**30:g} GiB)"}
 
 
-def _convert_streamed(plan, source, source_config, output_dir, tokenizer, probe_text, source_name, max_shard_size,
-                      force, mode, unused) -> dict:
-    """`convert` of an HF safetensors folder, streamed (`streaming`): the weights written shard by shard into the
-    staging folder, then the source and the written folder compared with every module offloaded to disk."""
+def _source_fields(name: str, model_type: str, unused: list, tokenizer, source, extra: dict | None = None,
+                   gguf_file: str | None = None) -> dict:
+    """The report's `source` record."""
+    folder = not isinstance(source, PreTrainedModel) and Path(source).is_dir()
+    return {"name": name, "gguf_file": gguf_file, "model_type": model_type, "unused_config_keys": unused,
+            "tokenizer_code": tokenizer_code(Path(source)) if tokenizer is not None and folder else None,
+            **(extra or {})}
+
+
+def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, source_fields: dict,
+                      max_shard_size="5GB") -> dict:
+    """`convert` of a folder read through a `sources.Source`, streamed (`streaming`): the weights written shard by
+    shard into the staging folder, then checked with every module offloaded to disk (`offloaded`): a retrofit's
+    logits against the source's backbone model read through the same `Source`; a source with trained routers (an fla
+    or K3 AttnRes model: no model of the source's own code runs here) every written tensor against the source's, and
+    the converted model's greedy continuation."""
     from ..modeling import AttnResForCausalLM
     from .offloaded import offloaded
-    from .streaming import generation_config_of, write_folder_files, write_streamed
+    from .streaming import write_folder_files, write_streamed
 
     input_ids = _probe_ids(tokenizer, probe_text, plan.config.vocab_size)
     with staged_folder(output_dir, replace=force) as staging:
-        write_folder_files(plan, staging, generation_config=generation_config_of(source, source_config))
+        write_folder_files(plan, staging, generation_config=plan.source.generation_config())
         print(f"Writing {len(plan.targets)} tensors ({plan.num_bytes / 2**30:.2f} GiB), streamed from the source "
               "files ...", flush=True)
         write_streamed(plan, staging, max_shard_size, progress=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
-              f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...", flush=True)
-        with offloaded(source) as source_model:
-            with offloaded(staging, AttnResForCausalLM) as model:
-                verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
+        if plan.source.imported_routers:
+            print(f"Checking every tensor written against the checkpoint's, and a {STREAMED_NEW_TOKENS}-token greedy "
+                  "continuation of the written folder offloaded to disk ...", flush=True)
+        else:
+            print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
+                  f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...",
+                  flush=True)
+        with offloaded(staging, AttnResForCausalLM) as model:
+            if plan.source.imported_routers:
+                verification = _written_tensors_check(plan, staging) | _continuation(
+                    model, input_ids, STREAMED_NEW_TOKENS)
+            else:
+                with offloaded(plan.source) as source_model:
+                    verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
+        if plan.source.kind == "gguf":  # every weight written against the file's dequantised tensor
+            print(f"Checking every weight written against {plan.source.path.name} ...", flush=True)
+            checked = _written_tensors_check(plan, staging)
+            verification |= {"gguf_tensors_checked": checked["tensors_checked"],
+                             "gguf_tensors": checked["tensors_checked"],
+                             "gguf_max_abs_delta": checked["max_abs_tensor_delta"]}
         if tokenizer is not None:
             for which in ("source", "converted"):
-                verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
-        source_fields = {"name": source_name or str(source), "gguf_file": None,
-                         "model_type": source_config.model_type, "unused_config_keys": unused,
-                         "tokenizer_code": tokenizer_code(Path(source)) if tokenizer is not None else None}
-        dtype = next(iter(plan.targets.values())).dtype
+                if f"{which}_continuation_ids" in verification:
+                    verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
+        dtype = most_common_dtype(plan.targets.values())
         report = _report(source_fields, output_dir, dtype, plan.config, verification, mode)
         model_card(report).save(staging / "README.md")
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _written_tensors_check(plan, folder: Path) -> dict:
+    """Every tensor written into `folder` from the source (`plan.sources`) against the source's, as read through its
+    `Source` (`sources.max_read_delta`: row chunks, fp32): `tensors_checked`, `max_abs_tensor_delta`,
+    `tensors_identical`, and `logits_compared` (no: the source's own code does not run here)."""
+    from .sources import identity_reads, max_read_delta, safetensors_files, stored_tensors
+
+    written = identity_reads(stored_tensors(safetensors_files(folder)))
+    delta = max_read_delta(plan.sources, written, {name: plan.targets[name].dtype for name in plan.sources})
+    kind = {"fla": "flash-linear-attention's", "k3": "Kimi K3's"}.get(plan.source.kind, "the source's")
+    return {"tensors_checked": len(plan.sources), "max_abs_tensor_delta": delta, "tensors_identical": delta == 0.0,
+            "logits_compared": f"no: streamed, the written tensors are compared with the checkpoint's; {kind} own "
+                               "model does not run in a streamed check (convert with stream=False to compare logits "
+                               "where it runs here)"}
 
 
 def _probe_ids(tokenizer, probe_text: str, vocab_size: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ fla's config is the fla checkpoint's own where the folder was converted from one
 
 import importlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -28,10 +29,12 @@ from .._io import staged_folder
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from .convert import check_tokenizer_code, load_tokenizer, most_common_dtype
 from .families import UnsupportedSourceError
-from .fla_layout import KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, to_fla_name, to_fla_tensor
+from .fla_layout import (KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, is_pseudo_query,
+                         to_fla_name, to_fla_tensor)
 from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
 from .hf_source import _shown, folder_tensors
 from .retrofit import _check_folder, check_max_shard_size, check_output_folder, check_path_argument
+from .sources import TensorRead, identity_reads, max_read_delta, stored_tensors
 from .verify import PROBE_TEXT
 
 EXPORT_FORMATS = ("fla", "k3-layout")
@@ -39,7 +42,9 @@ EXPORT_FORMATS = ("fla", "k3-layout")
 text model (its `KimiLinearForCausalLM` names and config)."""
 
 
-def _check(model_dir, output_dir, to, force, max_shard_size, probe_text) -> tuple[Path, Path, int]:
+def _check(model_dir, output_dir, to, force, max_shard_size, probe_text, stream) -> tuple[Path, Path, int]:
+    if not isinstance(stream, bool) and stream != "auto":
+        raise TypeError(f"stream must be True, False or 'auto', got {stream!r}")
     check_path_argument(model_dir, "model_dir (an AttnRes model folder)")
     check_path_argument(output_dir, "output_dir")
     if to not in EXPORT_FORMATS:
@@ -92,6 +97,7 @@ def export(
     max_shard_size: str | int = "5GB",
     probe_text: str = PROBE_TEXT,
     trust_remote_code: bool = False,
+    stream: bool | str = "auto",
 ) -> dict:
     """Write the AttnRes model in `model_dir` as an fla `TransformerForCausalLM` checkpoint in `output_dir`, or (`to=
     "k3-layout"`) a `kimi_k3` model as Kimi K3's text checkpoint (`_export_k3`).
@@ -108,6 +114,13 @@ def export(
     `trust_remote_code` runs the folder's own tokenizer code (copied there from a source with one, as Kimi's);
     without it such a folder is refused before anything is read.
 
+    `stream`: `True` writes the export tensor by tensor (`streaming.write_streamed`: each tensor read from the
+    folder in row chunks, renamed and reshaped per tensor, one expert of a stacked MoE weight at a time) and checks
+    it by reading the written folder back as `attnres convert` reads it (`sources.Source`), every tensor against the
+    folder's, row chunks at a time: no model is loaded, so fla's logits are not compared; `False` in memory (the
+    folder's tensors, the export's and, for fla, both models resident); `"auto"` (default) streamed when the
+    tensors exceed `streaming.STREAM_ABOVE_BYTES` in fp32. The report's `export` says which ran and why.
+
     Raises:
         FileExistsError: `output_dir` exists and `force` is false (checked first).
         TypeError, ValueError: a wrong-typed argument, a folder that is not an AttnRes checkpoint, a tokenizer that
@@ -116,7 +129,8 @@ def export(
         FileNotFoundError, ValueError: missing or truncated weight files; a tensor with no fla name.
         ImportError: flash-linear-attention is not installed (the export is checked against fla's model).
     """
-    model_dir, output_dir, max_shard_size = _check(model_dir, output_dir, to, force, max_shard_size, probe_text)
+    model_dir, output_dir, max_shard_size = _check(model_dir, output_dir, to, force, max_shard_size, probe_text,
+                                                   stream)
     if (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} is a PEFT adapter, not a model: merge it into its base first "
                          "(attnres_hf.training.merge_lora), then export the merged folder")
@@ -127,8 +141,9 @@ def export(
         raise ValueError(f"{model_dir} is not an AttnRes checkpoint (model_type {model_type!r}); `attnres convert` "
                          "makes one")
     config = AttnResConfig.from_pretrained(model_dir)
+    mode = _streaming_mode(files, stream)
     if to == "k3-layout":
-        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size, trust_remote_code)
+        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size, trust_remote_code, mode)
     fields, problems = fla_from_attnres(config)
     if problems:
         raise UnsupportedSourceError(f"{model_dir}: fla's transformer cannot compute this model: {'; '.join(problems)}")
@@ -138,9 +153,14 @@ def export(
         raise ValueError(f"{model_dir}: tensors with no fla counterpart: {_shown(unnamed)}")
     version = check_fla_installed()
     fields = _fla_config(model_dir, fields)
-    state = {names[name]: to_fla_tensor(name, tensor).contiguous() for name, tensor in _read_tensors(files).items()}
-    dtype = next(iter(state.values())).dtype
-    print(f"Writing {len(state)} tensors as fla's TransformerForCausalLM ...", flush=True)
+    if mode["mode"] == "streamed":
+        reads = {names[name]: _reshaped(read, (1, -1)) if is_pseudo_query(name) else read
+                 for name, read in _folder_reads(files).items()}
+        dtype, count = next(iter(reads.values())).dtype, len(reads)
+    else:
+        state = {names[name]: to_fla_tensor(name, tensor).contiguous() for name, tensor in _read_tensors(files).items()}
+        dtype, count = next(iter(state.values())).dtype, len(state)
+    print(f"Writing {count} tensors as fla's TransformerForCausalLM ({mode['mode']}) ...", flush=True)
     from huggingface_hub import save_torch_state_dict
 
     with staged_folder(output_dir, replace=force) as staging:
@@ -151,19 +171,29 @@ def export(
             fla_config = TransformerConfig(**({"architectures": ["TransformerForCausalLM"]} | fields
                                               | {"dtype": str(dtype).removeprefix("torch.")}))
         fla_config.save_pretrained(staging)
-        save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
-        tokenizer = _copy_generation_config_and_tokenizer(model_dir, staging, trust_remote_code)
-        if tokenizer is not None:
-            input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
+        if mode["mode"] == "streamed":
+            _write_streamed(reads, staging, max_shard_size)
         else:
-            input_ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
-        model = AttnResForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model ...", flush=True)
-        verification = verify_against_fla(staging, model, input_ids)
+            save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
+        tokenizer = _copy_generation_config_and_tokenizer(model_dir, staging, trust_remote_code)
+        if mode["mode"] == "streamed":  # read back as `attnres convert` reads it: every tensor the folder's
+            from .fla_source import FlaStreamSource, check_fla_tensors, fla_source
+
+            written = fla_source(staging)
+            check_fla_tensors(written, config)
+            verification = _read_back(_folder_reads(files), FlaStreamSource(written).reads(), "flash-linear-attention")
+        else:
+            if tokenizer is not None:
+                input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
+            else:
+                input_ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+            model = AttnResForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model ...", flush=True)
+            verification = verify_against_fla(staging, model, input_ids)
         report = {
             "attnres_hf_version": __version__, "flash_linear_attention_version": version, "to": to,
             "source": str(model_dir), "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."),
-            "tensors": len(state), "fla_config": fields, "verification": verification,
+            "tensors": count, "export": mode, "fla_config": fields, "verification": verification,
         }
         (staging / "export_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -190,13 +220,13 @@ def _k3_text_config(model_dir: Path, fields: dict) -> dict:
 
 
 def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: list, force: bool,
-               max_shard_size: int, trust_remote_code: bool) -> dict:
+               max_shard_size: int, trust_remote_code: bool, mode: dict) -> dict:
     """`export(..., to="k3-layout")`: see the module docstring. Raises `UnsupportedSourceError` naming every setting
     K3's model does not have (another backbone, method or knob, a Full or odd block size, a rescaled router output)."""
     from huggingface_hub import save_torch_state_dict
 
     from .k3_layout import k3_from_backbone, remote_code_files, to_k3_state_dict
-    from .k3_source import check_k3_tensors, k3_source, read_k3_tensors
+    from .k3_source import K3StreamSource, check_k3_tensors, k3_source, read_k3_tensors
 
     problems = []
     if config.backbone.model_type != "kimi_k3":
@@ -223,23 +253,34 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
     config_source = ("the K3 checkpoint's own (conversion_report.json)" if fields is not derived else
                      "derived from the model's config (no conversion_report.json from a K3 checkpoint of the same "
                      "architecture in the folder)")
-    state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
+    streamed = mode["mode"] == "streamed"
+    if streamed:
+        reads = _k3_reads(_folder_reads(files), config.backbone)
+        tensors = {name: torch.empty(read.shape, dtype=read.dtype, device="meta") for name, read in reads.items()}
+    else:
+        tensors = state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
     # the model's dtype (K3 keeps a few tensors fp32 in a bf16 model)
-    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else most_common_dtype(state.values())
-    print(f"Writing {len(state)} tensors in Kimi K3's text layout ...", flush=True)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else most_common_dtype(tensors.values())
+    print(f"Writing {len(tensors)} tensors in Kimi K3's text layout ({mode['mode']}) ...", flush=True)
     with staged_folder(output_dir, replace=force) as staging:
         (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},
                                                         indent=2) + "\n")
-        save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
+        if streamed:
+            _write_streamed(reads, staging, max_shard_size)
+        else:
+            save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
         _copy_generation_config_and_tokenizer(model_dir, staging, trust_remote_code)
         written = k3_source(staging)  # the written folder, read as `attnres convert` reads it
         check_k3_tensors(written, AttnResConfig.from_dict(config.to_dict()))
-        back = read_k3_tensors(written)
-        identical = set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+        if streamed:  # every tensor read back (attnres-hf names) against the folder's, row chunks at a time
+            identical = _read_back(_folder_reads(files), K3StreamSource(written).reads(), "K3")["tensors_identical"]
+        else:
+            back = read_k3_tensors(written)
+            identical = set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
         report = {
             "attnres_hf_version": __version__, "to": "k3-layout", "source": str(model_dir),
-            "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."), "tensors": len(state),
-            "k3_text_config": fields, "k3_text_config_source": config_source,
+            "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."), "tensors": len(tensors),
+            "export": mode, "k3_text_config": fields, "k3_text_config_source": config_source,
             "k3_remote_code_files": remote_code_files(fields),
             "verification": {"read_back_by_attnres_convert": True, "tensors_identical": identical,
                              "logits_compared": "no: no Kimi K3 runtime runs here"},
@@ -249,3 +290,87 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
                                "please report this")
         (staging / "export_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _streaming_mode(files: list[Path], stream) -> dict:
+    """`{"mode", "why"}` of an export of the weight `files` (`export`'s `stream`).
+
+    Raises:
+        ValueError: `stream=True` for `.bin` weights (streaming reads safetensors).
+    """
+    from .streaming import STREAM_ABOVE_BYTES
+
+    if stream is False:
+        return {"mode": "in-memory", "why": "requested (stream=False)"}
+    if any(path.suffix != ".safetensors" for path in files):
+        if stream is True:
+            raise ValueError(f"{files[0].parent} cannot be exported streamed: its weights are PyTorch .bin files "
+                             "(streaming reads safetensors)")
+        return {"mode": "in-memory", "why": "not streamable: .bin weights"}
+    if stream is True:
+        return {"mode": "streamed", "why": "requested (stream=True)"}
+    fp32_bytes = 4 * sum(math.prod(entry.shape) for entry in stored_tensors(files).values())
+    size = f"{fp32_bytes / 2**30:.2f} GiB in fp32"
+    if fp32_bytes <= STREAM_ABOVE_BYTES:
+        return {"mode": "in-memory", "why": f"{size}, at most STREAM_ABOVE_BYTES ({STREAM_ABOVE_BYTES / 2**30:g} GiB)"}
+    return {"mode": "streamed", "why": f"{size}, over STREAM_ABOVE_BYTES ({STREAM_ABOVE_BYTES / 2**30:g} GiB)"}
+
+
+def _folder_reads(files: list[Path]) -> dict[str, TensorRead]:
+    """The AttnRes folder's tensors, read lazily under their own names, in the files' order (as `_read_tensors`)."""
+    return identity_reads(stored_tensors(files))
+
+
+def _reshaped(read: TensorRead, shape) -> TensorRead:
+    """`read` (a small tensor) in another shape of the same values: read whole."""
+    new_shape = tuple(torch.empty(read.shape, device="meta").reshape(shape).shape)
+    return TensorRead.whole(new_shape, read.dtype, read.where, lambda: read.rows().reshape(new_shape))
+
+
+def _k3_reads(folder: dict[str, TensorRead], backbone) -> dict[str, TensorRead]:
+    """K3's text-layout tensors of the AttnRes folder's (`k3_layout.k3_export_parts`), each read lazily: one-to-one
+    tensors in row chunks, the others (a pseudo-query, `A_log`, a convolution part) whole, each routed expert's from
+    its own row of the stacked tensor.
+
+    Raises:
+        ValueError: naming the tensors K3's layout has no name for.
+    """
+    from .k3_layout import expand_experts, k3_export_parts, k3_piece
+
+    parts, unnamed = k3_export_parts(folder, layout="text")
+    if unnamed:
+        raise ValueError(f"tensors with no name in K3's layout: {', '.join(sorted(unnamed)[:6])}")
+    reads = {}
+    for k3, (name, how, index) in parts.items():
+        source = folder[name]
+        experts = expand_experts({k3: (name, how, index)}, source.shape[0]) if how.endswith("_proj") else {
+            k3: (name, how, index)}
+        for k3_name, (_, part, e) in experts.items():
+            if part == "one":
+                reads[k3_name] = source
+                continue
+            expert = part in ("gate", "up", "down")
+            meta = torch.empty(source.shape, dtype=source.dtype, device="meta")
+            shape = tuple(k3_piece(part, e, meta[e] if expert else meta, backbone).shape)
+            reads[k3_name] = TensorRead.whole(shape, source.dtype, source.where, lambda s=source, p=part, i=e, x=expert:
+                                              k3_piece(p, i, s.rows(i, i + 1)[0] if x else s.rows(), backbone))
+    return reads
+
+
+def _write_streamed(reads: dict[str, TensorRead], folder: Path, max_shard_size: int) -> None:
+    """The export's tensors written shard by shard as `save_torch_state_dict` names and fills them
+    (`streaming.write_streamed`), each read from the AttnRes folder in row chunks."""
+    from .streaming import StreamPlan, write_streamed
+
+    targets = {name: torch.empty(read.shape, dtype=read.dtype, device="meta") for name, read in reads.items()}
+    write_streamed(StreamPlan(config=None, model=None, targets=targets, sources=reads), folder, max_shard_size)
+
+
+def _read_back(folder: dict[str, TensorRead], back: dict[str, TensorRead], layout: str) -> dict:
+    """The streamed export's check: the written folder read back as `attnres convert` reads it (`back`, attnres-hf
+    names) against the AttnRes folder's tensors (`folder`), every one, in row chunks (`sources.max_read_delta`)."""
+    delta = max_read_delta(folder, back)
+    return {"read_back_by_attnres_convert": True, "tensors_checked": len(folder), "max_abs_tensor_delta": delta,
+            "tensors_identical": delta == 0.0 and set(back) == set(folder),
+            "logits_compared": f"no: a streamed export reads the {layout} folder back tensor by tensor (export with "
+                               "stream=False to compare the logits with fla's model where it runs here)"}

@@ -25,6 +25,7 @@ from .families import UnsupportedSourceError
 from .fla_layout import FLA_MODEL_TYPE, backbone_from_fla, fla_block_size, to_attnres_name, to_attnres_tensor
 from .hf_source import _quiet_transformers, _shown, folder_tensors
 from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
+from .sources import SafetensorsFile, Source, TensorRead, stored_tensors
 from .verify import verify_conversion
 
 EXACT_TOLERANCE = 1e-4
@@ -170,12 +171,51 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 def checkpoint_dtype(source: FlaSource) -> torch.dtype:
     """The dtype of the fla checkpoint as transformers' `from_pretrained(dtype="auto")` reads it: its config's
     `dtype` (or legacy `torch_dtype`), else the widest floating dtype of its tensors (fla keeps `qk_norm`'s norms in
-    fp32 in a bf16 model)."""
+    fp32 in a bf16 model), read from the files' headers (`.bin` pickles on the meta device)."""
     named = source.fields.get("dtype") or source.fields.get("torch_dtype")
     if isinstance(named, str) and isinstance(getattr(torch, named.removeprefix("torch."), None), torch.dtype):
         return getattr(torch, named.removeprefix("torch."))
-    dtypes = {tensor.dtype for tensor in _read_tensors(source.files).values() if tensor.is_floating_point()}
+    dtypes = set()
+    for path in source.files:
+        if path.suffix == ".safetensors":
+            dtypes |= {entry.dtype for entry in stored_tensors([path]).values() if entry.dtype is not None}
+        else:
+            dtypes |= {tensor.dtype for tensor in torch.load(path, map_location="meta", weights_only=True).values()}
+    dtypes = {dtype for dtype in dtypes if dtype.is_floating_point}
     return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits, default=torch.float32)
+
+
+class FlaStreamSource(Source):
+    """An fla folder (`FlaSource`, checked by `check_fla_tensors`) read tensor by tensor (`sources.Source`): fla's
+    names mapped by `fla_layout.FLA_KEY_MAP`, each pseudo-query `[1, D]` read as `[D]`; its trained routers imported
+    when fla's config has `attnres_block_size`."""
+
+    kind = "fla"
+
+    def __init__(self, source: FlaSource):
+        safetensors = all(path.suffix == ".safetensors" for path in source.files)
+        super().__init__(source.folder, source.backbone, list(source.files) if safetensors else None)
+        self.fla, self.imported_routers = source, source.block_size is not None
+
+    def reads(self) -> dict[str, TensorRead]:
+        reads, files = {}, {}
+        for name, entry in self.stored().items():
+            ours = to_attnres_name(name)
+            if ours is None or entry.dtype is None:  # (`check_fla_tensors` refused the first)
+                continue
+            if entry.file not in files:  # each file's header read once
+                files[entry.file] = SafetensorsFile(entry.file)
+            file = files[entry.file]
+            shape = tuple(to_attnres_tensor(ours, torch.empty(entry.shape, device="meta")).shape)  # `[1, D]` query: `[D]`
+            if shape == tuple(entry.shape):
+                reads[ours] = TensorRead.stored(file, name)
+            else:
+                reads[ours] = TensorRead.whole(shape, entry.dtype, str(entry.file), lambda f=file, n=name, o=ours:
+                                               to_attnres_tensor(o, f.read(n, f.dtype(n))))
+        return reads
+
+    def checkpoint_dtype(self) -> torch.dtype:
+        return checkpoint_dtype(self.fla)
 
 
 def load_fla_model(source: FlaSource, overrides: dict, names: dict[str, str]) -> AttnResForCausalLM:

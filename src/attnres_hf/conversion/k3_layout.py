@@ -90,43 +90,68 @@ def _is_query(name: str) -> bool:
     return name.endswith(".query")
 
 
-def to_attnres_state_dict(tensors: dict, config: KimiK3Config, layout: str) -> tuple[dict, list[str]]:
-    """attnres-hf's state dict of K3's `tensors` (real or meta; MXFP4 experts already dequantised to `.weight`),
-    under `layout`'s prefix; returns it and the names with no place (vision tensors are skipped, not listed).
+def k3_parts(names, config: KimiK3Config, layout: str) -> tuple[dict, list[str]]:
+    """Which of K3's tensors (`names`, MXFP4 experts under their dequantised `.weight` names) make each attnres-hf
+    tensor, under `layout`'s prefix: `{attnres-hf name: (how, K3 names)}` with `how` one of `"one"` (one tensor,
+    `to_attnres_tensor` of it), `"cat"` (K3's three convolutions, concatenated along dim 0 in `CONV` order) and
+    `"stack"` (the routed experts: row `e` is the concatenation of the names of `e`, `[w1, w3]` for
+    `gate_up_proj`, `[w2]` for `down_proj`); and the names with no place (vision tensors are skipped, not listed).
 
     Raises:
-        ValueError: a convolution or an expert with some of its parts missing; a non-zero `A_log` padding entry.
+        ValueError: a convolution or an expert with some of its parts missing.
     """
     prefix, head = PREFIXES[layout]
-    state, unplaced, convs, experts = {}, [], {}, {}
-    for full_name, tensor in tensors.items():
+    parts, unplaced, convs, experts = {}, [], {}, {}
+    for full_name in names:
         if full_name.startswith(SKIPPED_PREFIXES) and layout == "multimodal":
             continue
         if full_name == head:
-            state["lm_head.weight"] = tensor
+            parts["lm_head.weight"] = ("one", full_name)
             continue
         name = full_name.removeprefix(prefix) if full_name.startswith(prefix) else None
         ours = rename(name, _TO_OURS) if name is not None else None
         if ours is not None:
-            state[ours] = _to_attnres_tensor(ours, tensor, config, full_name)
+            parts[ours] = ("one", full_name)
         elif name is not None and (match := _CONV.match(name)):
-            convs.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+            convs.setdefault(int(match.group(1)), {})[match.group(2)] = full_name
         elif name is not None and (match := EXPERT.match(name)):
-            experts.setdefault(int(match.group(1)), {})[(int(match.group(2)), match.group(3))] = tensor
+            experts.setdefault(int(match.group(1)), {})[(int(match.group(2)), match.group(3))] = full_name
         else:
             unplaced.append(full_name)
-    for layer, parts in sorted(convs.items()):
-        missing = [part for part in CONV if part not in parts]
+    for layer, found in sorted(convs.items()):
+        missing = [part for part in CONV if part not in found]
         if missing:
             raise ValueError(f"layer {layer}'s short convolutions lack {', '.join(missing)} ({prefix}layers.{layer}."
                              "self_attn.*_conv1d.weight)")
-        state[f"model.layers.{layer}.self_attn.conv1d.weight"] = torch.cat([parts[part] for part in CONV])
-    for layer, parts in sorted(experts.items()):
-        state |= _stacked_experts(layer, parts, config, prefix)
+        parts[f"model.layers.{layer}.self_attn.conv1d.weight"] = ("cat", [found[part] for part in CONV])
+    for layer, found in sorted(experts.items()):
+        parts |= _expert_parts(layer, found, config, prefix)
+    return parts, unplaced
+
+
+def to_attnres_state_dict(tensors: dict, config: KimiK3Config, layout: str) -> tuple[dict, list[str]]:
+    """attnres-hf's state dict of K3's `tensors` (real or meta; MXFP4 experts already dequantised to `.weight`),
+    under `layout`'s prefix (`k3_parts`); returns it and the names with no place (vision tensors are skipped, not
+    listed).
+
+    Raises:
+        ValueError: a convolution or an expert with some of its parts missing; a non-zero `A_log` padding entry.
+    """
+    parts, unplaced = k3_parts(tensors, config, layout)
+    state = {}
+    for ours, (how, names) in parts.items():
+        if how == "one":
+            state[ours] = to_attnres_tensor(ours, tensors[names], config, names)
+        elif how == "cat":
+            state[ours] = torch.cat([tensors[name] for name in names])
+        else:
+            state[ours] = torch.stack([torch.cat([tensors[name] for name in row]) for row in names])
     return state, unplaced
 
 
-def _to_attnres_tensor(ours: str, tensor: torch.Tensor, config: KimiK3Config, k3_name: str) -> torch.Tensor:
+def to_attnres_tensor(ours: str, tensor: torch.Tensor, config: KimiK3Config, k3_name: str) -> torch.Tensor:
+    """K3's one-to-one tensor `k3_name` as attnres-hf's `ours`: a pseudo-query `[1, hidden]` as `[hidden]`, `A_log`
+    without its zero padding (`a_log_width`; `ValueError` for another length or a non-zero padding entry)."""
     if _is_query(ours):  # K3's `[1, hidden]` pseudo-query is ours `[hidden]`
         return tensor.reshape(-1)
     if ours.endswith("forget_gate.A_log"):
@@ -146,7 +171,7 @@ def a_log_width(config: KimiK3Config) -> int:
     return max(config.linear_num_heads, config.linear_head_dim)
 
 
-def _stacked_experts(layer: int, parts: dict, config: KimiK3Config, prefix: str) -> dict:
+def _expert_parts(layer: int, parts: dict, config: KimiK3Config, prefix: str) -> dict:
     count = config.num_local_experts
     missing = [f"{e}.{w}" for e in range(count) for w in ("w1", "w2", "w3") if (e, w) not in parts]
     extra = sorted(f"{e}.{w}" for e, w in parts if e >= count)
@@ -156,8 +181,65 @@ def _stacked_experts(layer: int, parts: dict, config: KimiK3Config, prefix: str)
         raise ValueError(f"layer {layer}'s routed experts ({prefix}layers.{layer}.block_sparse_moe.experts.E.wN."
                          f"weight, num_experts {count}) are incomplete: {what}")
     base = f"model.layers.{layer}.mlp.experts"
-    gate_up = torch.stack([torch.cat([parts[(e, "w1")], parts[(e, "w3")]]) for e in range(count)])
-    return {f"{base}.gate_up_proj": gate_up, f"{base}.down_proj": torch.stack([parts[(e, "w2")] for e in range(count)])}
+    return {f"{base}.gate_up_proj": ("stack", [[parts[(e, "w1")], parts[(e, "w3")]] for e in range(count)]),
+            f"{base}.down_proj": ("stack", [[parts[(e, "w2")]] for e in range(count)])}
+
+
+def k3_export_parts(names, layout: str = "text") -> tuple[dict, list[str]]:
+    """Where each of K3's tensors (`layout`'s names) comes from in an attnres-hf `kimi_k3` model with tensors `names`:
+    `{K3 name: (attnres-hf name, how, index)}`, `how` one of `"one"`, `"query"` (`[hidden]` as `[1, hidden]`),
+    `"a_log"` (zero-padded to `a_log_width`), `"conv"` (part `index` of `CONV`), `"gate"`, `"up"` (expert `index`'s
+    half of `gate_up_proj`) and `"down"` (expert `index` of `down_proj`, whose `experts` count is read from the
+    name's own tensor by `k3_piece`'s caller: `index` runs over it); and the names K3's layout has no name for.
+    Expert parts are listed per expert with `index` `None`, expanded by `expand_experts`."""
+    prefix, head = PREFIXES[layout]
+    parts, unnamed = {}, []
+    for name in names:
+        if name == "lm_head.weight":
+            parts[head] = (name, "one", None)
+        elif (k3 := rename(name, _TO_K3)) is not None:
+            how = "query" if _is_query(name) else "a_log" if name.endswith("forget_gate.A_log") else "one"
+            parts[prefix + k3] = (name, how, None)
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
+            for index, part in enumerate(CONV):
+                parts[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = (name, "conv", index)
+        elif match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
+            # one entry per stacked tensor (`expand_experts` names K3's per-expert tensors)
+            parts[f"{prefix}layers.{match.group(1)}.block_sparse_moe.experts.{match.group(2)}"] = (name, match.group(2),
+                                                                                                None)
+        else:
+            unnamed.append(name)
+    return parts, unnamed
+
+
+def expand_experts(parts: dict, experts: int) -> dict:
+    """`k3_export_parts`' result with each expert entry (`gate_up_proj` / `down_proj`, `index` `None`) as K3's
+    per-expert tensors, in K3's order (`w1`, `w3` of each expert; `w2` of each)."""
+    out = {}
+    for k3, (name, how, index) in parts.items():
+        base = k3.rpartition(".")[0]
+        if how == "gate_up_proj":
+            for e in range(experts):
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = (name, "gate", e), (name, "up", e)
+        elif how == "down_proj":
+            out |= {f"{base}.{e}.w2.weight": (name, "down", e) for e in range(experts)}
+        else:
+            out[k3] = (name, how, index)
+    return out
+
+
+def k3_piece(how: str, index: int | None, tensor: torch.Tensor, config: KimiK3Config) -> torch.Tensor:
+    """K3's tensor `how` / `index` (`k3_export_parts`) of attnres-hf's `tensor` (for an expert part: the expert's own
+    row of the stacked tensor); values and dtype unchanged, contiguous, in its own storage where it is a part."""
+    if how == "query":
+        return tensor.reshape(1, -1)
+    if how == "a_log":
+        return torch.cat([tensor, tensor.new_zeros(a_log_width(config) - tensor.shape[0])])
+    if how == "conv":
+        return tensor.chunk(3)[index].clone()
+    if how in ("gate", "up"):
+        return tensor.chunk(2)[0 if how == "gate" else 1].clone()
+    return tensor.clone() if how == "down" else tensor
 
 
 def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text", strict: bool = True) -> dict:
@@ -168,32 +250,17 @@ def to_k3_state_dict(state: dict, config: KimiK3Config, layout: str = "text", st
     Raises:
         ValueError: naming the tensors K3's layout has no name for (`strict`).
     """
-    prefix, head = PREFIXES[layout]
-    out, unnamed = {}, []
-    for name, tensor in state.items():
-        if name == "lm_head.weight":
-            out[head] = tensor
-        elif (k3 := rename(name, _TO_K3)) is not None:
-            if _is_query(name):
-                tensor = tensor.reshape(1, -1)
-            elif name.endswith("forget_gate.A_log"):
-                tensor = torch.cat([tensor, tensor.new_zeros(a_log_width(config) - tensor.shape[0])])
-            out[prefix + k3] = tensor
-        elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
-            for part, piece in zip(CONV, tensor.chunk(3)):
-                out[f"{prefix}layers.{match.group(1)}.self_attn.{part}.weight"] = piece.clone()  # its own storage
-        elif match := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
-            base = f"{prefix}layers.{match.group(1)}.block_sparse_moe.experts"
-            for e, expert in enumerate(tensor):
-                if match.group(2) == "down_proj":
-                    out[f"{base}.{e}.w2.weight"] = expert.clone()
-                else:
-                    gate, up = expert.chunk(2)
-                    out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate.clone(), up.clone()
-        else:
-            unnamed.append(name)
+    parts, unnamed = k3_export_parts(state, layout)
     if unnamed and strict:
         raise ValueError(f"tensors with no name in K3's layout: {', '.join(sorted(unnamed)[:6])}")
+    out = {}
+    for k3, (name, how, index) in parts.items():
+        tensor = state[name]
+        if how in ("gate_up_proj", "down_proj"):
+            for k3_expert, (_, part, e) in expand_experts({k3: (name, how, None)}, tensor.shape[0]).items():
+                out[k3_expert] = k3_piece(part, e, tensor[e], config)
+        else:
+            out[k3] = k3_piece(how, index, tensor, config)
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
@@ -391,5 +458,6 @@ def k3_from_backbone(config: KimiK3Config, attnres_block_size: int | None) -> tu
 
 __all__ = ["CHECKED", "CONV", "EXPERT", "IGNORED", "K3_DEFAULTS", "K3_MODEL_TYPE", "NOT_ARCHITECTURE", "ONE_TO_ONE",
            "PREFIXES", "READ_AS_IS", "RELEASE_AUTO_MAP", "REQUIRED", "SAVED_BY_TRANSFORMERS", "SKIPPED_PREFIXES",
-           "SPECIAL_TOKENS", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3", "k3_block_size", "k3_from_backbone",
-           "k3_text_fields", "remote_code_files", "to_attnres_state_dict", "to_k3_state_dict"]
+           "SPECIAL_TOKENS", "TEXT_MODEL_TYPE", "a_log_width", "backbone_from_k3", "expand_experts", "k3_block_size",
+           "k3_export_parts", "k3_from_backbone", "k3_parts", "k3_piece", "k3_text_fields", "remote_code_files",
+           "to_attnres_state_dict", "to_attnres_tensor", "to_k3_state_dict"]

@@ -27,8 +27,9 @@ from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
 from .hf_source import _shown, folder_tensors
 from .k3_layout import (K3_MODEL_TYPE, PREFIXES, SKIPPED_PREFIXES, TEXT_MODEL_TYPE, backbone_from_k3, k3_block_size,
-                        k3_text_fields, to_attnres_state_dict, to_k3_state_dict)
+                        k3_parts, k3_text_fields, to_attnres_state_dict, to_attnres_tensor, to_k3_state_dict)
 from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
+from .sources import SafetensorsFile, Source, TensorRead
 
 K3_ONLY_FIELDS = ("attn_res_block_size", "activation_situ_beta", "activation_situ_linear_beta",
                   "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate")
@@ -309,6 +310,93 @@ def verify_k3_tensors(model: AttnResForCausalLM, tensors: dict[str, torch.Tensor
             "tensors_identical": delta == 0.0 and not absent}
 
 
+class K3StreamSource(Source):
+    """A K3 folder (`K3Source`, checked by `check_k3_tensors`) read tensor by tensor (`sources.Source`): K3's names
+    mapped by `k3_layout.k3_parts`, pseudo-queries reshaped and `A_log` unpadded (`to_attnres_tensor`), the three
+    convolutions concatenated, and each routed expert's weights read (MXFP4 ones dequantised by compressed-tensors,
+    one expert at a time) when its row of the stacked `gate_up_proj` / `down_proj` is read."""
+
+    kind = "k3"
+
+    def __init__(self, source: K3Source):
+        safetensors = all(path.suffix == ".safetensors" for path in source.files)
+        super().__init__(source.folder, source.backbone, list(source.files) if safetensors else None)
+        self.k3, self.imported_routers = source, source.block_size is not None
+
+    def _tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """`{K3 name: (shape, dtype)}` of the text tensors, each MXFP4 pair as its `.weight` (bfloat16)."""
+        out = {}
+        for name, entry in self.stored().items():
+            if name.startswith(SKIPPED_PREFIXES) or name.endswith(_SCALE):
+                continue
+            if name.endswith(_PACKED):
+                out[name.removesuffix(_PACKED) + ".weight"] = ((entry.shape[0], 2 * entry.shape[1]), torch.bfloat16)
+            else:
+                out[name] = (entry.shape, entry.dtype)
+        return out
+
+    def reads(self) -> dict[str, TensorRead]:
+        if self.k3.mxfp4:
+            check_compressed_tensors()
+        stored, tensors, files = self.stored(), self._tensors(), {}
+
+        def file(name: str) -> SafetensorsFile:  # each file's header read once
+            path = stored[name].file
+            if path not in files:
+                files[path] = SafetensorsFile(path)
+            return files[path]
+
+        def load(name: str) -> torch.Tensor:  # one K3 tensor as stored (an MXFP4 one dequantised, bfloat16)
+            base = name.removesuffix(".weight")
+            if base + _PACKED not in stored:
+                return file(name).read(name, file(name).dtype(name))
+            return _dequantise(file(base + _PACKED).read(base + _PACKED, torch.uint8),
+                               file(base + _SCALE).read(base + _SCALE, torch.uint8))
+
+        parts, _ = k3_parts(tensors, self.config, self.k3.layout)
+        reads = {}
+        for ours, (how, names) in parts.items():
+            if how == "one":
+                shape, dtype = tensors[names]
+                # the shape `to_attnres_tensor` gives (a pseudo-query reshaped, `A_log` unpadded; its shape checked)
+                ours_shape = tuple(to_attnres_tensor(ours, torch.empty(shape, device="meta"), self.config, names).shape)
+                if ours_shape == tuple(shape):
+                    reads[ours] = TensorRead.stored(file(names), names)
+                else:
+                    reads[ours] = TensorRead.whole(ours_shape, dtype, str(stored[names].file), lambda n=names, o=ours:
+                                                   to_attnres_tensor(o, load(n), self.config, n))
+            elif how == "cat":
+                shapes = [tensors[name][0] for name in names]
+                shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+                reads[ours] = TensorRead.whole(shape, tensors[names[0]][1], f"{self.path} ({', '.join(names)})",
+                                               lambda n=names: torch.cat([load(name) for name in n]))
+            else:
+                shapes = [tensors[name][0] for name in names[0]]
+                shape = (len(names), sum(s[0] for s in shapes), *shapes[0][1:])
+                reads[ours] = TensorRead.stacked(shape, tensors[names[0][0]][1], f"{self.path} ({ours})",
+                                                 lambda e, n=names: torch.cat([load(name) for name in n[e]]))
+        return reads
+
+    def checkpoint_dtype(self) -> torch.dtype:
+        """The floating dtype holding most of the text tensors' values (K3 keeps a few tensors fp32 in a bf16
+        checkpoint; MXFP4 experts count as bfloat16, which holds them exactly)."""
+        counts = {}
+        for shape, dtype in self._tensors().values():
+            if dtype is not None and dtype.is_floating_point:
+                counts[dtype] = counts.get(dtype, 0) + int(torch.Size(shape).numel())
+        return max(counts, key=counts.get, default=torch.float32)
+
+    def kept_dtypes(self, dtype: torch.dtype, auto: bool) -> dict[str, torch.dtype]:
+        """`auto`: every tensor in its stored dtype; a 16-bit `dtype`: K3's fp32 tensors stay fp32 (as the model keeps
+        them under any dtype)."""
+        if not auto and dtype.itemsize >= 4:
+            return {}
+        stored = {name: read.dtype for name, read in self.reads().items()}
+        if auto:
+            return {name: kept for name, kept in stored.items() if kept != dtype}
+        return {name: kept for name, kept in stored.items() if kept == torch.float32}
+
+
 def k3_report_fields(source: K3Source) -> dict:
     """What a conversion report says of a K3 source: its layout, whether its routers were imported, whether its
     experts were MXFP4, and its text config (`attnres export --to k3-layout` writes it back while the model's
@@ -317,6 +405,6 @@ def k3_report_fields(source: K3Source) -> dict:
             "mxfp4_experts": source.mxfp4, "k3_text_config": source.text_config}
 
 
-__all__ = ["K3Model", "K3Source", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES", "check_compressed_tensors", "check_k3_tensors",
-           "is_family_folder", "is_k3_folder", "k3_overrides", "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors",
-           "verify_k3_tensors"]
+__all__ = ["K3Model", "K3Source", "K3StreamSource", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES",
+           "check_compressed_tensors", "check_k3_tensors", "is_family_folder", "is_k3_folder", "k3_overrides",
+           "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors", "verify_k3_tensors"]

@@ -84,10 +84,15 @@ def model_card(report: dict) -> ModelCard:
                 f"| top-1 agreement | {verification['argmax_agreement']:.4f} |\n"
                 f"| {verification['greedy_new_tokens']}-token greedy continuation identical | "
                 f"{verification['greedy_match']} |\n")
-    else:  # a Kimi K3 AttnRes checkpoint: no K3 runtime to compare logits with; the mapping is checked
+    elif "tensors_not_written_back" in verification:  # a Kimi K3 AttnRes checkpoint: no K3 runtime to compare
+        # logits with; the mapping is checked
         rows = (f"| K3 tensors written back identical (of {verification['tensors_checked']}) | "
                 f"{verification['tensors_identical']} |\n| logits compared with K3's own code | no (none runs here; "
                 "the forward is tested against an independent reference of K3's equations) |\n")
+    else:  # a streamed conversion of an fla or K3 AttnRes checkpoint: its written tensors against the checkpoint's
+        rows = (f"| tensors written identical to the checkpoint's (of {verification['tensors_checked']}) | "
+                f"{verification['tensors_identical']} |\n| logits compared with the source's own code | no (a "
+                "streamed check) |\n")
     made = "imported" if source.get("imported_routers") else "retrofitted"
     # a tokenizer that is the folder's own code (Kimi's) loads only with trust_remote_code
     trusted = ", trust_remote_code=True" if source.get("tokenizer_code") else ""

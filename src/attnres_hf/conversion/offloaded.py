@@ -5,7 +5,7 @@ in fp32 in about one layer's memory.
 The model is built on the meta device and dispatched by accelerate (`dispatch_model`, each decoder layer offloaded to
 disk, its weights read from the folder's own files for its forward and dropped after: `FolderWeights`); the embedding
 and the head, a model's largest tensors, are replaced by modules that read only what each forward needs
-(`RowStreamedEmbedding`, `RowStreamedLinear`). Every read is `streaming.SafetensorsFile`'s (no memory map).
+(`RowStreamedEmbedding`, `RowStreamedLinear`). Every read is a `sources.TensorRead`'s (no memory map).
 """
 
 import contextlib
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .streaming import CHUNK_BYTES, SafetensorsFile, _headers, generation_config_of, safetensors_files
+from .sources import (CHUNK_BYTES, Source, TensorRead, generation_config_of, identity_reads, safetensors_files,
+                      stored_tensors)
 
 
 def offload_map(model: torch.nn.Module) -> dict[str, str]:
@@ -44,8 +45,9 @@ def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
 
 
 @contextlib.contextmanager
-def offloaded(folder: str | os.PathLike, model_class=None):
-    """The model saved in `folder` (safetensors) in fp32 with every weight-holding module offloaded to disk
+def offloaded(folder: "str | os.PathLike | Source", model_class=None):
+    """The model saved in `folder` (safetensors), or the backbone model of a `Source` (an fla or K3 folder read
+    through its name map and transforms: `Source.reads`), in fp32 with every weight-holding module offloaded to disk
     (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
     folder's own safetensors files as its weights (`FolderWeights`), so nothing is read until a module's forward
     loads its weights (cast to fp32) and nothing stays after it; the embedding and head read only what each forward
@@ -66,15 +68,21 @@ def offloaded(folder: str | os.PathLike, model_class=None):
     from ..modeling import backbones
     from .retrofit import _family_config
 
-    if model_class is None:
-        config = _family_config(Path(folder)) or AutoConfig.from_pretrained(folder)
-        model_class = backbones.BACKBONES[config.model_type].causal_lm
+    if isinstance(folder, Source):
+        config, reads = folder.config, folder.reads()
+        model_class = model_class or backbones.BACKBONES[config.model_type].causal_lm
+        generation_config, folder = folder.generation_config(), folder.path
     else:
-        config = model_class.config_class.from_pretrained(folder)
+        if model_class is None:
+            config = _family_config(Path(folder)) or AutoConfig.from_pretrained(folder)
+            model_class = backbones.BACKBONES[config.model_type].causal_lm
+        else:
+            config = model_class.config_class.from_pretrained(folder)
+        reads = identity_reads(stored_tensors(safetensors_files(Path(folder))))
+        generation_config = generation_config_of(folder, config)
     with torch.device("meta"):
         model = model_class._from_config(copy.deepcopy(config), dtype=torch.float32)
-    model.generation_config = generation_config_of(folder, config)
-    held = {name: path for name, (path, _, _) in _headers(safetensors_files(Path(folder))).items()}
+    model.generation_config = generation_config
     with torch.no_grad():
         for module in model.modules():  # rotary frequencies and the like: computed, as the family initialises them
             if module._non_persistent_buffers_set:
@@ -88,13 +96,13 @@ def offloaded(folder: str | os.PathLike, model_class=None):
         if tensor.device.type != "meta":
             continue
         if name not in params:  # a persistent buffer: loaded now (small), not offloaded
-            if name not in held:
+            if name not in reads:
                 missing.append(name)
                 continue
             owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner)._buffers[leaf] = SafetensorsFile(held[name]).read(name, torch.float32)
-        elif name in held:
-            weights[name] = (held[name], name)
+            model.get_submodule(owner)._buffers[leaf] = reads[name].rows(dtype=torch.float32)
+        elif name in reads:
+            weights[name] = reads[name]
     for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         if tied not in weights and source in weights:
             weights[tied] = weights[source]
@@ -119,41 +127,32 @@ def offloaded(folder: str | os.PathLike, model_class=None):
 
 
 class FolderWeights(Mapping):
-    """`{weight name: fp32 tensor}` read from safetensors files when asked (`SafetensorsFile`, no memory map):
-    what accelerate's offload hooks read a module's weights from before its forward and drop after it.
+    """`{weight name: fp32 tensor}` read from the files when asked (`sources.TensorRead`: plain reads, no memory
+    map): what accelerate's offload hooks read a module's weights from before its forward and drop after it.
 
     Args:
-        where: `{weight name: (safetensors file, tensor name in it)}`.
+        reads: `{weight name: TensorRead}`.
     """
 
-    def __init__(self, where: dict[str, tuple[Path, str]]):
-        self.where, self._files = where, {}
-
-    def _file(self, key: str) -> tuple["SafetensorsFile", str]:
-        path, name = self.where[key]
-        if path not in self._files:
-            self._files[path] = SafetensorsFile(path)
-        return self._files[path], name
+    def __init__(self, reads: dict[str, TensorRead]):
+        self.reads = reads
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.read(key)
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows `start:stop` of weight `key` in fp32 (`SafetensorsFile.read`)."""
-        file, name = self._file(key)
-        return file.read(name, torch.float32, start, stop)
+        """Rows `start:stop` of weight `key` in fp32 (`TensorRead.rows`)."""
+        return self.reads[key].rows(start, stop, torch.float32)
 
     def rows(self, key: str, indices: list[int]) -> torch.Tensor:
         """The rows `indices` of weight `key` in fp32, `(len(indices), *row shape)`."""
-        file, name = self._file(key)
-        return torch.cat([file.read(name, torch.float32, i, i + 1) for i in indices]) if indices else \
-            file.read(name, torch.float32, 0, 0)
+        return torch.cat([self.read(key, i, i + 1) for i in indices]) if indices else self.read(key, 0, 0)
 
     def __iter__(self):
-        return iter(self.where)
+        return iter(self.reads)
 
     def __len__(self) -> int:
-        return len(self.where)
+        return len(self.reads)
 
 
 def _stream_vocabulary_modules(model: torch.nn.Module, source: "FolderWeights") -> None:
