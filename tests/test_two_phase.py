@@ -493,3 +493,57 @@ def test_bf16_autocast_training_stays_close_to_fp32(block_size, routers, input_i
         if theirs is not None:
             assert ours is not None and torch.isfinite(ours).all()
             assert (ours - theirs).norm() <= bound * theirs.norm() + 1e-6
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
+def test_a_state_moved_by_a_device_hook_reads_and_writes_its_moved_buffer(block_size, input_ids, monkeypatch):
+    """Accelerate's device hooks move the depth state into a decoder layer on another device (`device_map` over
+    several devices, `send_to_device`), each tensor it holds copied on its own, views of the source buffer included.
+    The reads after the move take the moved buffer: the fewest-calls views are made again from it and the in-place
+    gradient sums (kept with the first buffer) give way to autograd's: the same logits (no grad, no grad with depth
+    weights, grad) and gradients as without the move. Emulated on CPU (`.to` copies), with fresh buffers poisoned
+    with NaN, so that a read of a stale copy shows."""
+    from accelerate.utils import send_to_device
+
+    model = tiny_model(attnres_block_size=block_size, num_hidden_layers=4).train()
+    projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(2))
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: new_empty(self, *a, **k).fill_(float("nan"))
+                        if (k.get("dtype") or self.dtype).is_floating_point else new_empty(self, *a, **k))
+
+    def results():
+        with torch.no_grad():
+            logits = [model(input_ids).logits, model(input_ids, output_depth_weights=True).logits]
+        model.zero_grad()
+        out = model(input_ids)
+        (out.logits @ projection).square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return [*logits, out.logits.detach()], grads
+
+    reference = results()
+
+    def move(module, args, kwargs):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "to", lambda self, *a, **k: self.clone())
+            return send_to_device((args, kwargs), "cpu")
+
+    model.model.layers[2].register_forward_pre_hook(move, with_kwargs=True)
+    moved = results()
+    for logits, expected in zip(moved[0], reference[0]):
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert_same_grads(moved[1], reference[1])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
+def test_autocast_gives_the_no_grad_and_the_autograd_reads_the_same_statistics(block_size, input_ids):
+    """Under CPU autocast (bf16) the key norm's statistics stay fp32 on every path: the no-grad reads
+    (`attnres_inference.py`) and the autograd ones (`inverse_rms`, once computed through `linalg.vecdot`, which
+    autocast runs in bf16: their logits then differed by 0.5-3% of the logits' scale; now measured equal) give the
+    same logits, within two bf16 steps at their scale (the fp32 reads sum in other orders, and the logits are bf16)."""
+    model = tiny_model(attnres_block_size=block_size, num_hidden_layers=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            no_grad = model(input_ids).logits.float()
+        autograd = model(input_ids).logits.detach().float()
+    scale = autograd.abs().max().item()
+    torch.testing.assert_close(no_grad, autograd, atol=2 * torch.finfo(torch.bfloat16).eps * scale, rtol=0)

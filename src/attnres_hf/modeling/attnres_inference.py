@@ -36,7 +36,10 @@ class InferenceLayout(NamedTuple):
     - `blocks`: the model's query bank transposed, times `sqrt(D)` with the key norm, split by block: `(D, S)` each
       (the pseudo-queries with their key-norm weights folded in, `_query_bank`), and `columns`, the same per router,
       `(D, 1)` each; `()` when there is no bank (hooks manage the routers' weights: each router folds its own);
-    - `tokens`: `B * T`; `root_dim`: `sqrt(D)` (1.0 without the key norm).
+    - `tokens`: `B * T`; `root_dim`: `sqrt(D)` (1.0 without the key norm);
+    - `buffer`: the buffer the views are of. Accelerate's device hooks (`device_map` over several devices) move the
+      state, and with it each of these views, as tensors of their own: the state then rebuilds the views from its
+      moved buffer (`for_buffer`).
     """
 
     slots: tuple[torch.Tensor, ...]
@@ -48,6 +51,7 @@ class InferenceLayout(NamedTuple):
     columns: tuple[torch.Tensor, ...]
     tokens: int
     root_dim: float
+    buffer: torch.Tensor
 
     @classmethod
     def build(cls, buffer: torch.Tensor, bank: torch.Tensor | None, key_norm: bool,
@@ -63,8 +67,19 @@ class InferenceLayout(NamedTuple):
             bank_t = bank.T * root_dim if key_norm else bank.T
             blocks = bank_t.split(block_size, dim=1) if block_size > 1 else ()
             columns = bank_t.split(1, dim=1) if block_size == 1 else ()
-        return cls(buffer.unbind(0), buffer.view(slots * tokens, dim), buffer.view(slots, tokens, dim).transpose(0, 1),
-                   scales, scale_slots, blocks, columns, tokens, root_dim)
+        return cls(*cls._views(buffer), scales, scale_slots, blocks, columns, tokens, root_dim, buffer)
+
+    @staticmethod
+    def _views(buffer: torch.Tensor) -> tuple:
+        slots, batch, seq, dim = buffer.shape
+        return buffer.unbind(0), buffer.view(-1, dim), buffer.view(slots, batch * seq, dim).transpose(0, 1)
+
+    def for_buffer(self, buffer: torch.Tensor) -> "InferenceLayout":
+        """This layout over `buffer`, the state's buffer after a device hook moved it (the scales and the bank, moved
+        with it, keep their values; the slot views are made again)."""
+        scale_slots = () if self.scales is None else self.scales.view(*buffer.shape[:-1], 1).unbind(0)
+        slots, flat, per_token = self._views(buffer)
+        return self._replace(slots=slots, flat=flat, per_token=per_token, scale_slots=scale_slots, buffer=buffer)
 
 
 def close(layout: InferenceLayout, slot: int, source: torch.Tensor, norm_eps: torch.Tensor) -> None:

@@ -172,8 +172,22 @@ class AttnResState(NamedTuple):
         return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
                                            None if lse is None else lse.unbind(-1), mixed.unbind(-2), bank, eps))
 
+    def on_its_buffer(self) -> "AttnResState":
+        """The state whose buffer accelerate's device hooks moved (a `device_map` over several devices calls `.to` on
+        each tensor it holds, so views of the buffer and the buffer become tensors of their own): the fewest-calls
+        views made again from the moved buffer (`InferenceLayout.for_buffer`), and the in-place gradient sums, kept
+        with the first buffer, left for autograd's own per-source sums from here on (the readers' handles take
+        both). The state itself when nothing moved."""
+        buffer, constants, grads = self.buffer, self.constants, self.grads
+        if constants is not None and constants.layout is not None and constants.layout.buffer is not buffer:
+            self = self._replace(constants=constants._replace(layout=constants.layout.for_buffer(buffer)))
+        if grads is not None and grads.buffer is not buffer:
+            self = self._replace(grads=None)
+        return self
+
     def begin_sublayer(self) -> "AttnResState":
         """Close the current block when the next sub-layer starts a new one (Eq. 6: `b_n^0` is no source)."""
+        self = self.on_its_buffer()
         if self.sublayer % self.block_size or self.partial is None:
             return self
         # AttnRes: the block's key norm statistics are computed here, once per block, not once per router.
@@ -312,6 +326,7 @@ class AttnResRouter(nn.Module):
         """
         if state.buffer is None:
             return self._stacked_forward(state)
+        state = state.on_its_buffer()  # (this router's own device hook may have moved it)
         phase1 = state.phase1
         if phase1 is not None and phase1.start <= state.sublayer < phase1.stop:
             return self._merge(state, phase1, state.sublayer - phase1.start)

@@ -269,10 +269,11 @@ def inverse_rms(x: torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
     `eps` is a float, or a 0-dim fp32 tensor holding it: then `eps + mean(x^2)` is one operation (`x . x` times
     `1/d`, added to `eps`) instead of three; a decoded token runs a hundred of these on `(1, 1, d)` inputs, where each
     operation, and the wrapping of a Python scalar into a tensor, costs microseconds (AttnRes's two-phase merge).
+    `x . x` is a product and a sum, not `linalg.vecdot`, which autocast computes in its lower precision.
     """
     x = x if x.dtype == torch.float32 else x.float()
     if isinstance(eps, torch.Tensor):
-        return torch.rsqrt(torch.add(eps, torch.linalg.vecdot(x, x), alpha=1 / x.shape[-1]))
+        return torch.rsqrt(torch.add(eps, (x * x).sum(-1), alpha=1 / x.shape[-1]))
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
