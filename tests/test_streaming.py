@@ -141,6 +141,8 @@ SOURCES = {  # (writer of the source at a path, convert options)
                                      {"attnres_block_size": 4}),
     "gguf-llama-biases-q8_0": (lambda path: _gguf_file(path, LlamaForCausalLM, LlamaConfig(
         **TINY, attention_bias=True, mlp_bias=True), "Q8_0"), {}),
+    "gguf-llama-f16-auto": (lambda path: _gguf_file(path, LlamaForCausalLM, LlamaConfig(**TINY), "F16"),
+                            {"dtype": "auto"}),  # (in memory, transformers refuses `.float()` of a GGUF model)
     "gguf-qwen2-moe": (lambda path: _gguf_file(path, Qwen2MoeForCausalLM, Qwen2MoeConfig(
         **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
         "F32"), {"dtype": "bfloat16"}),

@@ -293,6 +293,8 @@ def convert(
                     source_name or str(source), source_config.model_type, unused, tokenizer, source,
                     gguf_file=gguf_file), max_shard_size)
             load_dtype = "auto" if target_dtype == "auto" else torch.float32
+            if file_name is not None and target_dtype == "auto":  # (transformers refuses `.float()` of a GGUF model)
+                target_dtype, load_dtype = streamed.checkpoint_dtype(), torch.float32
             if file_name is not None:
                 print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
                       flush=True)
