@@ -17,7 +17,7 @@ Full AttnRes (`S = 1`). Workloads:
 
 The counts do not depend on the hidden size, the vocabulary or the batch (`--smoke` counts at a tiny width to show
 it; tests/test_op_count.py holds the counts at that width), only on the layer count, the block size and the code
-paths. Targets (`TARGETS`, issue 38): the ratio to Llama's count, PASS when at or below it (one count, no interval).
+paths. Targets (`TARGETS`): the ratio to Llama's count, PASS when at or below it (one count, no interval).
 
     python benchmarks/op_count.py                                   # the table, a few seconds
     python benchmarks/op_count.py --results docs/results/op_count.md   # the table in docs/speed.md
@@ -39,7 +39,7 @@ from overhead import SMOKE, SMOLLM2_135M, build_models  # noqa: E402  (the bench
 
 WORKLOADS = ("decode", "prefill", "train")
 PROMPT_LEN, PREFILL_LEN, TRAIN_LEN = 16, 32, 32
-TARGETS = {  # model -> {workload: largest ratio of aten calls to Llama's} (issue 38)
+TARGETS = {  # model -> {workload: largest ratio of aten calls to Llama's}
     "block": dict(decode=1.10, prefill=1.10, train=1.20),
     "full": dict(decode=1.20, train=1.50),
 }

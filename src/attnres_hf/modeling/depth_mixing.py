@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .lazy_records import LazyModule, LazyTable
-from .mixing_base import DepthMixingMethod, stacked_norms
+from .mixing_base import DepthMixingMethod, ResidualState, stacked_norms
 
 
 # The methods' modules, imported when a method's record is first read (`DEPTH_MIXING[name]`): a configuration reads
@@ -74,7 +74,7 @@ _METHODS = (
         name="residual",
         title="standard residual stream (the baseline)",
         card="Standard residual connections: the backbone's own model (the baseline of the family).",
-        state=attnres.ResidualState,
+        state=ResidualState,
     ),
     DepthMixingMethod(
         name="attnres",

@@ -1,5 +1,6 @@
-"""The residual baseline and Attention Residuals (Kimi Team, "Attention Residuals", arXiv:2603.15031, Eq. 1-4 and 6;
-the ablation knobs of its Table 4): their depth states, the router module and the modules that hold the routers.
+"""Attention Residuals (Kimi Team, "Attention Residuals", arXiv:2603.15031, Eq. 1-4 and 6;
+the ablation knobs of its Table 4): its depth state, the router module and the modules that hold the routers (the
+residual baseline's state is `mixing_base.ResidualState`).
 
 The router's pieces are siblings: the plain reference router and the sources of each router (`attnres_reference.py`),
 the source buffer and its autograd Functions (`attnres_buffer.py`), and two-phase block inference
@@ -28,31 +29,6 @@ from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           routed_sublayers, stacked_norms)
 from .torch_internals import functorch_active
-
-
-class ResidualState(NamedTuple):
-    """Standard residual stream (`depth_mixing="residual"`): `h_{l+1} = h_l + f_l(Norm(h_l))`. No modules."""
-
-    hidden: torch.Tensor  # (B, T, D)
-
-    @classmethod
-    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "ResidualState":
-        return cls(embeddings)
-
-    def read_attn(self, mixing) -> DepthRead:
-        return DepthRead(self, self.hidden)
-
-    def write_attn(self, mixing, output: torch.Tensor) -> DepthWrite:
-        return DepthWrite(ResidualState(self.hidden + output))
-
-    def read_mlp(self, mixing) -> DepthRead:
-        return DepthRead(self, self.hidden)
-
-    def write_mlp(self, mixing, output: torch.Tensor) -> DepthWrite:
-        return DepthWrite(ResidualState(self.hidden + output))
-
-    def read_final(self, mixing) -> DepthRead:
-        return DepthRead(self, self.hidden)
 
 
 def attnres_source_norms(state: "AttnResState") -> torch.Tensor:

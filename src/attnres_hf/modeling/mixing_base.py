@@ -14,6 +14,9 @@ hooks with one return shape each:
 `record.layer_modules.build(config, layer_idx)` / `record.final_modules.build(config)`; its field names are the
 attribute names, hence the parameter-name prefixes `model.layers.N.<field>.` and `model.<field>.`.
 
+`ResidualState` is the contract at its simplest: the standard residual stream (`depth_mixing="residual"`), the
+baseline.
+
 Sub-layers: attention and MLP each count as one (a "layer" in the AttnRes paper); `num_hidden_layers = L` gives
 `2 L`. All mixing weights, norms, softmax and sigmoid run in fp32; outputs are cast back to the stream's dtype.
 
@@ -293,3 +296,28 @@ def stacked_norms(sources) -> torch.Tensor:
 def sublayer_name(index: int) -> str:
     """`0.attn`, `0.mlp`, `1.attn`, ...: sub-layer `2 i` is the attention of layer `i`, `2 i + 1` its MLP."""
     return f"{index // 2}.{'attn' if index % 2 == 0 else 'mlp'}"
+
+
+class ResidualState(NamedTuple):
+    """Standard residual stream (`depth_mixing="residual"`): `h_{l+1} = h_l + f_l(Norm(h_l))`. No modules."""
+
+    hidden: torch.Tensor  # (B, T, D)
+
+    @classmethod
+    def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "ResidualState":
+        return cls(embeddings)
+
+    def read_attn(self, mixing) -> DepthRead:
+        return DepthRead(self, self.hidden)
+
+    def write_attn(self, mixing, output: torch.Tensor) -> DepthWrite:
+        return DepthWrite(ResidualState(self.hidden + output))
+
+    def read_mlp(self, mixing) -> DepthRead:
+        return DepthRead(self, self.hidden)
+
+    def write_mlp(self, mixing, output: torch.Tensor) -> DepthWrite:
+        return DepthWrite(ResidualState(self.hidden + output))
+
+    def read_final(self, mixing) -> DepthRead:
+        return DepthRead(self, self.hidden)
