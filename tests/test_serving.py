@@ -86,8 +86,8 @@ def _running_server(folder, log: Path, *options: str):
         yield base
     finally:
         process.terminate()
-        try:
-            process.wait(timeout=20)
+        try:  # (a continuous-batching server outlives SIGTERM: it is killed after this wait)
+            process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=20)
