@@ -11,6 +11,7 @@ model's, identity reads), `fla_source.FlaStreamSource`, `k3_source.K3StreamSourc
 way with the same `TensorRead`s, and checks what it wrote by reading it back through the importer's `Source`.
 """
 
+import abc
 import json
 import math
 import os
@@ -199,7 +200,7 @@ class TensorRead:
         return cls(tuple(shape), dtype, where, read_rows)
 
 
-class Source:
+class Source(abc.ABC):
     """A checkpoint read tensor by tensor: the interface `streaming.stream_plan` and `offloaded.offloaded` read.
 
     Attributes:
@@ -229,10 +230,10 @@ class Source:
         """`{checkpoint tensor name: StoredTensor}` from the headers (no tensor data read)."""
         return stored_tensors(self.files or [])
 
+    @abc.abstractmethod
     def reads(self) -> dict[str, TensorRead]:
-        """`{AttnRes model tensor name: TensorRead}`: the name map and the per-tensor transforms. Tensors the model
-        has no place for are left out (the caller finds the model's tensors without a read)."""
-        raise NotImplementedError
+        """`{AttnRes model tensor name: TensorRead}`: the name map and the per-tensor transforms, each source kind's
+        own. Tensors the model has no place for are left out (the caller finds the model's tensors without a read)."""
 
     def checkpoint_dtype(self) -> torch.dtype:
         """The dtype `dtype="auto"` writes: transformers' `from_pretrained(dtype="auto")`'s, the config's `dtype`
