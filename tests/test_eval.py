@@ -65,15 +65,15 @@ def test_one_task_manager_per_pack_and_data_folder(tmp_path, monkeypatch):
     built = []
 
     class Manager:
-        def __init__(self, include_path, metadata):
-            built.append((include_path, metadata))
+        def __init__(self, include_path, include_defaults, metadata):
+            built.append((include_path, include_defaults, metadata))
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", Manager)
     harness._task_manager.cache_clear()
     try:
         first, again, other = (harness.task_manager(tmp_path / d) for d in ("a", "a", "b"))
         assert first is again and other is not first
-        assert built == [(str(harness.task_dir()), {"data_dir": str(tmp_path / d)}) for d in ("a", "b")]
+        assert built == [(str(harness.task_dir()), False, {"data_dir": str(tmp_path / d)}) for d in ("a", "b")]
     finally:
         harness._task_manager.cache_clear()  # the other tests build lm-eval's own
 

@@ -56,9 +56,9 @@ logging.getLogger("lm_eval.api.task").addFilter(_PackNoticeFilter())
 
 
 def task_manager(data_dir: str | os.PathLike | None = None):
-    """An lm-eval `TaskManager` that knows the pack's tasks and reads local data from `data_dir`: one per process and
-    folder pair. Building one indexes every YAML file of lm-eval's own tasks (about 6 s on a CPU core); it keeps only
-    that index and builds fresh task objects on every load, so runs share it."""
+    """An lm-eval `TaskManager` that knows the pack's tasks (only those: `run_lm_eval` runs nothing else, and indexing
+    every YAML file of lm-eval's own tasks took 6 s or more of each process on a 2-core CPU, the pack's under 2 s) and reads local data from `data_dir`: one per process and folder pair. It keeps only the index and builds
+    fresh task objects on every load, so runs share it."""
     return _task_manager(str(task_dir()), str(data_dir or default_data_dir()))
 
 
@@ -66,7 +66,7 @@ def task_manager(data_dir: str | os.PathLike | None = None):
 def _task_manager(include_path: str, data_dir: str):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path, metadata={"data_dir": data_dir})
+    return TaskManager(include_path=include_path, include_defaults=False, metadata={"data_dir": data_dir})
 
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
