@@ -206,24 +206,93 @@ def test_the_cli_streams_on_request_and_prints_the_check(tmp_path, capsys):
     assert json.loads((tmp_path / "out2" / "conversion_report.json").read_text())["conversion"]["mode"] == "in-memory"
 
 
-def test_what_cannot_stream_says_why(tmp_path):
-    """A `.bin` folder and an MoE checkpoint whose per-expert tensors transformers fuses: `stream=True` is one line
-    naming why, before anything is written; `auto` converts them in memory and the report says why."""
+MOE_AND_BIN = {  # the checkpoints whose tensors are not the model's one by one
+    "mixtral-per-expert": lambda folder: write_source(folder, MixtralConfig, MixtralForCausalLM, {
+        "num_local_experts": 3, "num_experts_per_tok": 2}),  # `block_sparse_moe.experts.0.w1.weight`, ... as saved
+    "qwen2-moe-shared-expert": lambda folder: write_source(folder, Qwen2MoeConfig, Qwen2MoeForCausalLM, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
+    "bin": lambda folder: _bin_folder(folder, None),
+    "bin-sharded": lambda folder: _bin_folder(folder, 3),
+}
+
+
+def _bin_folder(folder: Path, shards: int | None) -> None:
+    """A tiny Llama as PyTorch `.bin` weights (what older Hub repositories hold, `torch.save` of the state dict):
+    `pytorch_model.bin`, or `shards` files `pytorch_model-0000K-of-0000N.bin` with their index."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY))
-    model.config.save_pretrained(tmp_path / "bin")
-    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # what older Hub repos hold
-    # saved per expert (`block_sparse_moe.experts.0.w1.weight`), fused by transformers into `mlp.experts.gate_up_proj`
-    write_source(tmp_path / "moe", MixtralConfig, MixtralForCausalLM, {"num_local_experts": 2,
-                                                                       "num_experts_per_tok": 1})
-    for folder, reason in (("bin", ".bin files"), ("moe", "weight conversions")):
-        with pytest.raises(ValueError, match=f"cannot be converted streamed: .*{reason}"):
-            convert(tmp_path / folder, tmp_path / f"out-{folder}", stream=True)
-        assert not (tmp_path / f"out-{folder}").exists()
-    report = convert(tmp_path / "moe", tmp_path / "moe-out")
-    assert report["conversion"]["mode"] == "in-memory" and "weight conversions" in report["conversion"]["why"]
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    state = model.state_dict()
+    if shards is None:
+        torch.save(state, folder / "pytorch_model.bin")
+        return
+    names, weight_map = list(state), {}
+    for k in range(shards):
+        file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+        part = {name: state[name] for name in names[k::shards]}
+        torch.save(part, folder / file)
+        weight_map |= dict.fromkeys(part, file)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("case", list(MOE_AND_BIN))
+def test_moe_and_bin_checkpoints_stream_as_transformers_loads_them(case, tmp_path):
+    """Per-expert MoE tensors (stacked and concatenated into `gate_up_proj` / `down_proj` by transformers' own
+    operations, one expert at a time) and `.bin` weights (read through a memory map): the streamed folder is the
+    in-memory conversion's, tensor for tensor, and the check compares the logits."""
+    MOE_AND_BIN[case](tmp_path / "src")
+    if case.startswith("mixtral"):
+        assert any(".experts.0.w1.weight" in name for name in json.loads(
+            (tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"])
+    streamed, _ = converted_both_ways(tmp_path / "src", tmp_path, {"dtype": "auto"})
+    assert streamed["verification"]["max_abs_logit_delta"] <= 1e-5 * max(1.0, streamed["verification"][
+        "source_max_abs_logit"]) and streamed["verification"]["greedy_match"]
+
+
+def test_a_weight_transformers_builds_whole_is_read_whole_as_it_builds_it(tmp_path):
+    """Kimi Linear's short convolutions (`q_conv1d`, `k_conv1d`, `v_conv1d` concatenated into `conv1d` along the
+    channels: an operation not per expert) read whole through transformers' own `Concatenate`, equal to the weights
+    `from_pretrained` loads; the per-expert weights row by row, equal too."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from attnres_hf.conversion.hf_stream import HFSource
+
+    config = KimiLinearConfig(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                              num_experts=3, num_experts_per_token=2, first_k_dense_replace=1,
+                              linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
+                                                  "head_dim": 16, "short_conv_kernel_size": 4})
+    torch.manual_seed(0)
+    KimiLinearForCausalLM(config).save_pretrained(tmp_path / "src")
+    stored = json.loads((tmp_path / "src" / "config.json").read_text())
+    loaded = KimiLinearForCausalLM.from_pretrained(tmp_path / "src").state_dict()
+    reads = HFSource(tmp_path / "src", KimiLinearConfig(**{k: v for k, v in stored.items() if k != "model_type"})).reads()
+    whole = [name for name in reads if name.endswith("conv1d.weight")]
+    per_expert = [name for name in reads if name.endswith("gate_up_proj")]
+    assert whole and per_expert
+    for name in whole + per_expert + [name for name in loaded if name.endswith("down_proj")]:
+        assert torch.equal(reads[name].rows(), loaded[name]), name
+        assert torch.equal(reads[name].rows(1, 2), loaded[name][1:2]), name
+
+
+def test_what_cannot_stream_says_why(tmp_path, monkeypatch):
+    """A tensor of a dtype the streamed reader does not read: `stream=True` is one line naming it, before anything is
+    written; `auto` converts it in memory and the report says why."""
+    from safetensors.torch import save_file
+
+    write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {}, shard="10GB")
+    state = load_file(tmp_path / "src" / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.float8_e4m3fn)
+    save_file(state, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="cannot be converted streamed: .*dtype streaming does not read .*model.norm"):
+        convert(tmp_path / "src", tmp_path / "out", stream=True)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(streaming, "STREAM_ABOVE_BYTES", 0)
+    report = convert(tmp_path / "src", tmp_path / "auto")
+    assert report["conversion"]["mode"] == "in-memory" and "dtype streaming does not read" in report["conversion"]["why"]
     with pytest.raises(TypeError, match="stream must be True, False or 'auto'"):
-        convert(tmp_path / "moe", tmp_path / "x", stream="yes")
+        convert(tmp_path / "src", tmp_path / "x", stream="yes")
 
 
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from .hf_source import unused_config_keys
 from .k3_source import (K3StreamSource, check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source,
                         load_k3_model, verify_k3_tensors)
 from .model_card import model_card
-from .sources import HFSource
+from .hf_stream import HFSource
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, check_representable,
                        load_source, load_source_config, retrofit, retrofit_config, split_gguf_path)
 from .verify import PROBE_TEXT, verify_conversion

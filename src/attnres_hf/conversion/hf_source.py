@@ -125,12 +125,8 @@ def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | 
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from ..modeling import backbones
-
     with _quiet_transformers():
-        with torch.device("meta"):  # on a copy: from_config sets the attention and experts implementations in it
-            # the family's own causal LM (what AutoModelForCausalLM maps it to; kimi_k3 has no Auto entry)
-            model = backbones.BACKBONES[config.model_type].causal_lm._from_config(copy.deepcopy(config))
+        model = _meta_model(config)
         load = LoadStateDictConfig(device_map={"": "meta"}, weight_mapping=get_model_conversion_mapping(model))
         info, _ = convert_and_load_state_dict_in_model(model, dict(tensors), load)
         model._adjust_missing_and_unexpected_keys(info)  # transformers' own exceptions (e.g. legacy inv_freq buffers)
@@ -156,6 +152,16 @@ def check_folder_tensors(config, tensors: dict[str, torch.Tensor], where: str | 
         raise ValueError(f"{where}: the weight files do not cover the {config.model_type} model its config.json "
                          "builds (transformers would initialise what is missing at random and drop the rest); "
                          f"{'; '.join(problems)}")
+
+
+def _meta_model(config):
+    """The family's own causal LM of `config` (what `AutoModelForCausalLM` maps it to; `kimi_k3` has no Auto entry)
+    on the meta device, built from a copy of `config` (`from_config` sets the attention and experts implementations
+    in it): no weight memory."""
+    from ..modeling import backbones
+
+    with _quiet_transformers(), torch.device("meta"):
+        return backbones.BACKBONES[config.model_type].causal_lm._from_config(copy.deepcopy(config))
 
 
 def _missing_summary(missing: list[str], expected: set[str], tensors: dict, config) -> str:

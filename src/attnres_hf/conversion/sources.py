@@ -5,9 +5,10 @@ without reading a weight: the backbone's transformers config (`config`), the sto
 from the files' headers (`stored`), and for each tensor of the AttnRes model the `TensorRead` that gives its values,
 rows at a time: the name map from the checkpoint's names to the model's and the per-tensor transforms (a pseudo-query
 `[1, D]` read as `[D]`, K3's convolutions concatenated, per-expert weights stacked, MXFP4 experts dequantised), each
-read only when its rows are asked for. Implementations: `HFSource` (a transformers folder: the family's names are the
-model's, identity reads), `fla_source.FlaStreamSource`, `k3_source.K3StreamSource` and `gguf_source.GGUFSource`
-(each tensor dequantised by the `gguf` package a row range at a time). `export.py` reads an AttnRes folder the other
+read only when its rows are asked for. Implementations: `hf_stream.HFSource` (a transformers folder, safetensors or
+`.bin`, under the names transformers' loading gives its tensors), `fla_source.FlaStreamSource`,
+`k3_source.K3StreamSource` and `gguf_source.GGUFSource` (each tensor dequantised by the `gguf` package a row range at
+a time). `export.py` reads an AttnRes folder the other
 way with the same `TensorRead`s, and checks what it wrote by reading it back through the importer's `Source`.
 """
 
@@ -256,21 +257,6 @@ class Source(abc.ABC):
     def generation_config(self):
         """The generation config `from_pretrained` gives the source model (`generation_config_of`)."""
         return generation_config_of(self.path, self.config)
-
-
-class HFSource(Source):
-    """A transformers model folder of safetensors weights: its family's tensor names are the AttnRes model's
-    (`families.map_keys` is the identity), so every tensor reads as it is stored.
-
-    Args:
-        folder: the folder; `config`: its config, checked by `retrofit.load_source_config`.
-    """
-
-    def __init__(self, folder: str | os.PathLike, config):
-        super().__init__(folder, config, safetensors_files(Path(folder)))
-
-    def reads(self) -> dict[str, TensorRead]:
-        return identity_reads(self.stored())
 
 
 def identity_reads(stored: dict[str, StoredTensor]) -> dict[str, TensorRead]:
