@@ -750,3 +750,23 @@ def test_post_training_routing_smoke_runs_every_arm_on_the_same_batches_and_writ
     assert "base_training" not in again and "Base: loaded from `" in post_training.report(again)
     for key in ("accuracy", "nll", "book_nll"):
         assert again["arms"][post_training.BASE][key] == pytest.approx(arms[post_training.BASE][key])
+
+
+def test_scale_use_judges_each_step_by_the_machines_memory(monkeypatch):
+    """benchmarks/scale_use.py's table (its 8B run is a benchmark, not a test): a row whose steps all peak under the
+    machine's memory passes, one that does not fails, and an eval that gave no score says so."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import scale_use
+
+    row = {"case": "llama-3-8b", "parameters": 8.03e9, "model_bytes": 16.06e9, "convert_s": 300.0,
+           "convert_peak_gb": 1.3, "eval_task": "arc_easy", "eval_limit": 4, "eval_s": 200.0, "eval_peak_gb": 17.0,
+           "eval_scored": True, "qlora_steps": 3, "qlora_seq_len": 128, "qlora_s": 900.0, "qlora_peak_gb": 9.0,
+           "qlora_losses_logged": 3}
+    monkeypatch.setattr(scale_use, "_machine_gib", lambda: 23.5)
+    text = scale_use.format_table([row])
+    assert "| llama-3-8b | 8.03B | 16.06 GB | 300 s | 1.30 GB | arc_easy, 4 questions: 200 s | 17.00 GB |" in text
+    assert text.rstrip().endswith("every step within the machine's memory (23.5 GiB): PASS")
+    text = scale_use.format_table([row | {"eval_peak_gb": 26.0, "eval_scored": False}])
+    assert "(no score)" in text and text.rstrip().endswith("FAIL")
+    assert scale_use._scored({"rows": [{"benchmark": "arc_easy", "model": 0.25}]}, "arc_easy")
+    assert not scale_use._scored({"rows": [{"benchmark": "arc_easy", "model": None}]}, "arc_easy")

@@ -211,14 +211,14 @@ MOE_AND_BIN = {  # the checkpoints whose tensors are not the model's one by one
         "num_local_experts": 3, "num_experts_per_tok": 2}),  # `block_sparse_moe.experts.0.w1.weight`, ... as saved
     "qwen2-moe-shared-expert": lambda folder: write_source(folder, Qwen2MoeConfig, Qwen2MoeForCausalLM, {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
-    "bin": lambda folder: _bin_folder(folder, None),
     "bin-sharded": lambda folder: _bin_folder(folder, 3),
 }
 
 
 def _bin_folder(folder: Path, shards: int | None) -> None:
     """A tiny Llama as PyTorch `.bin` weights (what older Hub repositories hold, `torch.save` of the state dict):
-    `pytorch_model.bin`, or `shards` files `pytorch_model-0000K-of-0000N.bin` with their index."""
+    `pytorch_model.bin`, or `shards` files `pytorch_model-0000K-of-0000N.bin` with their index (a single file is
+    read the same way, by `hf_stream.bin_files`)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY))
     model.config.save_pretrained(folder)
