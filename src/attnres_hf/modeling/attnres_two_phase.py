@@ -9,6 +9,7 @@ Travels with checkpoints as remote code (a relative import of `mixing_attnres.py
 siblings `attnres_buffer.py`, `attnres_inference.py`, `mixing_base.py` and `torch_internals.py`.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -210,20 +211,33 @@ class _PartialMerge(torch.autograd.Function):
         hidden, logit, *columns = _merge_partial(partial, mixed, query, lse, eps, key_norm)
         ctx.buffer, ctx.n, ctx.softmax = buffer, n, lse is not None
         ctx.save_for_backward(weights, partial, query, *columns)
+        ctx.rebuild_inputs = (weights, partial, columns[2])  # (taken by `rebuilder`: the arguments of `rebuild`)
         ctx.set_materialize_grads(False)
         return hidden, logit
+
+    @staticmethod
+    def rebuild(ctx, weights, partial, share) -> torch.Tensor:
+        """The merged output `(B, T, D)` again (`DepthRead.recompute`, for the sub-layer's norm's backward, which runs
+        before this Function's): `mixed` recomputed from the buffer and `weights` (and kept on `ctx` for the softmax
+        backward, which needs it next), merged with the partial sum by its `share` `(B, T, 1)` fp32."""
+        ctx.mixed = mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)
+        if ctx.softmax:
+            return torch.lerp(partial, mixed, _as(share, partial.dtype))
+        return torch.addcmul(mixed, _as(share, partial.dtype), partial)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_hidden, grad_logit):
         weights, partial, query, logit, inv, share, complement = ctx.saved_tensors  # (B, T, 1) columns but `weights`
+        mixed, ctx.mixed = getattr(ctx, "mixed", None), None  # (`rebuild`'s, when the norm's backward called it)
         values = _as(partial, query.dtype)  # the arithmetic in fp32, as in the forward
         grad_mixed = grad_lse = None
         grad_p = None if grad_logit is None else grad_logit.unsqueeze(-1)  # (B, T, 1)
         if grad_hidden is not None:
             grad = _as(grad_hidden, query.dtype)
             if ctx.softmax:
-                mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)  # forward's value, recomputed
+                if mixed is None:  # the forward's value, recomputed
+                    mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)
                 grad_lse = (grad * (_as(mixed, query.dtype) - values)).sum(-1, keepdim=True) * (share * complement)
                 grad_p = -grad_lse if grad_p is None else grad_p - grad_lse
                 grad_mixed, kept = grad * share, complement  # `kept`: the partial sum's own share of the output
@@ -245,3 +259,41 @@ class _PartialMerge(torch.autograd.Function):
         grad_partial = grad_values if grad_hidden is None else torch.addcmul(grad_values, grad, kept)
         grad_mixed = None if grad_mixed is None else _as(grad_mixed, ctx.buffer.dtype)
         return None, None, None, _as(grad_partial, partial.dtype), grad_mixed, grad_query, grad_lse, None, None
+
+
+class _BlockRead(torch.autograd.Function):
+    """The first read of a block with gradients: router `j`'s phase-1 sum `mixed (B, T, D)` (a view of the block's
+    `(B, T, S, D)` sum) as a tensor of its own (contiguous), which backward rebuilds from the source buffer and the
+    router's phase-1 weights `weights (B, T, n)` (buffer dtype, detached, as `_PartialMerge`'s) instead of keeping it
+    (`rebuild`; the sub-layer's norm would keep it otherwise). The gradient passes through to `mixed`."""
+
+    @staticmethod
+    def forward(ctx, buffer, n, weights, mixed):
+        ctx.buffer, ctx.n, ctx.rebuild_inputs = buffer, n, (weights,)
+        return mixed.clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def rebuild(ctx, weights) -> torch.Tensor:
+        """The output `(B, T, D)` again (`DepthRead.recompute`)."""
+        return _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return None, None, None, grad
+
+
+def rebuilder(hidden: torch.Tensor):
+    """`DepthRead.recompute` for a router's output `hidden`: the rebuild of the Function that made it
+    (`_PartialMerge`, `_BlockRead`), or `None` for any other (the direct reads, a rescaled output, no gradients,
+    traced code). The rebuild holds its inputs itself, taken from the Function's node (which then no longer holds
+    them), so it needs no saved tensor of the node (compiled autograd moves those out of it before its graph runs),
+    and a read whose rebuild is dropped (`DepthRead.normed` under a checkpoint's hooks) keeps nothing alive."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    node = hidden.grad_fn
+    function = getattr(type(node), "_forward_cls", None)  # (a custom Function's backward node names its Function)
+    if function not in (_PartialMerge, _BlockRead):
+        return None
+    inputs, node.rebuild_inputs = node.rebuild_inputs, None
+    return functools.partial(function.rebuild, node, *inputs)

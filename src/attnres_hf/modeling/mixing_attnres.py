@@ -25,7 +25,8 @@ from .attnres_inference import close as close_source, direct as lean_direct, pha
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
-                                _merge_partial, _merged_weights, _PartialMerge, _two_phase_applies)
+                                _merge_partial, _merged_weights, _BlockRead, _PartialMerge, _two_phase_applies,
+                                rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           routed_sublayers, stacked_norms)
 from .torch_internals import functorch_active
@@ -56,6 +57,11 @@ class AttnResState(NamedTuple):
     "input_dependent"`, `attnres_scalar_weights`), and every forward under a `torch.func` transform, keep the direct
     path over a stacked `(B, T, n, D)` tensor, grown by one source per closed block (`stacked`); the numbers are the
     same either way.
+
+    Training memory (Kimi K3's recipe, eager, the two-phase path): the block sums are built once and shared through
+    the buffer, and the reads' outputs are rebuilt in backward for the sub-layers' norms instead of kept
+    (`DepthRead.recompute`, `AttnResRouter._merge`), so each sub-layer keeps its partial sum where a residual model
+    keeps its stream (tests/test_training_memory.py).
 
     Gradient checkpointing: a replayed layer rewrites its block's slot with the same values, after every reader of
     that slot ran its backward; the state itself is immutable.
@@ -192,7 +198,7 @@ class AttnResState(NamedTuple):
     def _route(self, router) -> DepthRead:
         state = self.begin_sublayer()
         hidden, weights = router(state)
-        return DepthRead(state, hidden, None, () if weights is None else (weights,))
+        return DepthRead(state, hidden, None, () if weights is None else (weights,), rebuilder(hidden))
 
     def read_final(self, mixing) -> DepthRead:
         # The last block stays a partial sum: the same sources and numbers as closing it first.
@@ -405,16 +411,20 @@ class AttnResRouter(nn.Module):
         completed sources keep the share `sigmoid(lse - p)` of the softmax mass and the partial sum gets
         `sigmoid(p - lse)`, so `h = lerp(partial, mixed_j, sigmoid(lse - p))`: the online-softmax update (running
         max and normaliser folded into `lse`). Sigmoid scores: `h = mixed_j + sigmoid(p) partial`. With gradients
-        the merge is `_PartialMerge`, which keeps the partial sum for backward but not `mixed_j` (recomputed), so a
-        block's training memory is one partial sum per router more than the residual stream's. Without gradients
-        and depth weights it is `_merge_inference` (the same numbers in fewer operations).
+        the merge is `_PartialMerge`, which keeps the partial sum for backward but not `mixed_j` (recomputed), and
+        the block's first read is `_BlockRead`, which keeps nothing; both outputs are rebuilt in backward for the
+        sub-layer's norm (`DepthRead.normed`), which then keeps no copy of them: a block's training memory is the
+        residual stream's (Kimi K3's recipe). Without gradients and depth weights the merge is `_merge_inference`
+        (the same numbers in fewer operations).
         """
         probs, mixed, partial = phase1.probs[j], phase1.mixed[j], state.partial
         count = len(state.sources)
         if partial is None:  # the block's first sub-layer: the completed sources only
             hidden, weights = mixed, probs
-            if torch.is_grad_enabled() and mixed.requires_grad:  # its own storage: the sub-layer's norm saves it,
-                hidden = mixed.clone()  # which must not keep the block's whole (B, T, S, D) phase-1 sum alive
+            if torch.is_grad_enabled() and mixed.requires_grad:  # its own storage, which backward rebuilds: the
+                # sub-layer's norm must not keep the block's whole (B, T, S, D) phase-1 sum alive, nor this copy
+                hidden = mixed.clone() if torch.compiler.is_compiling() else _BlockRead.apply(
+                    state.buffer, count, _as(probs, state.buffer.dtype).detach(), mixed)
         else:
             count += 1
             lse = phase1.lse[j] if phase1.lse is not None else None

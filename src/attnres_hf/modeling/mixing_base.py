@@ -20,7 +20,7 @@ baseline.
 Sub-layers: attention and MLP each count as one (a "layer" in the AttnRes paper); `num_hidden_layers = L` gives
 `2 L`. All mixing weights, norms, softmax and sigmoid run in fp32; outputs are cast back to the stream's dtype.
 
-Travels with checkpoints as remote code: imports only torch and transformers.
+Travels with checkpoints as remote code: imports only torch, transformers and its sibling `torch_internals.py`.
 """
 
 import functools
@@ -30,6 +30,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
+
+from .torch_internals import saved_tensors_hooks_active
 
 
 class DepthRead(NamedTuple):
@@ -42,6 +44,10 @@ class DepthRead(NamedTuple):
       or `None` when `hidden` feeds all three projections (and always for the MLP and the final read).
     - `depth_weights`: the weights the read computed, fp32 (empty when it computed none); see the record's
       `depth_weights` text for their shape.
+    - `recompute`: `None`, or a function of no arguments that rebuilds `hidden` (the same shape, strides and dtype;
+      the same values up to rounding) from what backward keeps anyway: then the sub-layer's norm, called through
+      `normed`, does not keep `hidden` for backward (AttnRes's Block training: Kimi K3's recipe, the reads recomputed
+      in backward, so the depth mixing keeps a residual's memory).
 
     `hidden` and `key_value` are contiguous (row-major), as a residual stream is: some kernels of the projections
     they feed read them so whatever their strides (bitsandbytes' AVX-512 BF16 4-bit CPU kernel).
@@ -51,6 +57,48 @@ class DepthRead(NamedTuple):
     hidden: torch.Tensor
     key_value: tuple[torch.Tensor, torch.Tensor] | None = None
     depth_weights: tuple[torch.Tensor, ...] = ()
+    recompute: Callable[[], torch.Tensor] | None = None
+
+    def normed(self, norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`norm(self.hidden)`. With `recompute` (eager, gradients on, and no other saved-tensor hooks active: those
+        of torch's non-reentrant checkpoint, which keeps none of it anyway, or of activation offloading must see
+        what `norm` saves), what `norm` saves for backward that is
+        `hidden` itself (same data, shape, strides and dtype: an RMSNorm saves its input) is saved as a token
+        instead, and backward rebuilds it with `recompute()` when it unpacks it (autograd's saved-tensor hooks, the
+        mechanism of torch's non-reentrant checkpoint); what else `norm` saves is kept as usual. A norm that saves
+        `hidden` several times (an RMSNorm: for `x^2` and for `x / rms`) gets one rebuild per backward pass, kept
+        until the last of them is unpacked."""
+        hidden, recompute = self.hidden, self.recompute
+        if (recompute is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or saved_tensors_hooks_active()):
+            return norm(hidden)
+        # (the key is plain numbers: the hooks live as long as the saved tensors, and must not keep `hidden` alive)
+        key = (hidden.data_ptr(), hidden.shape, hidden.stride(), hidden.dtype)
+        tokens = []  # one per save of `hidden`
+        rebuilt = []  # [tensor, unpacks left] during a backward pass
+
+        def pack(tensor: torch.Tensor):
+            if (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype) != key:
+                return tensor
+            tokens.append(_REBUILT)
+            return _REBUILT
+
+        def unpack(packed):
+            if packed is not _REBUILT:
+                return packed
+            if not rebuilt:
+                rebuilt[:] = [recompute(), len(tokens)]
+            tensor, rebuilt[1] = rebuilt[0], rebuilt[1] - 1
+            if not rebuilt[1]:
+                rebuilt.clear()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return norm(hidden)
+
+
+_REBUILT = object()
+"""The token `DepthRead.normed` saves in place of the read's `hidden`."""
 
 
 class DepthWrite(NamedTuple):

@@ -120,7 +120,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 key_input, value_input = (norm(x) for x in attn_read.key_value)
                 self._key_value_routing.route(attention, key_input, value_input)
             hidden_states = attention(
-                hidden_states=norm(attn_read.hidden),
+                hidden_states=attn_read.normed(norm),
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 cache=cache,
@@ -133,7 +133,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             attn_write = attn_read.state.write_attn(mixing, self._finish(self._attention, hidden_states))
 
             mlp_read = attn_write.state.read_mlp(mixing)
-            hidden_states = self._modules[self._mlp_module](self._modules[self._mlp.norm](mlp_read.hidden))
+            hidden_states = self._modules[self._mlp_module](mlp_read.normed(self._modules[self._mlp.norm]))
             mlp_write = mlp_read.state.write_mlp(mixing, self._finish(self._mlp, hidden_states))
             weights = (*attn_read.depth_weights, *attn_write.depth_weights, *mlp_read.depth_weights,
                        *mlp_write.depth_weights)
@@ -399,7 +399,7 @@ class AttnResModel(AttnResPreTrainedModel):
             depth_weights += layer_depth_weights
 
         final = state.read_final(registered_modules(self, self._mixing_type))
-        last_hidden_state = self.norm(final.hidden)
+        last_hidden_state = final.normed(self.norm)
         depth_weights += final.depth_weights
         # AttnRes: the family's output class (MoE: `MoeModelOutputWithPast`) plus `depth_weights`, tuple order included
         return DEPTH_WEIGHTS_OUTPUTS[adapter.model_output](

@@ -14,13 +14,16 @@ missing (another torch version) or cannot serve (tracing, `torch.func` transform
   the depth state keeps its sources stacked and read by plain torch operations (the source buffer is written in place
   and read by custom autograd Functions, which those transforms do not take). Fallback: `torch.func.debug_unwrap`
   tells whether a given tensor is one of the transforms' wrappers.
+- `_top_saved_tensors_default_hooks`: the innermost saved-tensor hooks active (torch's non-reentrant checkpoint,
+  activation offloading, a user's), which the reads' own hooks must not shadow (`mixing_base.DepthRead.normed`).
+  Fallback: assume some are active, so the reads' outputs are kept for backward, not rebuilt (the same numbers).
 - `torch._dynamo.config`, whose recompile limit `compile_repeated_blocks` raises while a decoder layer runs (looked
   up when asked: importing dynamo takes a second). Fallback: the limit left as it is.
 
 Set any of the module-level names to `None` to take its fallback (the tests do).
 
 Travels with checkpoints as remote code (relative imports of `attnres_buffer.py`, `attnres_two_phase.py`,
-`mixing_attnres.py` and `modeling_attnres.py`): imports only torch.
+`mixing_attnres.py`, `mixing_base.py` and `modeling_attnres.py`): imports only torch.
 """
 
 import contextlib
@@ -36,6 +39,8 @@ queue_callback: Callable[[Callable[[], None]], None] | None = getattr(
 global_forward_pre_hooks: dict | None = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)
 are_functorch_transforms_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active",
                                                                      None)
+top_saved_tensors_hooks: Callable[[bool], tuple | None] | None = getattr(
+    getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
 
 
 def graph_tasks_known() -> bool:
@@ -65,6 +70,12 @@ def global_pre_hooks() -> bool:
     """Whether forward pre-hooks are registered for every module (`register_module_forward_pre_hook`); `True` where
     this torch's table of them is unknown."""
     return global_forward_pre_hooks is None or bool(global_forward_pre_hooks)
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (`torch.autograd.graph.saved_tensors_hooks`: torch's non-reentrant
+    checkpoint, activation offloading, a user's); `True` where this torch does not say."""
+    return top_saved_tensors_hooks is None or top_saved_tensors_hooks(False) is not None
 
 
 def forward_pre_hooks(module: torch.nn.Module) -> bool:
