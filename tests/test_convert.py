@@ -344,8 +344,8 @@ def test_truncated_gguf_is_refused(tmp_path, capsys):
 
 def test_invalid_block_size_is_refused_before_loading_weights(tmp_path, capsys, monkeypatch):
     tiny_source("llama").save_pretrained(tmp_path / "source")
-    convert_module = importlib.import_module("attnres_hf.conversion.convert")
-    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    sources_module = importlib.import_module("attnres_hf.conversion.sources")  # where a folder's weights load
+    monkeypatch.setattr(sources_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
     error = _bad_input_error(capsys, tmp_path / "source", tmp_path / "out", "--block-size", "3")
     assert "attnres_block_size must be 1 (Full AttnRes) or a positive even number" in error
     assert not (tmp_path / "out").exists()
@@ -480,7 +480,8 @@ def test_convert_checks_its_arguments_before_loading(kind, tmp_path, monkeypatch
     kwargs, error, says = CONVERT_BAD_ARGUMENTS[kind]
     tiny_source("llama").save_pretrained(tmp_path / "source")
     convert_module = importlib.import_module("attnres_hf.conversion.convert")
-    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    sources_module = importlib.import_module("attnres_hf.conversion.sources")  # where a folder's weights load
+    monkeypatch.setattr(sources_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
     kwargs = {"output_dir": tmp_path / "out", **kwargs}
     with pytest.raises(error, match=re.escape(says)):
         convert_module.convert(tmp_path / "source", **kwargs)
@@ -612,8 +613,8 @@ def _damage(folder, damage):
 def test_a_damaged_pytorch_bin_source_is_refused_before_loading(damage, sharded, tmp_path, capsys, monkeypatch):
     bin_source(tmp_path / "source", sharded)
     named, says = _damage(tmp_path / "source", damage)
-    convert_module = importlib.import_module("attnres_hf.conversion.convert")
-    monkeypatch.setattr(convert_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
+    sources_module = importlib.import_module("attnres_hf.conversion.sources")  # where a folder's weights load
+    monkeypatch.setattr(sources_module, "load_source", lambda *a, **k: pytest.fail("weights were loaded"))
     error = _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
     assert f"{named} {says}" in error, error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # no output (or staging) folder

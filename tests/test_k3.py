@@ -29,8 +29,7 @@ from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.cli import main
 from attnres_hf.conversion import convert, export
 from attnres_hf.conversion.k3_layout import backbone_from_k3
-from attnres_hf.conversion.k3_source import check_k3_tensors, k3_overrides, k3_source, load_k3_model
-from attnres_hf.conversion.retrofit import retrofit_config
+from attnres_hf.conversion.convert import open_source
 from attnres_hf.modeling.backbones_k3 import KimiK3Config
 from attnres_hf.training import prepare_model
 from attnres_hf.training.recipes import is_router_parameter
@@ -61,10 +60,10 @@ def relative(logits, reference) -> float:
 def imported(folder) -> AttnResForCausalLM:
     """The model `convert` builds from a K3 folder, without writing it: the same calls in the same order (read and
     check the config, the options, every tensor's place and shape, then load in fp32)."""
-    source = k3_source(folder)
-    overrides = k3_overrides(source)
-    check_k3_tensors(source, retrofit_config(source.backbone, **overrides))
-    return load_k3_model(source, overrides).model.eval()
+    source = open_source(folder)
+    overrides = source.overrides()
+    source.check_tensors(overrides)
+    return source.load_model(overrides, torch.float32).model.eval()
 
 
 def logits_of(model, ids=IDS) -> torch.Tensor:
@@ -545,8 +544,8 @@ def test_python_overrides_that_would_change_an_imported_k3_model_are_refused(tmp
             convert(tmp_path / "k3", tmp_path / "out", **overrides)
         assert match in str(error.value)
         assert not (tmp_path / "out").exists()
-    source = k3_source(tmp_path / "k3")
-    assert k3_overrides(source, attnres_block_size=4, attnres_rescale_output=False, depth_mixing="attnres") == \
+    source = open_source(tmp_path / "k3")
+    assert source.overrides(attnres_block_size=4, attnres_rescale_output=False, depth_mixing="attnres") == \
         {"depth_mixing": "attnres", "attnres_block_size": 4, "attnres_rescale_output": False}
 
 
@@ -783,8 +782,8 @@ def test_fields_k3_writers_put_or_leave_out_are_read_as_k3_reads_them(tmp_path, 
     state = write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, **writer)
     if top:
         _edit_config(tmp_path / "k3", top=top)
-    source = k3_source(tmp_path / "k3")
-    assert {name: getattr(source.backbone, name) for name in expected} == expected
+    backbone = open_source(tmp_path / "k3").config
+    assert {name: getattr(backbone, name) for name in expected} == expected
     assert relative(logits_of(imported(tmp_path / "k3")), k3_reference_logits(state, cfg, IDS)) <= REL_TOL
 
 
@@ -806,7 +805,7 @@ def test_the_familys_own_saved_model_converts(tmp_path):
 
     cfg = tiny_k3_text_config(attn_res_block_size=DELETE)
     write_k3_checkpoint(tmp_path / "k3", cfg, seed=0, layout="text")
-    model = load_k3_model(k3_source(tmp_path / "k3"), {}).plain
+    model = open_source(tmp_path / "k3").load_model({}, torch.float32).reference.plain
     assert isinstance(model, KimiK3ForCausalLM)
     model.save_pretrained(tmp_path / "family")
     check = convert(tmp_path / "family", tmp_path / "out")["verification"]

@@ -14,6 +14,11 @@ def staged_folder(target: str | os.PathLike, replace: bool = False) -> Iterator[
 
     On any exception (KeyboardInterrupt included) the temporary folder is deleted and `target` is untouched.
     An existing `target` is swapped out only if `replace` is true, otherwise `FileExistsError` is raised.
+
+    Raises:
+        OSError: a write refused with no file named (a full disk's `ENOSPC`, a file-size limit's `EFBIG`, which a
+            file object's `write` raises without its name) is raised again naming `target`: "[Errno 28] No space left
+            on device: writing TARGET"; other errors as they are.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -34,6 +39,11 @@ def staged_folder(target: str | os.PathLike, replace: bool = False) -> Iterator[
             shutil.rmtree(retired)
         else:
             staging.rename(target)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if error.filename is None and error.errno is not None and error.strerror:
+            raise type(error)(error.errno, f"{error.strerror}: writing {target}") from None
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

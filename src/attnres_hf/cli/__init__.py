@@ -11,7 +11,7 @@
 
 Adding a command family is one module with `register(commands)` and one entry in `COMMAND_MODULES`. Heavy modules
 are imported inside the commands. Expected errors (bad input, missing files) end in a one-line message and exit
-code 2, as argparse's own usage errors do.
+code 2, as argparse's own usage errors do; Ctrl-C (SIGINT) and SIGTERM in one line each and exit codes 130 and 143.
 """
 
 import argparse
@@ -72,20 +72,31 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"{args.parser.prog}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a staged output folder is already deleted)
+        print(f"{args.parser.prog}: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Stopped:
+        print(f"{args.parser.prog}: stopped (SIGTERM)", file=sys.stderr)
+        raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
+class Stopped(SystemExit):
+    """`SystemExit(143)`, raised in the main thread by SIGTERM while a command runs (`_exit_on_sigterm`)."""
+
+
 def _exit_on_sigterm():
-    """Make SIGTERM (`kill`, a job scheduler's stop) raise `SystemExit(143)` in the main thread, so that a command's
-    temporary output folder is deleted as on Ctrl-C (`_io.staged_folder`) instead of the process dying with it left
-    behind; returns the previous handler (`None` off the main thread, where no handler can be set)."""
+    """Make SIGTERM (`kill`, a job scheduler's stop) raise `Stopped` (`SystemExit(143)`) in the main thread, so that a
+    command's temporary output folder is deleted as on Ctrl-C (`_io.staged_folder`) instead of the process dying with
+    it left behind, and `main` says so in one line; returns the previous handler (`None` off the main thread, where no
+    handler can be set)."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        raise Stopped(128 + signum)
 
     return signal.signal(signal.SIGTERM, stop)
 

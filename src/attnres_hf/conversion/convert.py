@@ -6,7 +6,6 @@ files, the tokenizer with its chat template, `generation_config.json`, a model c
 run never leaves a half-written `output_dir`.
 """
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -16,17 +15,16 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
-from .gguf_source import GGUFSource, check_against_gguf
-from .fla_source import (FlaStreamSource, check_fla_installed, check_fla_tensors, checkpoint_dtype, fla_overrides,
-                         fla_report_fields, fla_source, is_fla_folder, load_fla_model, verify_against_fla)
+from .fla_source import FlaStreamSource, fla_source, is_fla_folder
+from .gguf_stream import GGUFSource
 from .gguf_tokenizer import load_gguf_tokenizer
-from .hf_source import unused_config_keys
-from .k3_source import (K3StreamSource, check_k3_tensors, is_k3_folder, k3_overrides, k3_report_fields, k3_source,
-                        load_k3_model, verify_k3_tensors)
+from .k3_source import K3StreamSource, is_k3_folder, k3_source
 from .model_card import model_card
 from .hf_stream import HFSource
 from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, check_path_argument, check_representable,
-                       load_source, load_source_config, retrofit, retrofit_config, split_gguf_path)
+                       load_source_config, split_gguf_path)
+from .sources import ModelSource, Source, most_common_dtype
+from .sources import continuation as _continuation
 from .verify import PROBE_TEXT, verify_conversion
 
 STREAMED_NEW_TOKENS = 4
@@ -96,35 +94,12 @@ def tokenizer_code(folder: Path) -> str | None:
     return named[0]
 
 
-def most_common_dtype(tensors) -> torch.dtype:
-    """The floating dtype holding the most values of `tensors` (a bf16 checkpoint with a few fp32 tensors is bf16)."""
-    counts = {}
-    for tensor in tensors:
-        if tensor.is_floating_point():
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
-    return max(counts, key=counts.get, default=torch.float32)
-
-
-@torch.no_grad()
-def _continuation(model, input_ids: torch.Tensor, new_tokens: int = 32) -> dict:
-    """The converted model's probe size and greedy continuation (for a source whose own code does not run here)."""
-    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    tokens = model.generate(input_ids, **greedy)[0, input_ids.shape[1]:]
-    return {"num_probe_tokens": int(input_ids.shape[1]), "greedy_new_tokens": new_tokens,
-            "converted_continuation_ids": tokens.tolist()}
-
-
 def _write_folder(folder: Path, model, tokenizer, report: dict, max_shard_size: str) -> None:
     model.save_pretrained(folder, max_shard_size=max_shard_size)  # with the source's generation config (`retrofit`)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     model_card(report).save(folder / "README.md")
     (folder / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _checked(verify_all: bool) -> str:
-    """What the GGUF weight check reads, for the progress lines."""
-    return "every weight" if verify_all else "a sample of the weights (each tensor kind in the first and last block)"
 
 
 def _check_arguments(source, output_dir, gguf_file, attnres_block_size, depth_mixing, force, probe_text, tokenizer,
@@ -230,129 +205,73 @@ def convert(
         check_tokenizer_code(source, trust_remote_code)
     target_dtype = check_dtype(dtype, auto=True)
 
-    mode = None  # an HF folder: why it converts in memory (`_streaming_choice`)
-    unused, fla, k3, stored_dtypes = [], None, None, {}  # config.json keys the source family's config class does not use (HF folders)
     overrides = dict(config_overrides, depth_mixing=depth_mixing)
     if attnres_block_size is not None:
         overrides["attnres_block_size"] = attnres_block_size
     if stream is True and isinstance(source, PreTrainedModel):
         raise ValueError("stream=True: a model in memory is converted in memory (streaming reads safetensors folders "
                          "and GGUF files)")
-    if not isinstance(source, PreTrainedModel) and gguf_file is None and is_fla_folder(source):
-        # flash-linear-attention's transformer: mapped tensor by tensor, checked against fla's own model
-        fla = fla_source(source)  # refuses every fla option with no exact counterpart
-        overrides = fla_overrides(fla, **overrides)
-        names = check_fla_tensors(fla, retrofit_config(fla.backbone, **overrides))
-        tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
-        plan, mode = _streaming_choice(FlaStreamSource(fla), target_dtype, stream, overrides)
-        if plan is not None:
-            return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
-                source_name or str(source), fla.fields["model_type"], [], tokenizer, source, fla_report_fields(fla)),
-                max_shard_size)
-        check_fla_installed()
-        model, name = load_fla_model(fla, overrides, names), str(source)  # fp32: every stored value exactly
-        target_dtype = checkpoint_dtype(fla) if target_dtype == "auto" else target_dtype
-        source_type = fla.fields["model_type"]
-    elif not isinstance(source, PreTrainedModel) and gguf_file is None and is_k3_folder(source):
-        # Kimi K3's layout: mapped tensor by tensor (MXFP4 experts dequantised), its trained routers imported
-        k3 = k3_source(source)  # refuses every K3 field or value with no exact counterpart
-        overrides = k3_overrides(k3, **overrides)
-        check_k3_tensors(k3, retrofit_config(k3.backbone, **overrides))
-        tokenizer = tokenizer or load_tokenizer(source, trust_remote_code=trust_remote_code)
-        plan, mode = _streaming_choice(K3StreamSource(k3), target_dtype, stream, overrides)
-        if plan is not None:
-            return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
-                source_name or str(source), "kimi_k3", [], tokenizer, source, k3_report_fields(k3)), max_shard_size)
-        model, source_model, k3_tensors, stored = load_k3_model(k3, overrides)  # fp32: every stored value exactly
-        # K3 keeps some tensors in fp32 inside its bf16 checkpoint: `auto` keeps each one's stored dtype, and a 16-bit
-        # `dtype` leaves K3's fp32 ones fp32 (as the model keeps them under any dtype)
-        if target_dtype == "auto":
-            target_dtype, stored_dtypes = most_common_dtype(k3_tensors.values()), stored
-        elif target_dtype.itemsize < 4:
-            stored_dtypes = {key: dtype for key, dtype in stored.items() if dtype == torch.float32}
-        name, source_type = str(source), "kimi_k3"  # the layout is the report's `source.layout`
-    else:
-        if isinstance(source, PreTrainedModel):
-            target_dtype = source.dtype if target_dtype == "auto" else target_dtype
-            # verification runs in fp32; never change the caller's model in place
-            source_model = source if source.dtype == torch.float32 else copy.deepcopy(source).float()
-            source_model, name = source_model.eval(), str(source.config._name_or_path or "in-memory model")
-        else:
-            source_config = load_source_config(source, gguf_file)  # fails fast on an unsupported family or a bad file
-            retrofit_config(source_config, **overrides)  # invalid options fail here
-            folder, file_name = split_gguf_path(source, gguf_file)
-            if tokenizer is None and file_name is not None:  # built from the file's vocabulary: not instant
-                print(f"Converting the tokenizer of {file_name} ...", flush=True)
-            tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
-            streamed = HFSource(source, source_config) if file_name is None else GGUFSource(folder / file_name,
-                                                                                            source_config)
-            plan, mode = _streaming_choice(streamed, target_dtype, stream, overrides)
-            if plan is not None:
-                unused = unused_config_keys(folder / "config.json", source_config) if file_name is None else []
-                return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, _source_fields(
-                    source_name or str(source), source_config.model_type, unused, tokenizer, source,
-                    gguf_file=gguf_file), max_shard_size)
-            load_dtype = "auto" if target_dtype == "auto" else torch.float32
-            if file_name is not None and target_dtype == "auto":  # (transformers refuses `.float()` of a GGUF model)
-                target_dtype, load_dtype = streamed.checkpoint_dtype(), torch.float32
-            if file_name is not None:
-                print(f"Loading {file_name} (dequantising; {_checked(verify_all)} checked against the file) ...",
-                      flush=True)
-            source_model = load_source(source, gguf_file, dtype=load_dtype, verify_all=verify_all, config=source_config)
-            name = str(source)
-            if target_dtype == "auto":  # the checkpoint's own dtype is written; verification still runs in fp32
-                target_dtype = source_model.dtype
-                source_model = source_model.float()
-            if file_name is None:  # also a UserWarning of load_source_config
-                unused = unused_config_keys(folder / "config.json", source_config)
-        model = retrofit(source_model, progress=True, **overrides)
-        source_type = source_model.config.model_type
-    name = source_name or name
+    opened = open_source(source, gguf_file, verify_all)  # fails fast on an unsupported family or a bad file
+    overrides = opened.overrides(**overrides)  # invalid options fail here, and any that would change trained routers
+    opened.check_tensors(overrides)
+    in_memory = isinstance(source, PreTrainedModel)  # its tokenizer is the caller's; it has no files to stream
+    if tokenizer is None and opened.kind == "gguf":  # built from the file's vocabulary: not instant
+        print(f"Converting the tokenizer of {opened.path.name} ...", flush=True)
+    if not in_memory:
+        tokenizer = tokenizer or load_tokenizer(source, gguf_file, trust_remote_code)
+    name = source_name or (opened.name if in_memory else str(source))
+    source_fields = _source_fields(name, opened, tokenizer, source, gguf_file)
+    plan, mode = (None, opened.not_streamable()) if in_memory else _streaming_choice(opened, target_dtype, stream,
+                                                                                      overrides)
+    if plan is not None:
+        return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, source_fields, max_shard_size)
+
+    loaded = opened.load_model(overrides, target_dtype)
+    model, target_dtype = loaded.model, loaded.dtype
     for key, tensor in model.state_dict().items():  # an outlier beyond a float16 output's range: refused, not inf
-        check_representable(key, tensor, stored_dtypes.get(key, target_dtype), name)
+        check_representable(key, tensor, loaded.kept.get(key, target_dtype), name)
 
     input_ids = _probe_ids(tokenizer, probe_text, model.config.vocab_size)
-    if k3 is not None and k3.block_size is not None:
-        print(f"Checking every tensor written back against the checkpoint's (and a {input_ids.shape[1]}-token greedy "
-              "continuation) ...", flush=True)
-    else:
-        print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
-    if fla is not None:
-        verification = verify_against_fla(source, model, input_ids)
-    elif k3 is not None and k3.block_size is not None:  # K3's own AttnRes: its code does not run here
-        verification = (verify_k3_tensors(model, k3_tensors, k3.layout) | _continuation(model, input_ids)
-                        | {"logits_compared": "no: no Kimi K3 runtime runs here; the forward is tested against an "
-                                              "independent reference of K3's equations (attnres-hf's tests/test_k3.py)"})
-    elif k3 is not None:  # K3's architecture without AttnRes: a retrofit of the K3 model read from the folder
-        verification = verify_conversion(source_model, model, input_ids) | verify_k3_tensors(model, k3_tensors,
-                                                                                             k3.layout)
-    else:
-        verification = verify_conversion(source_model, model, input_ids)
-    if gguf_file is not None or (not isinstance(source, PreTrainedModel) and Path(source).suffix == ".gguf"):
-        folder, file_name = split_gguf_path(source, gguf_file)
-        print(f"Checking {_checked(verify_all)} of the converted model against {file_name} ...", flush=True)
-        verification |= check_against_gguf(model, folder / file_name, source_config=source_model.config,
-                                           sample=not verify_all, progress=verify_all)
+    verification = opened.verify(loaded, input_ids)
     if tokenizer is not None:
         for which in ("source", "converted"):
             if f"{which}_continuation_ids" in verification:
                 verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
-    kept = {key: tensor.detach().to(stored_dtypes[key], copy=True) for key, tensor in model.state_dict().items()
-            if stored_dtypes.get(key, target_dtype) != target_dtype}  # K3's fp32 tensors of a bf16 checkpoint
+    kept = {key: tensor.detach().to(loaded.kept[key], copy=True) for key, tensor in model.state_dict().items()
+            if key in loaded.kept}  # K3's fp32 tensors of a bf16 checkpoint
     model = model.to(target_dtype)
     model.config.backbone.dtype = target_dtype  # the written dtype, not the fp32 the source was verified in
     for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
         if key in kept:
             tensor.data = kept[key]
-    source_fields = _source_fields(name, source_type, unused, tokenizer, source,
-                                   fla_report_fields(fla) if fla is not None else k3_report_fields(k3)
-                                   if k3 is not None else {}, gguf_file)
-    dtype = most_common_dtype(model.state_dict().values()) if k3 is not None else target_dtype  # K3: most values'
-    mode = {"mode": "in-memory", "why": mode or "streaming reads files (this source is a model in memory)"}
-    report = _report(source_fields, output_dir, dtype, model.config, verification, mode)
+    dtype = most_common_dtype(model.state_dict().values())  # K3 keeps a few tensors fp32: the most values'
+    report = _report(source_fields, output_dir, dtype, model.config, verification, {"mode": "in-memory", "why": mode})
     with staged_folder(output_dir, replace=force) as staging:
         _write_folder(staging, model, tokenizer, report, max_shard_size)
     return report
+
+
+def open_source(source: str | os.PathLike | PreTrainedModel, gguf_file: str | None = None,
+                verify_all: bool = False) -> Source:
+    """The `sources.Source` of `source`, its kind chosen from what it is: a model in memory (`ModelSource`), a
+    flash-linear-attention transformer folder (`fla_source.FlaStreamSource`), a Kimi K3 folder
+    (`k3_source.K3StreamSource`), a GGUF file (`gguf_stream.GGUFSource`) or a transformers folder (`HFSource`); its
+    config and files checked (headers only, no weight read).
+
+    Raises:
+        FileNotFoundError, ValueError: a missing folder, config or weights; a truncated or corrupt weight file; tensors
+            that do not fill the model its config builds (naming them).
+        UnsupportedSourceError (a `ValueError`): a family, or an fla or K3 option, with no exact counterpart here.
+    """
+    if isinstance(source, PreTrainedModel):
+        return ModelSource(source)
+    if gguf_file is None and is_fla_folder(source):  # refuses every fla option with no exact counterpart
+        return FlaStreamSource(fla_source(source))
+    if gguf_file is None and is_k3_folder(source):  # refuses every K3 field or value with no exact counterpart
+        return K3StreamSource(k3_source(source))
+    config = load_source_config(source, gguf_file)
+    folder, file_name = split_gguf_path(source, gguf_file)
+    return HFSource(source, config) if file_name is None else GGUFSource(folder / file_name, config, verify_all)
 
 
 def _report(source_fields: dict, output_dir, dtype: torch.dtype, config, verification: dict, mode: dict) -> dict:
@@ -396,13 +315,14 @@ def _streaming_choice(source, target_dtype, stream, overrides) -> tuple:
                                             f"({STREAM_ABOVE_BYTES / 2**30:g} GiB)"}
 
 
-def _source_fields(name: str, model_type: str, unused: list, tokenizer, source, extra: dict | None = None,
-                   gguf_file: str | None = None) -> dict:
-    """The report's `source` record."""
+def _source_fields(name: str, opened: Source, tokenizer, source, gguf_file: str | None = None) -> dict:
+    """The report's `source` record: `name`, `gguf_file`, the source's own fields (`Source.report_fields`) and the
+    folder's tokenizer code."""
     folder = not isinstance(source, PreTrainedModel) and Path(source).is_dir()
-    return {"name": name, "gguf_file": gguf_file, "model_type": model_type, "unused_config_keys": unused,
-            "tokenizer_code": tokenizer_code(Path(source)) if tokenizer is not None and folder else None,
-            **(extra or {})}
+    fields = opened.report_fields()
+    return {"name": name, "gguf_file": gguf_file, "model_type": fields.pop("model_type"),
+            "unused_config_keys": fields.pop("unused_config_keys"),
+            "tokenizer_code": tokenizer_code(Path(source)) if tokenizer is not None and folder else None, **fields}
 
 
 def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, source_fields: dict,

@@ -27,14 +27,15 @@ import torch
 from .. import __version__
 from .._io import staged_folder
 from ..modeling import AttnResConfig, AttnResForCausalLM
-from .convert import check_tokenizer_code, load_tokenizer, most_common_dtype
+from ._names import is_pseudo_query, query_as_theirs
+from .convert import check_tokenizer_code, load_tokenizer
 from .families import UnsupportedSourceError
-from .fla_layout import (KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, is_pseudo_query,
-                         to_fla_name, to_fla_tensor)
+from .fla_layout import (KERNEL_OPTIONS, backbone_from_fla, fla_block_size, fla_from_attnres, to_fla_name,
+                         to_fla_tensor)
 from .fla_source import _read_tensors, check_fla_installed, verify_against_fla
 from .hf_source import _shown, folder_tensors
 from .retrofit import _check_folder, check_max_shard_size, check_output_folder, check_path_argument
-from .sources import TensorRead, identity_reads, max_read_delta, stored_tensors
+from .sources import TensorRead, identity_reads, max_read_delta, most_common_dtype, stored_tensors
 from .verify import PROBE_TEXT
 
 EXPORT_FORMATS = ("fla", "k3-layout")
@@ -154,7 +155,7 @@ def export(
     version = check_fla_installed()
     fields = _fla_config(model_dir, fields)
     if mode["mode"] == "streamed":
-        reads = {names[name]: _reshaped(read, (1, -1)) if is_pseudo_query(name) else read
+        reads = {names[name]: read.mapped(query_as_theirs) if is_pseudo_query(name) else read
                  for name, read in _folder_reads(files).items()}
         dtype, count = next(iter(reads.values())).dtype, len(reads)
     else:
@@ -319,12 +320,6 @@ def _streaming_mode(files: list[Path], stream) -> dict:
 def _folder_reads(files: list[Path]) -> dict[str, TensorRead]:
     """The AttnRes folder's tensors, read lazily under their own names, in the files' order (as `_read_tensors`)."""
     return identity_reads(stored_tensors(files))
-
-
-def _reshaped(read: TensorRead, shape) -> TensorRead:
-    """`read` (a small tensor) in another shape of the same values: read whole."""
-    new_shape = tuple(torch.empty(read.shape, device="meta").reshape(shape).shape)
-    return TensorRead.whole(new_shape, read.dtype, read.where, lambda: read.rows().reshape(new_shape))
 
 
 def _k3_reads(folder: dict[str, TensorRead], backbone) -> dict[str, TensorRead]:

@@ -14,7 +14,7 @@ RMSNorm of q and k before the rotary; fla's use eps 1e-5, so only with `norm_eps
 sliding window: flash-attn's `(W-1, 0)` is W keys counting the query's own).
 """
 
-from ._names import rename, rename_tables
+from ._names import is_pseudo_query, query_as_ours, query_as_theirs, rename, rename_tables
 
 FLA_MODEL_TYPE = "transformer"
 """`model_type` of fla's `TransformerConfig`."""
@@ -74,18 +74,14 @@ def to_fla_name(name: str) -> str | None:
     return rename(name, _TO_FLA)
 
 
-def is_pseudo_query(attnres_name: str) -> bool:
-    return attnres_name.endswith(".query")
-
-
 def to_attnres_tensor(attnres_name: str, tensor):
     """fla's tensor in attnres-hf's shape: a pseudo-query `[1, D]` becomes `[D]` (a view: no value changes)."""
-    return tensor.reshape(-1) if is_pseudo_query(attnres_name) and tensor.dim() == 2 else tensor
+    return query_as_ours(tensor) if is_pseudo_query(attnres_name) else tensor
 
 
 def to_fla_tensor(attnres_name: str, tensor):
     """attnres-hf's tensor in fla's shape: a pseudo-query `[D]` becomes `[1, D]` (a view)."""
-    return tensor.reshape(1, -1) if is_pseudo_query(attnres_name) else tensor
+    return query_as_theirs(tensor) if is_pseudo_query(attnres_name) else tensor
 
 
 def fla_intermediate_size(fields: dict) -> int:

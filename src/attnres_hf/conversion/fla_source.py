@@ -24,8 +24,8 @@ from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
 from .fla_layout import FLA_MODEL_TYPE, backbone_from_fla, fla_block_size, to_attnres_name, to_attnres_tensor
 from .hf_source import _quiet_transformers, _shown, folder_tensors
-from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
-from .sources import SafetensorsFile, Source, TensorRead, stored_tensors
+from .retrofit import _check_folder, retrofit, retrofit_config
+from .sources import InMemory, SafetensorsFile, Source, TensorRead, stored_tensors
 from .verify import verify_conversion
 
 EXACT_TOLERANCE = 1e-4
@@ -95,32 +95,6 @@ def fla_source(folder: str | os.PathLike) -> FlaSource:
     return FlaSource(folder, fields, config, fla_block_size(fields.get("attnres_block_size")), files, index)
 
 
-def fla_overrides(source: FlaSource, **overrides) -> dict:
-    """The retrofit options (`AttnResConfig` fields) of the converted model, checked with `retrofit_config`. A plain
-    fla transformer takes any retrofit option; an AttnRes one is fla's block size with the paper's plain mean, as it
-    was trained, and nothing else.
-
-    Raises:
-        ValueError: an invalid option, or one that would change an imported AttnRes model (naming it and the
-            checkpoint's value).
-    """
-    if source.block_size is None:
-        retrofit_config(source.backbone, **overrides)
-        return dict(overrides)
-    _check_overrides(overrides)  # unknown fields first
-    wanted = {"depth_mixing": "attnres", "attnres_block_size": source.block_size, "attnres_rescale_output": False}
-    changed = [f"{name}={value!r} (the checkpoint's is {wanted[name]!r})" for name, value in overrides.items()
-               if name in wanted and value != wanted[name]]
-    imported = retrofit_config(source.backbone, **wanted)
-    changed += [f"{name}={value!r} (the checkpoint's is {getattr(imported, name, None)!r})"
-                for name, value in overrides.items() if name not in wanted and getattr(imported, name, None) != value]
-    if changed:
-        raise ValueError(f"{source.folder} is an fla AttnRes model (attnres_block_size {source.block_size}) with "
-                         f"trained routers, imported as they are: {', '.join(changed)} would change it; convert "
-                         "without these options, then fine-tune")
-    return wanted
-
-
 def check_fla_tensors(source: FlaSource, config: AttnResConfig) -> dict[str, str]:
     """Before loading: every tensor of the folder has attnres-hf's name and shape, and the files fill every weight of
     `config`'s model (the AttnRes ones too when fla's model has AttnRes); returns `{fla name: attnres-hf name}`.
@@ -186,16 +160,24 @@ def checkpoint_dtype(source: FlaSource) -> torch.dtype:
 
 
 class FlaStreamSource(Source):
-    """An fla folder (`FlaSource`, checked by `check_fla_tensors`) read tensor by tensor (`sources.Source`): fla's
-    names mapped by `fla_layout.FLA_KEY_MAP`, each pseudo-query `[1, D]` read as `[D]`; its trained routers imported
-    when fla's config has `attnres_block_size`."""
+    """An fla folder (`FlaSource`) as a `sources.Source`: read tensor by tensor, fla's names mapped by
+    `fla_layout.FLA_KEY_MAP` and each pseudo-query `[1, D]` read as `[D]`, or loaded whole (`load_model`) and checked
+    against fla's own model (`verify_against_fla`); its trained routers imported when fla's config has
+    `attnres_block_size` (`block_size`)."""
 
     kind = "fla"
 
     def __init__(self, source: FlaSource):
         safetensors = all(path.suffix == ".safetensors" for path in source.files)
         super().__init__(source.folder, source.backbone, list(source.files) if safetensors else None)
-        self.fla, self.imported_routers = source, source.block_size is not None
+        self.fla, self.imported_routers, self.block_size = source, source.block_size is not None, source.block_size
+        self.names = None  # {fla name: attnres-hf name}, from `check_tensors`
+
+    def described(self) -> str:
+        return f"an fla AttnRes model (attnres_block_size {self.block_size})"
+
+    def check_tensors(self, overrides: dict) -> None:
+        self.names = check_fla_tensors(self.fla, retrofit_config(self.config, **overrides))
 
     def reads(self) -> dict[str, TensorRead]:
         reads, files = {}, {}
@@ -205,42 +187,56 @@ class FlaStreamSource(Source):
                 continue
             if entry.file not in files:  # each file's header read once
                 files[entry.file] = SafetensorsFile(entry.file)
-            file = files[entry.file]
-            shape = tuple(to_attnres_tensor(ours, torch.empty(entry.shape, device="meta")).shape)  # `[1, D]` query: `[D]`
-            if shape == tuple(entry.shape):
-                reads[ours] = TensorRead.stored(file, name)
-            else:
-                reads[ours] = TensorRead.whole(shape, entry.dtype, str(entry.file), lambda f=file, n=name, o=ours:
-                                               to_attnres_tensor(o, f.read(n, f.dtype(n))))
+            read = TensorRead.stored(files[entry.file], name)
+            # a `[1, D]` pseudo-query is ours `[D]`: read whole and reshaped; every other tensor as it is stored
+            reshaped = read.mapped(lambda t, o=ours: to_attnres_tensor(o, t))
+            reads[ours] = read if reshaped.shape == tuple(entry.shape) else reshaped
         return reads
 
     def checkpoint_dtype(self) -> torch.dtype:
         return checkpoint_dtype(self.fla)
 
+    def load_model(self, overrides: dict, dtype: torch.dtype | str) -> InMemory:
+        """The AttnRes model of the fla checkpoint (`overrides` from `overrides`, its tensors checked by
+        `check_tensors`), in fp32, which holds every stored value exactly (bf16, fp16 and mixed checkpoints alike):
+        the backbone through a transformers model of its family (`retrofit`), then fla's routers, each pseudo-query
+        `[1, D]` as `[D]`. `dtype` `"auto"` is the checkpoint's (`checkpoint_dtype`).
 
-def load_fla_model(source: FlaSource, overrides: dict, names: dict[str, str]) -> AttnResForCausalLM:
-    """The AttnRes model of an fla checkpoint (`overrides` from `fla_overrides`, `names` from `check_fla_tensors`),
-    in fp32, which holds every stored value exactly (bf16, fp16 and mixed checkpoints alike): the backbone through a
-    transformers model of its family (`retrofit`), then fla's routers, each pseudo-query `[1, D]` as `[D]`."""
-    state = {names[name]: to_attnres_tensor(names[name], tensor).float()
-             for name, tensor in _read_tensors(source.files).items()}
-    backbone_state = {name: tensor for name, tensor in state.items() if not is_depth_mixing_parameter(name)}
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(source.backbone)
-    plain.to_empty(device="cpu").float()
-    with torch.no_grad():  # rotary frequencies: in no state dict, computed by the family's own initialisation
-        for module in plain.modules():
-            if module._non_persistent_buffers_set:
-                plain._init_weights(module)
-    plain.load_state_dict(backbone_state, strict=not source.backbone.tie_word_embeddings)
-    plain.tie_weights()
-    if (source.folder / "generation_config.json").is_file():
-        plain.generation_config = GenerationConfig.from_pretrained(source.folder)
-    model = retrofit(plain.eval(), **overrides)
-    if source.block_size is not None:
-        routers = {name: tensor for name, tensor in state.items() if is_depth_mixing_parameter(name)}
-        model.load_state_dict(routers, strict=False)
-    return model.eval()
+        Raises:
+            ImportError: flash-linear-attention is not installed (`check_fla_installed`: the check needs fla's model).
+        """
+        check_fla_installed()
+        source, names = self.fla, self.names or check_fla_tensors(self.fla, retrofit_config(self.config, **overrides))
+        state = {names[name]: to_attnres_tensor(names[name], tensor).float()
+                 for name, tensor in _read_tensors(source.files).items()}
+        backbone_state = {name: tensor for name, tensor in state.items() if not is_depth_mixing_parameter(name)}
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(source.backbone)
+        plain.to_empty(device="cpu").float()
+        with torch.no_grad():  # rotary frequencies: in no state dict, computed by the family's own initialisation
+            for module in plain.modules():
+                if module._non_persistent_buffers_set:
+                    plain._init_weights(module)
+        plain.load_state_dict(backbone_state, strict=not source.backbone.tie_word_embeddings)
+        plain.tie_weights()
+        if (source.folder / "generation_config.json").is_file():
+            plain.generation_config = GenerationConfig.from_pretrained(source.folder)
+        model = retrofit(plain.eval(), **overrides)
+        if source.block_size is not None:
+            routers = {name: tensor for name, tensor in state.items() if is_depth_mixing_parameter(name)}
+            model.load_state_dict(routers, strict=False)
+        return InMemory(model.eval(), None, self.checkpoint_dtype() if dtype == "auto" else dtype, {})
+
+    def verify(self, loaded: InMemory, input_ids: torch.Tensor) -> dict:
+        """`loaded.model` against fla's own model of the folder (`verify_against_fla`)."""
+        print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
+        return verify_against_fla(self.path, loaded.model, input_ids)
+
+    def report_fields(self) -> dict:
+        """Whether the routers were imported, and fla's whole `config.json` (its kernel options too; `attnres export
+        --to fla` writes it back while the model's architecture is unchanged)."""
+        return {"model_type": self.fla.fields["model_type"], "unused_config_keys": [], "format": "fla",
+                "imported_routers": self.imported_routers, "fla_config": self.fla.fields}
 
 
 @torch.no_grad()
@@ -271,9 +267,3 @@ def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, inp
         "exact": bool(relative <= EXACT_TOLERANCE and result["argmax_agreement"] == 1.0),
     }
     return result
-
-
-def fla_report_fields(source: FlaSource) -> dict:
-    """What a conversion report says of an fla source: whether its routers were imported, and its whole `config.json`
-    (its kernel options too; `attnres export --to fla` writes it back while the model's architecture is unchanged)."""
-    return {"format": "fla", "imported_routers": source.block_size is not None, "fla_config": source.fields}

@@ -15,7 +15,6 @@ rows), un-shifted (Gemma's norms, stored as `1 + w`) and split (mixture-of-exper
 
 import copy
 import functools
-import math
 import os
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import numpy as np
 import torch
 
 from .families import GGUF_ARCHITECTURES, GGUF_NORM_OFFSETS, GGUF_PERMUTED_QK, backbone_keys
-from .sources import Source, StoredTensor, TensorRead, generation_config_of
 
 # llama.cpp writes these for Llama 3.1-style rope scaling and Phi-3's long-context rope; transformers' GGUF loader
 # ignores them, so a model built from such a file would use unscaled rotary frequencies.
@@ -312,7 +310,8 @@ def read_gguf_tensors(path: str | os.PathLike, config, only: set[str] | None = N
     for tensor in reader.tensors:
         if only is not None and tensor.name not in only:
             continue
-        yield tensor.name, mapping[tensor.name], _gguf_tensor_read(tensor, config, arch, str(path)).rows()
+        shape, _, read_rows = gguf_rows(tensor, config, arch)
+        yield tensor.name, mapping[tensor.name], read_rows(0, shape[0] if shape else 1, torch.float32)
 
 
 @torch.no_grad()
@@ -380,75 +379,11 @@ def check_against_gguf(model: torch.nn.Module, path: str | os.PathLike, source_c
             "gguf_max_abs_delta": worst}
 
 
-class GGUFSource(Source):
-    """A GGUF file read tensor by tensor (`sources.Source`), by the same rules as `read_gguf_tensors`: each tensor
-    dequantised by the `gguf` package a row range at a time (a quantised row is whole blocks), Llama-layout q/k rows
-    un-permuted whole heads at a time, Gemma's norm offset subtracted, an MoE `gate_up_proj` read from its two halves
-    (`ffn_gate_exps`, `ffn_up_exps`), a tensor stored in another shape of the same size (Qwen2-MoE's 1-D shared-expert
-    gate) reshaped. Reads go through the `gguf` reader's read-only memory map of the file.
-
-    Args:
-        path: the `.gguf` file; `config`: its config, checked by `retrofit.load_source_config`.
-    """
-
-    kind = "gguf"
-
-    def __init__(self, path: str | os.PathLike, config):
-        super().__init__(path, config, [Path(path)])
-
-    def stored(self) -> dict[str, StoredTensor]:
-        return {tensor.name: StoredTensor(self.path, tuple(int(n) for n in reversed(tensor.shape)), torch.float32)
-                for tensor in _reader(self.path).tensors}  # dequantised: fp32
-
-    def checkpoint_dtype(self) -> torch.dtype:
-        """fp32, the dtype of the dequantised tensors, unless the config names another (as transformers' GGUF loading
-        under `dtype="auto"` reads it)."""
-        dtype = getattr(self.config, "dtype", None)
-        dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
-    def generation_config(self):
-        """The generation config of the GGUF-loaded model (`retrofit.load_source`): stops on every end token of the
-        file (`gguf_stop_token_ids`), as llama.cpp does."""
-        config = generation_config_of(self.path.parent, self.config)
-        stop = gguf_stop_token_ids(self.path)
-        if stop:
-            config.eos_token_id = stop if len(stop) > 1 else stop[0]
-        return config
-
-    def reads(self) -> dict[str, TensorRead]:
-        from transformers import AutoModelForCausalLM
-
-        reader, config, where = _reader(self.path), self.config, str(self.path)
-        mapping = gguf_tensor_map(self.path, config)
-        arch = gguf_architecture(reader)
-        with torch.device("meta"):  # the shapes the model gives each weight (on a copy: from_config edits it)
-            expected = {n: tuple(t.shape) for n, t in AutoModelForCausalLM.from_config(copy.deepcopy(config))
-                        .state_dict().items()}
-        reads, halves = {}, {}
-        for tensor in reader.tensors:
-            hf_name, half = mapping[tensor.name], _expert_half(tensor.name)
-            read = _gguf_tensor_read(tensor, config, arch, where)
-            wanted = expected.get(hf_name, read.shape)
-            if half is not None:
-                halves.setdefault(hf_name, {})[half] = read
-            elif read.shape != wanted and math.prod(read.shape) == math.prod(wanted):
-                reads[hf_name] = TensorRead.whole(wanted, torch.float32, where,
-                                                  lambda r=read, s=wanted: r.rows().reshape(s))
-            else:
-                reads[hf_name] = read
-        for hf_name, pair in halves.items():  # stacked experts (E, 2 I, H): the gate half first
-            gate, up = pair[0], pair[1]
-            reads[hf_name] = TensorRead((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), torch.float32, where,
-                                        lambda start, stop, dtype, g=gate, u=up: torch.cat(
-                                            [g.rows(start, stop, dtype), u.rows(start, stop, dtype)], dim=1))
-        return reads
-
-
-def _gguf_tensor_read(tensor, config, arch: str, where: str) -> TensorRead:
-    """A GGUF tensor (the reader's) in HF shape `(out_features, in_features)` / `(features,)` / `(experts, out, in)`,
-    fp32, read a row range at a time: dequantised by the `gguf` package, Llama-layout q/k rows un-permuted (whole heads
-    read), Gemma's norm offset (`families.GGUF_NORM_OFFSETS`) subtracted."""
+def gguf_rows(tensor, config, arch: str) -> tuple:
+    """`(shape, dtype, read_rows)` of a GGUF tensor (the reader's): its HF shape `(out_features, in_features)` /
+    `(features,)` / `(experts, out, in)`, fp32, and `read_rows(start, stop, dtype)`, its rows `start:stop` (dim 0)
+    dequantised by the `gguf` package, Llama-layout q/k rows un-permuted (whole heads read), Gemma's norm offset
+    (`families.GGUF_NORM_OFFSETS`) subtracted: the fields of a `sources.TensorRead` (`gguf_stream`)."""
     from gguf import dequantize
 
     shape = tuple(int(n) for n in reversed(tensor.shape))
@@ -470,4 +405,4 @@ def _gguf_tensor_read(tensor, config, arch: str, where: str) -> TensorRead:
             values = values - np.float32(offset)
         return torch.from_numpy(np.ascontiguousarray(values[start - first:stop - first])).to(dtype)
 
-    return TensorRead(shape, torch.float32, where, read_rows)
+    return shape, torch.float32, read_rows

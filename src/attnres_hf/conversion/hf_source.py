@@ -35,14 +35,28 @@ def read_index(index: Path) -> dict[str, str]:
     """The `weight_map` (`{tensor name: shard file name}`) of a sharded checkpoint's index file.
 
     Raises:
-        ValueError: the file is not JSON with a `weight_map` of names to file names.
+        ValueError: the file is not JSON with a `weight_map` of names to file names, or it lists a tensor twice in
+            two shards (a hand-merged index; a JSON reader keeps one of the two silently), naming it and both.
     """
+    twice = []
+
+    def pairs(items: list) -> dict:  # each JSON object's keys in order: a key given twice is seen here only
+        out = {}
+        for key, value in items:
+            if key in out and out[key] != value:
+                twice.append((out, f"{key} ({out[key]}, {value})"))
+            out[key] = value
+        return out
+
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(), object_pairs_hook=pairs)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError("weight_map is not a mapping of tensor names to file names")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{index} is not a valid weight index ({type(error).__name__}: {error})") from None
+    twice = [entry for where, entry in twice if where is weight_map]
+    if twice:
+        raise ValueError(f"{index} lists tensors twice, in two shards: {_shown(twice)}")
     return weight_map
 
 

@@ -63,6 +63,12 @@ class HFSource(Source):
     def reads(self) -> dict[str, TensorRead]:
         return converted_reads(self.config, self.stored())
 
+    def report_fields(self) -> dict:
+        from .hf_source import unused_config_keys
+
+        return super().report_fields() | {"unused_config_keys": unused_config_keys(self.path / "config.json",
+                                                                                     self.config)}
+
 
 def bin_files(folder: Path) -> list[Path] | None:
     """The `.bin` weight files transformers loads from `folder` (`pytorch_model.bin`, else the shards of

@@ -31,7 +31,7 @@ import torch
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..modeling.backbones_k3 import KimiK3Config, token_id_problem
-from ._names import rename, rename_tables
+from ._names import is_pseudo_query, query_as_ours, query_as_theirs, rename, rename_tables
 
 K3_MODEL_TYPE = "kimi_k3"
 TEXT_MODEL_TYPE = "kimi_linear"  # the `model_type` of K3's text config
@@ -84,10 +84,6 @@ _CONV = re.compile(r"layers\.(\d+)\.self_attn\.([qkv]_conv1d)\.weight$")
 
 
 _TO_OURS, _TO_K3 = rename_tables(ONE_TO_ONE)
-
-
-def _is_query(name: str) -> bool:
-    return name.endswith(".query")
 
 
 def k3_parts(names, config: KimiK3Config, layout: str) -> tuple[dict, list[str]]:
@@ -152,8 +148,8 @@ def to_attnres_state_dict(tensors: dict, config: KimiK3Config, layout: str) -> t
 def to_attnres_tensor(ours: str, tensor: torch.Tensor, config: KimiK3Config, k3_name: str) -> torch.Tensor:
     """K3's one-to-one tensor `k3_name` as attnres-hf's `ours`: a pseudo-query `[1, hidden]` as `[hidden]`, `A_log`
     without its zero padding (`a_log_width`; `ValueError` for another length or a non-zero padding entry)."""
-    if _is_query(ours):  # K3's `[1, hidden]` pseudo-query is ours `[hidden]`
-        return tensor.reshape(-1)
+    if is_pseudo_query(ours):  # K3's `[1, hidden]` pseudo-query is ours `[hidden]`
+        return query_as_ours(tensor)
     if ours.endswith("forget_gate.A_log"):
         heads, width = config.linear_num_heads, a_log_width(config)
         if tuple(tensor.shape) != (width,):
@@ -198,7 +194,7 @@ def k3_export_parts(names, layout: str = "text") -> tuple[dict, list[str]]:
         if name == "lm_head.weight":
             parts[head] = (name, "one", None)
         elif (k3 := rename(name, _TO_K3)) is not None:
-            how = "query" if _is_query(name) else "a_log" if name.endswith("forget_gate.A_log") else "one"
+            how = "query" if is_pseudo_query(name) else "a_log" if name.endswith("forget_gate.A_log") else "one"
             parts[prefix + k3] = (name, how, None)
         elif match := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.conv1d\.weight", name):
             for index, part in enumerate(CONV):
@@ -232,7 +228,7 @@ def k3_piece(how: str, index: int | None, tensor: torch.Tensor, config: KimiK3Co
     """K3's tensor `how` / `index` (`k3_export_parts`) of attnres-hf's `tensor` (for an expert part: the expert's own
     row of the stacked tensor); values and dtype unchanged, contiguous, in its own storage where it is a part."""
     if how == "query":
-        return tensor.reshape(1, -1)
+        return query_as_theirs(tensor)
     if how == "a_log":
         return torch.cat([tensor, tensor.new_zeros(a_log_width(config) - tensor.shape[0])])
     if how == "conv":

@@ -28,8 +28,9 @@ from .families import UnsupportedSourceError
 from .hf_source import _shown, folder_tensors
 from .k3_layout import (K3_MODEL_TYPE, PREFIXES, SKIPPED_PREFIXES, TEXT_MODEL_TYPE, backbone_from_k3, k3_block_size,
                         k3_parts, k3_text_fields, to_attnres_state_dict, to_attnres_tensor, to_k3_state_dict)
-from .retrofit import _check_folder, _check_overrides, retrofit, retrofit_config
-from .sources import SafetensorsFile, Source, TensorRead
+from .retrofit import _check_folder, retrofit, retrofit_config
+from .sources import InMemory, SafetensorsFile, Source, TensorRead, continuation, most_common_dtype
+from .verify import verify_conversion
 
 K3_ONLY_FIELDS = ("attn_res_block_size", "activation_situ_beta", "activation_situ_linear_beta",
                   "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate")
@@ -131,29 +132,6 @@ def k3_source(folder: str | os.PathLike) -> K3Source:
         raise UnsupportedSourceError(f"{folder}: K3 text config with no exact attnres-hf counterpart: "
                                      f"{'; '.join(problems)}")
     return K3Source(folder, layout, fields, text, backbone, block_size, files, index, mxfp4)
-
-
-def k3_overrides(source: K3Source, **overrides) -> dict:
-    """The retrofit options of the converted model: any for K3's architecture without AttnRes; for an AttnRes
-    checkpoint its block size with the plain mean, as it was trained, and nothing else.
-
-    Raises:
-        ValueError: an invalid option, or one that would change the imported routers (naming it).
-    """
-    if source.block_size is None:
-        retrofit_config(source.backbone, **overrides)
-        return dict(overrides)
-    _check_overrides(overrides)
-    wanted = {"depth_mixing": "attnres", "attnres_block_size": source.block_size, "attnres_rescale_output": False}
-    imported = retrofit_config(source.backbone, **wanted)
-    changed = [f"{name}={value!r} (the checkpoint's is {getattr(imported, name, None)!r})"
-               for name, value in overrides.items() if getattr(imported, name, None) != value]
-    if changed:
-        raise ValueError(f"{source.folder} is a Kimi K3 AttnRes model (attn_res_block_size {source.block_size // 2} "
-                         f"decoder layers = attnres_block_size {source.block_size}) with trained routers, imported as "
-                         f"they are: {', '.join(changed)} would change it; convert without these options, then "
-                         "fine-tune")
-    return wanted
 
 
 def _dequantised_names(tensors: dict, source: K3Source) -> dict:
@@ -267,32 +245,10 @@ def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
 
 
 class K3Model(NamedTuple):
-    model: AttnResForCausalLM  # fp32, which holds every stored value exactly
+    """What an in-memory K3 conversion's check compares with (`InMemory.reference`)."""
+
     plain: KimiK3ForCausalLM  # the K3 model without AttnRes it was built from (the source of a retrofit)
     tensors: dict  # the tensors read (`read_k3_tensors`), for `verify_k3_tensors`
-    stored_dtypes: dict  # attnres-hf name -> the dtype the checkpoint stores it in
-
-
-def load_k3_model(source: K3Source, overrides: dict) -> K3Model:
-    """The AttnRes model of a K3 checkpoint (`overrides` from `k3_overrides`) and what it was read from (`K3Model`).
-    The backbone goes through `KimiK3ForCausalLM` (`retrofit`), then K3's routers, each pseudo-query `[1, D]` as
-    `[D]`."""
-    tensors = read_k3_tensors(source)
-    state, _ = to_attnres_state_dict(tensors, source.backbone, source.layout)
-    stored_dtypes = {name: tensor.dtype for name, tensor in state.items()}
-    state = {name: tensor.float() for name, tensor in state.items()}
-    with torch.device("meta"):
-        plain = KimiK3ForCausalLM(source.backbone)
-    plain.to_empty(device="cpu").float()
-    plain.load_state_dict({n: t for n, t in state.items() if not is_depth_mixing_parameter(n)},
-                          strict=not source.backbone.tie_word_embeddings)
-    plain.tie_weights()
-    if (source.folder / "generation_config.json").is_file():  # the source's stop tokens and defaults go along
-        plain.generation_config = GenerationConfig.from_pretrained(source.folder)
-    model = retrofit(plain.eval(), **overrides)
-    if source.block_size is not None:
-        model.load_state_dict({n: t for n, t in state.items() if is_depth_mixing_parameter(n)}, strict=False)
-    return K3Model(model.eval(), plain, tensors, stored_dtypes)
 
 
 @torch.no_grad()
@@ -311,17 +267,79 @@ def verify_k3_tensors(model: AttnResForCausalLM, tensors: dict[str, torch.Tensor
 
 
 class K3StreamSource(Source):
-    """A K3 folder (`K3Source`, checked by `check_k3_tensors`) read tensor by tensor (`sources.Source`): K3's names
-    mapped by `k3_layout.k3_parts`, pseudo-queries reshaped and `A_log` unpadded (`to_attnres_tensor`), the three
-    convolutions concatenated, and each routed expert's weights read (MXFP4 ones dequantised by compressed-tensors,
-    one expert at a time) when its row of the stacked `gate_up_proj` / `down_proj` is read."""
+    """A K3 folder (`K3Source`) as a `sources.Source`: read tensor by tensor, K3's names mapped by
+    `k3_layout.k3_parts`, pseudo-queries reshaped and `A_log` unpadded (`to_attnres_tensor`), the three convolutions
+    concatenated, and each routed expert's weights read (MXFP4 ones dequantised by compressed-tensors, one expert at a
+    time) when its row of the stacked `gate_up_proj` / `down_proj` is read; or loaded whole (`load_model`). Its
+    trained routers are imported when the text config has `attn_res_block_size` (`block_size` is twice it)."""
 
     kind = "k3"
 
     def __init__(self, source: K3Source):
         safetensors = all(path.suffix == ".safetensors" for path in source.files)
         super().__init__(source.folder, source.backbone, list(source.files) if safetensors else None)
-        self.k3, self.imported_routers = source, source.block_size is not None
+        self.k3, self.imported_routers, self.block_size = source, source.block_size is not None, source.block_size
+
+    def described(self) -> str:
+        return (f"a Kimi K3 AttnRes model (attn_res_block_size {self.block_size // 2} decoder layers = "
+                f"attnres_block_size {self.block_size})")
+
+    def check_tensors(self, overrides: dict) -> None:
+        check_k3_tensors(self.k3, retrofit_config(self.config, **overrides))
+
+    def load_model(self, overrides: dict, dtype: torch.dtype | str) -> InMemory:
+        """The AttnRes model of the K3 checkpoint in fp32 (which holds every stored value exactly): the backbone
+        through `KimiK3ForCausalLM` (`retrofit`), then K3's routers, each pseudo-query `[1, D]` as `[D]`. K3 keeps some
+        tensors in fp32 inside its bf16 checkpoint: `"auto"` (the dtype holding most values) keeps each one's stored
+        dtype, and a 16-bit `dtype` leaves K3's fp32 ones fp32 (as the model keeps them under any dtype): `kept`.
+
+        Raises:
+            ImportError: MXFP4 experts without compressed-tensors (`check_compressed_tensors`).
+        """
+        source = self.k3
+        tensors = read_k3_tensors(source)
+        state, _ = to_attnres_state_dict(tensors, source.backbone, source.layout)
+        stored = {name: tensor.dtype for name, tensor in state.items()}
+        state = {name: tensor.float() for name, tensor in state.items()}
+        with torch.device("meta"):
+            plain = KimiK3ForCausalLM(source.backbone)
+        plain.to_empty(device="cpu").float()
+        plain.load_state_dict({n: t for n, t in state.items() if not is_depth_mixing_parameter(n)},
+                              strict=not source.backbone.tie_word_embeddings)
+        plain.tie_weights()
+        if (source.folder / "generation_config.json").is_file():  # the source's stop tokens and defaults go along
+            plain.generation_config = GenerationConfig.from_pretrained(source.folder)
+        model = retrofit(plain.eval(), **overrides)
+        if source.block_size is not None:
+            model.load_state_dict({n: t for n, t in state.items() if is_depth_mixing_parameter(n)}, strict=False)
+        if dtype == "auto":
+            dtype = most_common_dtype(tensors.values())
+            kept = {name: kept for name, kept in stored.items() if kept != dtype}
+        else:
+            kept = {name: kept for name, kept in stored.items() if kept == torch.float32 and dtype.itemsize < 4}
+        return InMemory(model.eval(), K3Model(plain, tensors), dtype, kept)
+
+    def verify(self, loaded: InMemory, input_ids: torch.Tensor) -> dict:
+        """Every imported tensor written back in K3's layout against the checkpoint's (`verify_k3_tensors`), with the
+        converted model's greedy continuation (its routers trained: no K3 runtime runs here to compare logits with);
+        a retrofit of K3's architecture also against the K3 model it was built from (`verify_conversion`)."""
+        model, tensors = loaded.model, loaded.reference.tensors
+        if self.imported_routers:
+            print(f"Checking every tensor written back against the checkpoint's (and a {input_ids.shape[1]}-token "
+                  "greedy continuation) ...", flush=True)
+            return (verify_k3_tensors(model, tensors, self.k3.layout) | continuation(model, input_ids)
+                    | {"logits_compared": "no: no Kimi K3 runtime runs here; the forward is tested against an "
+                                          "independent reference of K3's equations (attnres-hf's tests/test_k3.py)"})
+        print(f"Verifying on {input_ids.shape[1]} probe tokens ...", flush=True)
+        return verify_conversion(loaded.reference.plain, model, input_ids) | verify_k3_tensors(model, tensors,
+                                                                                               self.k3.layout)
+
+    def report_fields(self) -> dict:
+        """Its layout, whether its routers were imported, whether its experts were MXFP4, and its text config
+        (`attnres export --to k3-layout` writes it back while the model's architecture is unchanged)."""
+        return {"model_type": "kimi_k3", "unused_config_keys": [], "format": "k3", "layout": self.k3.layout,
+                "imported_routers": self.imported_routers, "mxfp4_experts": self.k3.mxfp4,
+                "k3_text_config": self.k3.text_config}
 
     def _tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """`{K3 name: (shape, dtype)}` of the text tensors, each MXFP4 pair as its `.weight` (bfloat16)."""
@@ -357,14 +375,12 @@ class K3StreamSource(Source):
         reads = {}
         for ours, (how, names) in parts.items():
             if how == "one":
-                shape, dtype = tensors[names]
+                shape, _ = tensors[names]
                 # the shape `to_attnres_tensor` gives (a pseudo-query reshaped, `A_log` unpadded; its shape checked)
                 ours_shape = tuple(to_attnres_tensor(ours, torch.empty(shape, device="meta"), self.config, names).shape)
-                if ours_shape == tuple(shape):
-                    reads[ours] = TensorRead.stored(file(names), names)
-                else:
-                    reads[ours] = TensorRead.whole(ours_shape, dtype, str(stored[names].file), lambda n=names, o=ours:
-                                                   to_attnres_tensor(o, load(n), self.config, n))
+                read = TensorRead.stored(file(names), names)
+                reads[ours] = read if ours_shape == tuple(shape) else read.mapped(
+                    lambda t, o=ours, n=names: to_attnres_tensor(o, t, self.config, n))
             elif how == "cat":
                 shapes = [tensors[name][0] for name in names]
                 shape = (sum(s[0] for s in shapes), *shapes[0][1:])
@@ -397,14 +413,6 @@ class K3StreamSource(Source):
         return {name: kept for name, kept in stored.items() if kept == torch.float32}
 
 
-def k3_report_fields(source: K3Source) -> dict:
-    """What a conversion report says of a K3 source: its layout, whether its routers were imported, whether its
-    experts were MXFP4, and its text config (`attnres export --to k3-layout` writes it back while the model's
-    architecture is unchanged)."""
-    return {"format": "k3", "layout": source.layout, "imported_routers": source.block_size is not None,
-            "mxfp4_experts": source.mxfp4, "k3_text_config": source.text_config}
-
-
 __all__ = ["K3Model", "K3Source", "K3StreamSource", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES",
-           "check_compressed_tensors", "check_k3_tensors", "is_family_folder", "is_k3_folder", "k3_overrides",
-           "k3_report_fields", "k3_source", "load_k3_model", "read_k3_tensors", "verify_k3_tensors"]
+           "check_compressed_tensors", "check_k3_tensors", "is_family_folder", "is_k3_folder", "k3_source",
+           "read_k3_tensors", "verify_k3_tensors"]
