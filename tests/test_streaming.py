@@ -463,27 +463,3 @@ def test_a_streamed_conversion_holds_about_one_tensor_not_the_model(tmp_path):
         above[mode] = json.loads(done.stdout.strip().splitlines()[-1])["above_start"] / largest
     assert above["stream"] <= 5, above
     assert above["memory"] > 6, above  # the bound tells the two paths apart
-
-
-def test_sigterm_during_a_conversion_leaves_nothing(tmp_path, monkeypatch):
-    """`attnres convert` stopped by SIGTERM (a scheduler's stop) mid-write exits 143 with no output and no staging
-    folder, as on Ctrl-C; the handler is the previous one again afterwards."""
-    import os
-    import signal
-
-    write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {})
-    real, calls = streaming._chunks, []
-
-    def terminated(plan, name, chunk_bytes):
-        calls.append(name)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        yield from real(plan, name, chunk_bytes)
-
-    monkeypatch.setattr(streaming, "_chunks", terminated)
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stopped:
-        main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--stream"])
-    assert stopped.value.code == 143
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    assert signal.getsignal(signal.SIGTERM) == before

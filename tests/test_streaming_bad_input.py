@@ -1,7 +1,7 @@
 """Bad input for a streamed conversion, beyond the cases of tests/test_streaming.py (a shard missing, cut 100 bytes
-short, a tensor in two shards, an in-process failure or SIGTERM while writing): a shard cut in the middle, an index
+short, a tensor in two shards, an in-process failure while writing): a shard cut in the middle, an index
 that names a tensor no shard holds or lists a tensor twice, a disk that fills while a shard is written (a real write
-refused by the kernel), and `attnres convert --stream` stopped by SIGINT or SIGTERM from outside while it writes.
+refused by the kernel), and `attnres convert --stream` stopped by SIGINT or SIGTERM while it writes.
 Each ends in one line naming the file, tensor or signal, with no output or staging folder left and the source's files
 unchanged."""
 
@@ -9,9 +9,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +19,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from attnres_hf.cli import main
 from attnres_hf.conversion import convert
 from utils import TINY
-
-SRC = Path(__file__).parents[1] / "src"
 
 
 def write_source(folder: Path) -> None:
@@ -108,76 +103,61 @@ def test_an_index_listing_a_tensor_twice_names_it(tmp_path, capsys):
     assert fingerprint(tmp_path / "src") == before
 
 
-FULL_DISK = r"""
-import resource, signal, sys
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG, as on a full disk, instead of a kill
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-from attnres_hf.cli import main
-sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--stream", "--dtype", "float32"]))
-"""
-
-
-def test_a_disk_that_fills_while_writing_leaves_nothing(tmp_path):
-    """A real write refused by the kernel part-way through the weights (the child's largest file capped at 64 KiB, a
-    third of the fp32 output, above every other file it writes; the same `OSError` a full disk raises from `write`):
-    exit code 2, one line naming the error and the output folder, no output or staging folder, the source unchanged."""
+def test_a_disk_that_fills_while_writing_leaves_nothing(tmp_path, capsys):
+    """A real write refused by the kernel part-way through the weights (this process's files capped at 64 KiB by
+    `RLIMIT_FSIZE` while the command runs, SIGXFSZ ignored: the output's one shard is three times that, every other
+    file it writes smaller; the same `OSError` a full disk raises from `write`): exit code 2, one line naming the
+    error and the output folder, no output or staging folder, the source unchanged."""
+    resource = pytest.importorskip("resource")  # (POSIX)
     write_source(tmp_path / "src")
     before = fingerprint(tmp_path / "src")
-    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "src"), str(tmp_path / "out"), str(2**16)],
-                          capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(SRC)}, timeout=300)
-    assert done.returncode == 2, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last == f"attnres convert: error: [Errno 27] File too large: writing {tmp_path / 'out'}", done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, hard))
+    try:
+        code = main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--stream", "--dtype", "float32"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"attnres convert: error: [Errno 27] File too large: writing {tmp_path / 'out'}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert fingerprint(tmp_path / "src") == before
 
 
-SLOW_WRITE = r"""
-import signal, sys, time
-from pathlib import Path
-from attnres_hf.conversion import streaming
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
-real, calls = streaming._chunks, []
-
-def slow(plan, name, chunk_bytes):  # the second tensor's write: say so, then take a while (a large model's pace)
-    calls.append(name)
-    if len(calls) == 2:
-        Path(sys.argv[3]).touch()
-        time.sleep(120)
-    yield from real(plan, name, chunk_bytes)
-
-streaming._chunks = slow
-from attnres_hf.cli import main
-sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--stream"]))
-"""
-
-
 @pytest.mark.parametrize("signum, code, line", [(signal.SIGINT, 130, "attnres convert: interrupted (SIGINT)"),
                                                 (signal.SIGTERM, 143, "attnres convert: stopped (SIGTERM)")])
-def test_a_conversion_stopped_from_outside_mid_write_leaves_nothing(tmp_path, signum, code, line):
-    """Ctrl-C (SIGINT) or a scheduler's stop (SIGTERM) sent to `attnres convert --stream` while it writes a shard: it
-    exits 130 or 143 with one line saying so (no traceback), no output or staging folder, the source unchanged."""
+def test_a_conversion_stopped_by_a_signal_mid_write_leaves_nothing(tmp_path, monkeypatch, capsys, signum, code, line):
+    """Ctrl-C (SIGINT) or a scheduler's stop (SIGTERM) delivered to `attnres convert --stream` while it writes a shard
+    (sent by the process to itself at the second tensor, with Python's own SIGINT handler, as in a terminal: a
+    background job inherits SIGINT ignored): exit code 130 or 143 with one line saying so, no traceback, no output or
+    staging folder, the source unchanged, and the SIGTERM handler the previous one again afterwards."""
+    from attnres_hf.conversion import streaming
+
     write_source(tmp_path / "src")
     before = fingerprint(tmp_path / "src")
-    marker = tmp_path / "writing"
-    child = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, str(tmp_path / "src"), str(tmp_path / "out"),
-                              str(marker)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=os.environ | {"PYTHONPATH": str(SRC)})
+    real, calls = streaming._chunks, []
+
+    def stopped(plan, name, chunk_bytes):
+        calls.append(name)
+        if len(calls) == 2:
+            assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]  # mid-write: staging exists
+            os.kill(os.getpid(), signum)
+        yield from real(plan, name, chunk_bytes)
+
+    monkeypatch.setattr(streaming, "_chunks", stopped)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        deadline = time.monotonic() + 240
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), child.communicate(timeout=60)[1][-3000:]
-        assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]  # mid-write: staging exists
-        child.send_signal(signum)
-        _, err = child.communicate(timeout=120)
+        try:
+            returned = main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--stream"])
+        except SystemExit as exit_:
+            returned = exit_.code
+        assert signal.getsignal(signal.SIGTERM) == handlers[1]
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == code, err[-3000:]
-    assert err.strip().splitlines()[-1] == line and "Traceback" not in err, err[-3000:]
-    marker.unlink()
+        signal.signal(signal.SIGINT, handlers[0])
+    err = capsys.readouterr().err
+    assert returned == code and err.strip().splitlines()[-1] == line and "Traceback" not in err, err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert fingerprint(tmp_path / "src") == before
