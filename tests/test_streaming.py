@@ -277,8 +277,9 @@ def test_a_weight_transformers_builds_whole_is_read_whole_as_it_builds_it(tmp_pa
 
 
 def test_what_cannot_stream_says_why(tmp_path, monkeypatch):
-    """A tensor of a dtype the streamed reader does not read: `stream=True` is one line naming it, before anything is
-    written; `auto` converts it in memory and the report says why."""
+    """A tensor of a dtype the streamed reader does not read, and `.bin` weights in torch's legacy format (which
+    cannot be memory-mapped): `stream=True` is one line naming them, before anything is written; `auto` converts in
+    memory and the report says why."""
     from safetensors.torch import save_file
 
     write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {}, shard="10GB")
@@ -288,6 +289,16 @@ def test_what_cannot_stream_says_why(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot be converted streamed: .*dtype streaming does not read .*model.norm"):
         convert(tmp_path / "src", tmp_path / "out", stream=True)
     assert not (tmp_path / "out").exists()
+    legacy = tmp_path / "legacy"  # torch's pre-1.6 pickle: `torch.load(mmap=True)` cannot map it
+    legacy.mkdir()
+    (tmp_path / "src" / "config.json").replace(legacy / "config.json")
+    torch.save({k: v.float() for k, v in state.items() if v.dtype != torch.float8_e4m3fn} | {
+        "model.norm.weight": torch.ones(TINY["hidden_size"])}, legacy / "pytorch_model.bin",
+        _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match=r"cannot be converted streamed: its \.bin weights \(pytorch_model.bin\) are "
+                                         "in torch's legacy"):
+        convert(legacy, tmp_path / "out", stream=True)
+    (legacy / "config.json").replace(tmp_path / "src" / "config.json")
     monkeypatch.setattr(streaming, "STREAM_ABOVE_BYTES", 0)
     report = convert(tmp_path / "src", tmp_path / "auto")
     assert report["conversion"]["mode"] == "in-memory" and "dtype streaming does not read" in report["conversion"]["why"]

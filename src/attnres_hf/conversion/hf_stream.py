@@ -16,7 +16,8 @@ hidden]`). `converted_reads` applies the same mapping with transformers' own fun
   model in memory, e.g. a fused QKV split back).
 
 A `.bin` weight file is read through `torch.load(mmap=True, weights_only=True)` for each read (the file's pages
-mapped, those of the rows read touched, released after), as transformers reads `.bin` files without copying them.
+mapped, those of the rows read touched, released after), as transformers reads `.bin` files without copying them;
+one in torch's legacy (pre-1.6, not zip) format cannot be mapped, and converts in memory.
 """
 
 import os
@@ -46,6 +47,10 @@ class HFSource(Source):
     def not_streamable(self) -> str | None:
         if self.files is None:
             return "it holds no safetensors or .bin weights"
+        legacy = [path.name for path in self.bin_files or [] if not _zipped(path)]
+        if legacy:  # torch.load(mmap=True) reads only torch.save's zip format (torch >= 1.6)
+            return (f"its .bin weights ({', '.join(legacy[:2])}) are in torch's legacy (pre-1.6) format, which "
+                    "cannot be memory-mapped")
         reason = super().not_streamable()
         if reason is not None:
             return reason
@@ -79,6 +84,14 @@ def bin_files(folder: Path) -> list[Path] | None:
     if index.is_file():
         return [folder / shard for shard in sorted(set(read_index(index).values()))]
     return None
+
+
+def _zipped(path: Path) -> bool:
+    """Whether a `.bin` file is in `torch.save`'s zip format (the one `torch.load(mmap=True)` reads)."""
+    from .retrofit import ZIP_MAGIC
+
+    with path.open("rb") as handle:
+        return handle.read(len(ZIP_MAGIC)) == ZIP_MAGIC
 
 
 def _bin_read(stored: StoredTensor, name: str) -> TensorRead:
