@@ -17,6 +17,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
 
 from attnres_hf.cli import main
 from attnres_hf.conversion import convert, export, streaming
+from attnres_hf.conversion.verify import verify_conversion
 from utils import TINY
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -74,7 +75,9 @@ def converted_both_ways(source: Path, tmp_path: Path, options: dict) -> tuple[di
     streamed = convert(source, tmp_path / "streamed", stream=True, max_shard_size="20KB", **options)
     resident = convert(source, tmp_path / "resident", stream=False, max_shard_size="20KB", **options)
     assert_same_folders(tmp_path / "streamed", tmp_path / "resident")
-    assert streamed["conversion"] == {"mode": "streamed", "why": "requested (stream=True)"}
+    conversion = streamed["conversion"]
+    assert (conversion["mode"], conversion["why"]) == ("streamed", "requested (stream=True)")
+    assert set(conversion["seconds"]) == {"write", "verify"} and min(conversion["seconds"].values()) >= 0
     assert streamed["dtype"] == resident["dtype"] and streamed["source"] == resident["source"]
     return streamed, resident
 
@@ -349,6 +352,89 @@ def test_tensors_transformers_drops_are_dropped_when_streaming(tmp_path):
         assert streamed["conversion"]["mode"] == "streamed" and streamed["verification"]["greedy_match"]
         one, other = weights(tmp_path / f"{family}-streamed"), weights(tmp_path / f"{family}-memory")
         assert one.keys() == other.keys() and all(torch.equal(one[name], other[name]) for name in one), family
+
+def test_the_offloaded_check_is_the_in_memory_ones_in_fewer_forwards():
+    """`verify_offloaded_conversion`: the source runs `new_tokens` forwards (the probe's, then one token at a time on
+    its cache), the converted model one (teacher-forced over the probe and the source's tokens); the report is
+    `verify_conversion`'s. A converted model that picks another token at the second step is caught, its
+    continuation reported up to that token."""
+    from attnres_hf.conversion import retrofit
+    from attnres_hf.conversion.verify import verify_offloaded_conversion
+
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    converted = retrofit(source).eval()
+    ids = torch.randint(3, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    calls = {"source": 0, "converted": 0}
+    for name, model in (("source", source), ("converted", converted)):
+        model.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    check = verify_offloaded_conversion(source, converted, ids, new_tokens=4)
+    assert calls == {"source": 4, "converted": 1}
+    resident = verify_conversion(source, converted, ids, new_tokens=4)
+    assert check.pop("greedy_check").startswith("the source generated its tokens")
+    assert check.keys() == resident.keys() and check["greedy_match"] and resident["greedy_match"]
+    for key, value in resident.items():
+        assert check[key] == pytest.approx(value, abs=1e-6), key
+
+    class SecondTokenChanged(torch.nn.Module):  # the converted model, its argmax moved at the 2nd continuation step
+        def forward(self, input_ids, **kwargs):
+            output = converted(input_ids, **kwargs)
+            output.logits[0, ids.shape[1]] = 0.0
+            output.logits[0, ids.shape[1], (check["source_continuation_ids"][1] + 1) % TINY["vocab_size"]] = 1e3
+            return output
+
+    wrong = verify_offloaded_conversion(source, SecondTokenChanged(), ids, new_tokens=4)
+    assert not wrong["greedy_match"] and wrong["max_abs_logit_delta"] == check["max_abs_logit_delta"]
+    first, second = check["source_continuation_ids"][:2]
+    assert wrong["converted_continuation_ids"] == [first, (second + 1) % TINY["vocab_size"]]
+
+
+def test_reused_buffers_hand_out_only_memory_no_tensor_uses():
+    """`sources.BUFFERS`: in a scope, a freed tensor's memory is handed out again for the same size, a kept one's
+    never; outside a scope every tensor is new."""
+    from attnres_hf.conversion.sources import BUFFERS
+
+    outside = BUFFERS.empty((4,), torch.float32)
+    with BUFFERS.scope():
+        kept = BUFFERS.empty((2, 3), torch.float32).fill_(1.0)
+        view = BUFFERS.empty((6,), torch.float32)[2:]  # a view keeps its buffer in use
+        freed = BUFFERS.empty((3, 2), torch.float32)
+        pointer = freed.data_ptr()
+        del freed
+        again = BUFFERS.empty((24,), torch.uint8)
+        assert again.data_ptr() == pointer and again.shape == (24,)
+        assert len({kept.data_ptr(), view.data_ptr() - 8, again.data_ptr()}) == 3 and torch.all(kept == 1)
+        assert BUFFERS.empty((5,), torch.float32).data_ptr() not in (kept.data_ptr(), again.data_ptr())
+    assert not BUFFERS.held and BUFFERS.empty((4,), torch.float32).data_ptr() != outside.data_ptr()
+
+
+@pytest.mark.parametrize("copy_file_range", ["refused", "absent"])
+def test_stored_bytes_are_copied_the_plain_way_where_the_kernel_cannot(copy_file_range, tmp_path, monkeypatch):
+    """A tensor written in its stored dtype is its bytes copied (`os.copy_file_range`); where that fails (another
+    file system: EXDEV) or does not exist (not Linux), read and written in chunks: the same shards."""
+    import os
+
+    from attnres_hf.conversion.retrofit import load_source_config
+    from attnres_hf.conversion.sources import HFSource
+
+    write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {})
+    plan = streaming.stream_plan(HFSource(tmp_path / "src", load_source_config(tmp_path / "src")), torch.bfloat16)
+    (tmp_path / "kernel").mkdir()
+    streaming.write_streamed(plan, tmp_path / "kernel", "40KB")
+    if copy_file_range == "absent":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        def refused(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refused)
+    (tmp_path / "plain").mkdir()
+    streaming.write_streamed(plan, tmp_path / "plain", "40KB", chunk_bytes=1000)  # chunks smaller than a tensor
+    files = sorted(path.name for path in (tmp_path / "kernel").iterdir())
+    assert files == sorted(path.name for path in (tmp_path / "plain").iterdir()) and len(files) > 2
+    assert all((tmp_path / "kernel" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes() for name in files)
+    assert weights(tmp_path / "kernel").keys() >= weights(tmp_path / "src").keys()
+
 
 MEMORY_SCRIPT = r"""
 import json, sys

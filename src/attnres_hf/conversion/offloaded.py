@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .sources import (CHUNK_BYTES, Source, TensorRead, generation_config_of, identity_reads, safetensors_files,
+from .sources import (BUFFERS, CHUNK_BYTES, Source, TensorRead, generation_config_of, identity_reads, safetensors_files,
                       stored_tensors)
 
 
@@ -111,7 +111,9 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None):
         raise ValueError(f"{folder}: no tensor for {', '.join(missing[:4])} in its safetensors files")
     source = FolderWeights(weights)
     _stream_vocabulary_modules(model, source)
-    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:  # accelerate's; nothing is written
+    # `scratch`: accelerate's, nothing is written; `BUFFERS.scope()`: each forward reads the same shapes again (layer
+    # after layer, model after model), into reused memory
+    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch, BUFFERS.scope():
         # `state_dict` is read by key for each module's forward; an empty (not None) `offload_index` tells accelerate
         # the weights are already on disk (it would otherwise save the meta model's into `offload_dir`)
         quiet = logging.getLogger("accelerate.big_modeling")  # its "parameters on the meta device" is the point
@@ -139,6 +141,9 @@ class FolderWeights(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.read(key)
+
+    def __contains__(self, key) -> bool:  # `Mapping`'s would read the tensor (accelerate asks before each read)
+        return key in self.reads
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows `start:stop` of weight `key` in fp32 (`TensorRead.rows`)."""
