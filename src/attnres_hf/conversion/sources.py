@@ -395,5 +395,5 @@ def max_read_delta(reads: dict[str, TensorRead], others: dict[str, TensorRead],
             stop = min(start + step, read.num_rows)
             ours = read.rows(start, stop).to((dtypes or {}).get(name, read.dtype)).float()
             theirs = other.rows(start, stop, torch.float32)
-            worst = max(worst, float((ours - theirs).abs().max()) if ours.numel() else 0.0)
+            worst = max(worst, float((ours - theirs).abs_().max()) if ours.numel() else 0.0)
     return worst

@@ -205,6 +205,7 @@ def _copy_range(part: ByteRange, out, chunk_bytes: int) -> None:
     Raises:
         ValueError: the source file ends before the range does.
     """
+    truncated = f"{part.path}: truncated while copying bytes {part.offset}-{part.offset + part.length}"
     with part.path.open("rb", buffering=0) as source:
         offset, left = part.offset, part.length
         copy = getattr(os, "copy_file_range", None)
@@ -216,7 +217,7 @@ def _copy_range(part: ByteRange, out, chunk_bytes: int) -> None:
                     raise
                 break
             if not count:
-                raise ValueError(f"{part.path}: truncated while copying bytes {part.offset}-{part.offset + part.length}")
+                raise ValueError(truncated)
             offset, left = offset + count, left - count
         buffer = BUFFERS.empty((min(left, chunk_bytes),), torch.uint8) if left else None
         source.seek(offset)
@@ -224,7 +225,7 @@ def _copy_range(part: ByteRange, out, chunk_bytes: int) -> None:
             view = buffer[:min(left, chunk_bytes)]
             count = source.readinto(memoryview(view.numpy()))
             if not count:
-                raise ValueError(f"{part.path}: truncated while copying bytes {part.offset}-{part.offset + part.length}")
+                raise ValueError(truncated)
             _write_all(out, view.numpy()[:count])
             left -= count
 
