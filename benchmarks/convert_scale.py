@@ -24,8 +24,8 @@ than the machine's memory converting and verifying, a K3 model's every tensor ba
     python benchmarks/convert_scale.py --small                                  # the small ones, a few minutes
 
 Random weights (normal, std 0.02; norms ones) make small logits; the relative delta is what compares across shapes.
-Disk: the checkpoint, one shard's copy and the output at once (the fp32 Llama-3-8B case: about 55 GB); each case's
-files are deleted before the next.
+Disk: the checkpoint and the output at once (the fp32 case: about 40 GB; a case the free disk cannot hold is a row
+saying so); each case's files are deleted before the next.
 """
 
 import argparse
@@ -71,8 +71,9 @@ CASES = {  # (family, config fields)
                                               num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                               tie_word_embeddings=False)),
     "k3-text-3-layers": ("kimi_k3", K3_TEXT),
-    # a source larger than the machine's memory: Llama-3-8B in fp32 (32 GB)
-    "llama-3-8b-fp32": ("llama", LLAMA_3_8B),
+    # a source larger than the machine's memory (23.5 GiB): Llama-3-8B in fp32 at 26 of its 32 layers (27 GB; the
+    # whole 8B's 32 GB and its 16 GB output did not fit the disk beside the other work on it)
+    "llama-3-8b-26-layers-fp32": ("llama", dict(LLAMA_3_8B, num_hidden_layers=26)),
     # --small: the same kinds at a few hundred MB, the streamed path on every machine
     "llama-small": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                                   num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)),
@@ -88,9 +89,9 @@ CASES = {  # (family, config fields)
                                  linear_attn_config=dict(K3_TEXT["linear_attn_config"], num_heads=4, head_dim=64),
                                  moe_intermediate_size=256, routed_expert_hidden_size=256)),
 }
-SOURCE_DTYPE = {"llama-3-8b-fp32": "float32"}
+SOURCE_DTYPE = {"llama-3-8b-26-layers-fp32": "float32"}
 """The cases whose checkpoint is not bf16."""
-FULL = ["llama-3-8b", "k3-text-3-layers", "mixtral-8x7b-2-layers", "qwen2.5-7b", "llama-3-8b-fp32"]
+FULL = ["llama-3-8b", "k3-text-3-layers", "mixtral-8x7b-2-layers", "qwen2.5-7b", "llama-3-8b-26-layers-fp32"]
 SMALL = ["llama-small", "qwen2-small-tied", "mixtral-small", "k3-small"]
 TARGETS = {"peak_gb": 3.0, "wall_over_cp": 3.0, "relative_delta": 1e-3}
 LOADED = {"llama-3-8b", "qwen2.5-7b", "llama-small", "qwen2-small-tied"}
@@ -126,6 +127,18 @@ def _write_shards(folder: Path, shards: list[list[str]], make) -> int:
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return total
+
+
+def _normal(shape, std: float, dtype, generator):
+    """Normal values of `std` in `dtype`, made 2^24 at a time (no fp32 copy of a whole embedding)."""
+    import torch
+
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), 2**24):
+        part = flat[start:start + 2**24]
+        part.copy_(torch.randn(part.numel(), generator=generator).mul_(std))
+    return out
 
 
 def _hub_layout(family: str, name: str, shape) -> list[tuple[str, tuple]]:
@@ -166,7 +179,7 @@ def write_checkpoint(folder: Path, family: str, fields: dict, shard_bytes: int, 
     def make(name):
         if name.endswith("norm.weight"):
             return torch.ones(shapes[name], dtype=dtype)
-        return (torch.randn(shapes[name], generator=generator) * 0.02).to(dtype)
+        return _normal(shapes[name], 0.02, dtype, generator)
 
     _write_shards(folder, _shards([(n, math.prod(s) * dtype.itemsize) for n, s in shapes.items()], shard_bytes), make)
     config.save_pretrained(folder)
@@ -175,9 +188,9 @@ def write_checkpoint(folder: Path, family: str, fields: dict, shard_bytes: int, 
 
 def write_k3_checkpoint(folder: Path, fields: dict, shard_bytes: int, seed: int = 0) -> dict:
     """A Kimi K3 text-layout checkpoint (`tests/k3_reference.py`'s layout: `model.*`, `lm_head.weight`, the text
-    config as `config.json`) of `tiny_k3_text_config(**fields)` in bf16 (K3's fp32 tensors fp32), routed experts in
-    MXFP4 (`weight_packed` random codes, `weight_scale` 2^-6..2^-4), written tensor by tensor into shards of about
-    `shard_bytes`; returns the parameter (MXFP4 values counted) and tensor counts."""
+    config as `config.json`) of `tiny_k3_text_config(**fields)` in bf16 (K3's fp32 tensors fp32; projections std
+    0.02), routed experts in MXFP4 (`weight_packed` random codes, `weight_scale` 2^-6..2^-4), written tensor by tensor
+    into shards of about `shard_bytes`; returns the parameter (MXFP4 values counted) and tensor counts."""
     import k3_reference as ref
     import torch
 
@@ -202,8 +215,9 @@ def write_k3_checkpoint(folder: Path, fields: dict, shard_bytes: int, seed: int 
             return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
         if kind == "scale":
             return torch.randint(121, 124, shape, dtype=torch.uint8, generator=generator)
-        return (ref._random(list(shape), kind, config["linear_attn_config"]["num_heads"], generator) * (
-            0.1 if kind == "proj" else 1.0)).to(dtype)
+        if kind in ("proj", "embed"):  # the large ones, made in chunks (ref._random's std, a tenth for projections)
+            return _normal(shape, 0.02 if kind == "proj" else 1.0, dtype, generator)
+        return ref._random(list(shape), kind, config["linear_attn_config"]["num_heads"], generator).to(dtype)
 
     _write_shards(folder, _shards([(n, math.prod(s) * d.itemsize) for n, (s, d, _) in specs.items()], shard_bytes),
                   make)
@@ -251,6 +265,23 @@ LOAD_BUDGET = {"full": "4GiB", "small": "128MiB"}
 """`max_memory["cpu"]` of the load step: well under the machine's memory, so most of the model is offloaded."""
 
 
+ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+def parameter_count(family: str, fields: dict) -> int:
+    """The parameters a case's checkpoint holds (MXFP4 values counted), from its shapes on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family == "kimi_k3":
+        import k3_reference as ref
+
+        return sum(math.prod(shape) for _, shape, _ in ref._k3_shapes(ref.tiny_k3_text_config(**fields)))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
+    return sum(p.numel() for p in model.parameters())  # (a tied head once)
+
+
 def copy_seconds(folder: Path, scratch: Path) -> float:
     """The time `cp` takes to copy `folder`'s files (then `sync`), one file at a time, each copy deleted before the
     next (the disk holds one shard's copy, not the checkpoint's)."""
@@ -273,6 +304,12 @@ def measure(name: str, root: Path, dtype: str, shard_bytes: int) -> dict:
     for path in (source, output, scratch, back):
         shutil.rmtree(path, ignore_errors=True)
     scratch.mkdir(parents=True)
+    parameters = parameter_count(family, fields)
+    needed = parameters * (ITEMSIZE[source_dtype] + ITEMSIZE.get(dtype, ITEMSIZE[source_dtype])) + 2e9  # + margin
+    free = shutil.disk_usage(root).free
+    if free < needed:  # the disk is shared: a case that cannot fit is a row saying so, not a failure halfway
+        return {"case": name, "parameters": parameters, "source_dtype": source_dtype, "dtype": dtype,
+                "mode": "skipped", "why": f"needs about {needed / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB free"}
     try:
         start = time.perf_counter()
         counts = write_checkpoint(source, family, fields, shard_bytes, dtype=source_dtype)
@@ -407,11 +444,14 @@ def format_table(rows: list[dict]) -> str:
              "(`device_map=\"auto\"`) | its peak memory |", "|" + "---|" * 13]
     notes, verdicts = [], []
     for row in rows:
-        checkpoint = f"{row['source_bytes'] / 1e9:.2f} GB ({row['source_dtype']})"
-        if row["mode"] == "refused":
-            lines.append(f"| {row['case']} | {row['parameters'] / 1e9:.2f}B | {checkpoint} | - | {row['cp_s']:.0f} s |"
-                         " refused | - | - | - | - | - | - | - |")
-            notes.append(f"{row['case']}: `attnres convert --stream` refused it: {row['why']}")
+        checkpoint = f"{row['source_bytes'] / 1e9:.2f} GB ({row['source_dtype']})" if "source_bytes" in row else "-"
+        if row["mode"] in ("refused", "skipped", "failed"):
+            copied = f"{row['cp_s']:.0f} s" if "cp_s" in row else "-"
+            lines.append(f"| {row['case']} | {row['parameters'] / 1e9:.2f}B | {checkpoint} | - | {copied} | "
+                         f"{row['mode']} | - | - | - | - | - | - | - |")
+            said = {"refused": "`attnres convert --stream` refused it", "skipped": "not run",
+                    "failed": "failed"}[row["mode"]]
+            notes.append(f"{row['case']}: {said}: {row['why']}")
             continue
         load = (f"{row['load_generate_s']:.0f} s (cpu {row['load_budget']}; {row['offloaded_bytes'] / 1e9:.2f} of "
                 f"{row['weight_bytes'] / 1e9:.2f} GB on disk) | {row['load_peak_gb']:.2f} GB"
@@ -427,7 +467,7 @@ def format_table(rows: list[dict]) -> str:
                 f"(peak {row['export_peak_gb']:.2f} GB): {row['export_bit_for_bit']} tensors back bit for bit with "
                 f"their dtype, {row['export_mxfp4_as_values']} MXFP4 experts back as their values (bf16 `.weight`, "
                 "equal to the checkpoint's codes decoded; the export does not write MXFP4 codes), "
-                f"{len(row['export_differ'])} differing {row['export_differ'][:4]}, "
+                f"{len(row['export_differ'])} differing {', '.join(row['export_differ'][:4])}".rstrip() + ", "
                 f"{len(row['export_missing'])} of the checkpoint's missing")
         if row["case"] not in FULL:
             continue
@@ -470,7 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="convert-scale-", dir=args.workdir) as root:
         for name in cases:
             for dtype in args.dtype:
-                rows.append(measure(name, Path(root), dtype, shard_bytes))
+                try:
+                    rows.append(measure(name, Path(root), dtype, shard_bytes))
+                except (RuntimeError, OSError, ValueError) as error:  # one case's failure, said in its row
+                    rows.append({"case": name, "parameters": parameter_count(*CASES[name]), "dtype": dtype,
+                                 "source_dtype": SOURCE_DTYPE.get(name, "bfloat16"), "mode": "failed",
+                                 "why": " ".join(str(error).split())[-300:]})
                 print(json.dumps(rows[-1]), flush=True)
                 if args.json:  # after each case: a stopped run keeps the cases it measured
                     args.json.write_text(json.dumps(rows, indent=2) + "\n")
