@@ -679,7 +679,8 @@ def test_convert_scale_small_streams_a_real_shaped_checkpoint_exactly(tmp_path):
     """benchmarks/convert_scale.py --small on its Llama-shaped case (0.16B parameters, 0.31 GB of bf16, sharded):
     `attnres convert --stream` in a child process under /usr/bin/time, the report's mode, the logits within 1e-5 of
     their scale, the greedy tokens, an output the source's size in bf16, the output loaded with
-    `device_map="auto"` and a small CPU budget and generating, and the table."""
+    `device_map="auto"` and a small CPU budget and generating, each phase's seconds (the report's: writing and check,
+    within the child's wall time), and the table."""
     sys.path.insert(0, str(BENCHMARKS))
     import convert_scale
 
@@ -687,11 +688,13 @@ def test_convert_scale_small_streams_a_real_shaped_checkpoint_exactly(tmp_path):
     assert row["mode"] == "streamed" and row["greedy_match"] and row["relative_delta"] <= 1e-5, row
     assert abs(row["output_bytes"] - row["source_bytes"]) <= 0.01 * row["source_bytes"]  # bf16 in, bf16 out
     assert row["peak_gb"] > 0 and row["cp_s"] > 0 and not list(tmp_path.iterdir())  # it cleaned up after itself
+    assert 0 < row["write_s"] and 0 < row["verify_s"] and row["write_s"] + row["verify_s"] < row["convert_s"], row
     # the output loads with device_map="auto" under a 128 MiB CPU budget, the rest on disk, and generates
     assert row["load_new_tokens"] == 2 and 0 < row["offloaded_bytes"] < row["weight_bytes"], row
     assert row["load_peak_gb"] > 0
     text = convert_scale.format_table([row])
-    assert "| llama-small | 0.16B | 0.31 GB |" in text and "PASS" not in text  # verdicts are for the full cases
+    assert "| llama-small | 0.16B | 0.31 GB (bfloat16) | 0.31 GB (bfloat16) |" in text, text
+    assert "4 greedy tokens agree |" in text and "PASS" not in text  # verdicts are for the full cases
 
 
 @pytest.mark.slow  # about 20 s

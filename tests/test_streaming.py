@@ -17,6 +17,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
 
 from attnres_hf.cli import main
 from attnres_hf.conversion import convert, export, streaming
+from attnres_hf.conversion.verify import verify_conversion
 from utils import TINY
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -74,7 +75,9 @@ def converted_both_ways(source: Path, tmp_path: Path, options: dict) -> tuple[di
     streamed = convert(source, tmp_path / "streamed", stream=True, max_shard_size="20KB", **options)
     resident = convert(source, tmp_path / "resident", stream=False, max_shard_size="20KB", **options)
     assert_same_folders(tmp_path / "streamed", tmp_path / "resident")
-    assert streamed["conversion"] == {"mode": "streamed", "why": "requested (stream=True)"}
+    conversion = streamed["conversion"]
+    assert (conversion["mode"], conversion["why"]) == ("streamed", "requested (stream=True)")
+    assert set(conversion["seconds"]) == {"write", "verify"} and min(conversion["seconds"].values()) >= 0
     assert streamed["dtype"] == resident["dtype"] and streamed["source"] == resident["source"]
     return streamed, resident
 
@@ -276,6 +279,18 @@ def test_a_weight_transformers_builds_whole_is_read_whole_as_it_builds_it(tmp_pa
         assert torch.equal(reads[name].rows(1, 2), loaded[name][1:2]), name
 
 
+def test_a_conversion_into_another_dtype_checks_the_retrofit_not_the_rounding(tmp_path):
+    """An fp32 checkpoint written in bf16: the streamed check reads the source's weights rounded to bf16 (as the
+    in-memory check compares before the output is cast), so the logits agree to fp32 noise, not to bf16's rounding
+    (about 1e-2 of their scale: what the check reported before), and the report says so."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "out", stream=True, dtype="bfloat16")
+    check = report["verification"]
+    assert check["source_weights_rounded_to"] == ["bfloat16"] and check["greedy_match"]
+    assert check["max_abs_logit_delta"] <= 1e-5 * max(1.0, check["source_max_abs_logit"]), check
+
+
 def test_what_cannot_stream_says_why(tmp_path, monkeypatch):
     """A tensor of a dtype the streamed reader does not read, and `.bin` weights in torch's legacy format (which
     cannot be memory-mapped): `stream=True` is one line naming them, before anything is written; `auto` converts in
@@ -430,12 +445,96 @@ def test_tensors_transformers_drops_are_dropped_when_streaming(tmp_path):
         one, other = weights(tmp_path / f"{family}-streamed"), weights(tmp_path / f"{family}-memory")
         assert one.keys() == other.keys() and all(torch.equal(one[name], other[name]) for name in one), family
 
+def test_the_offloaded_check_is_the_in_memory_ones_in_fewer_forwards():
+    """`verify_offloaded_conversion`: the source runs `new_tokens` forwards (the probe's, then one token at a time on
+    its cache), the converted model one (teacher-forced over the probe and the source's tokens); the report is
+    `verify_conversion`'s. A converted model that picks another token at the second step is caught, its
+    continuation reported up to that token."""
+    from attnres_hf.conversion import retrofit
+    from attnres_hf.conversion.verify import verify_offloaded_conversion
+
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    converted = retrofit(source).eval()
+    ids = torch.randint(3, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    calls = {"source": 0, "converted": 0}
+    for name, model in (("source", source), ("converted", converted)):
+        model.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    check = verify_offloaded_conversion(source, converted, ids, new_tokens=4)
+    assert calls == {"source": 4, "converted": 1}
+    resident = verify_conversion(source, converted, ids, new_tokens=4)
+    assert check.pop("greedy_check").startswith("the source generated its tokens")
+    assert check.keys() == resident.keys() and check["greedy_match"] and resident["greedy_match"]
+    for key, value in resident.items():
+        assert check[key] == pytest.approx(value, abs=1e-6), key
+
+    class SecondTokenChanged(torch.nn.Module):  # the converted model, its argmax moved at the 2nd continuation step
+        def forward(self, input_ids, **kwargs):
+            output = converted(input_ids, **kwargs)
+            output.logits[0, ids.shape[1]] = 0.0
+            output.logits[0, ids.shape[1], (check["source_continuation_ids"][1] + 1) % TINY["vocab_size"]] = 1e3
+            return output
+
+    wrong = verify_offloaded_conversion(source, SecondTokenChanged(), ids, new_tokens=4)
+    assert not wrong["greedy_match"] and wrong["max_abs_logit_delta"] == check["max_abs_logit_delta"]
+    first, second = check["source_continuation_ids"][:2]
+    assert wrong["converted_continuation_ids"] == [first, (second + 1) % TINY["vocab_size"]]
+
+
+def test_reused_buffers_hand_out_only_memory_no_tensor_uses():
+    """`sources.BUFFERS`: in a scope, a freed tensor's memory is handed out again for the same size, a kept one's
+    never; outside a scope every tensor is new."""
+    from attnres_hf.conversion.sources import BUFFERS
+
+    outside = BUFFERS.empty((4,), torch.float32)
+    with BUFFERS.scope():
+        kept = BUFFERS.empty((2, 3), torch.float32).fill_(1.0)
+        view = BUFFERS.empty((6,), torch.float32)[2:]  # a view keeps its buffer in use
+        freed = BUFFERS.empty((3, 2), torch.float32)
+        pointer = freed.data_ptr()
+        del freed
+        again = BUFFERS.empty((24,), torch.uint8)
+        assert again.data_ptr() == pointer and again.shape == (24,)
+        assert len({kept.data_ptr(), view.data_ptr() - 8, again.data_ptr()}) == 3 and torch.all(kept == 1)
+        assert BUFFERS.empty((5,), torch.float32).data_ptr() not in (kept.data_ptr(), again.data_ptr())
+    assert not BUFFERS.held and BUFFERS.empty((4,), torch.float32).data_ptr() != outside.data_ptr()
+
+
+@pytest.mark.parametrize("copy_file_range", ["refused", "absent"])
+def test_stored_bytes_are_copied_the_plain_way_where_the_kernel_cannot(copy_file_range, tmp_path, monkeypatch):
+    """A tensor written in its stored dtype is its bytes copied (`os.copy_file_range`); where that fails (another
+    file system: EXDEV) or does not exist (not Linux), read and written in chunks: the same shards."""
+    import os
+
+    from attnres_hf.conversion.retrofit import load_source_config
+    from attnres_hf.conversion.sources import HFSource
+
+    write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {})
+    plan = streaming.stream_plan(HFSource(tmp_path / "src", load_source_config(tmp_path / "src")), torch.bfloat16)
+    (tmp_path / "kernel").mkdir()
+    streaming.write_streamed(plan, tmp_path / "kernel", "40KB")
+    if copy_file_range == "absent":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        def refused(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refused)
+    (tmp_path / "plain").mkdir()
+    streaming.write_streamed(plan, tmp_path / "plain", "40KB", chunk_bytes=1000)  # chunks smaller than a tensor
+    files = sorted(path.name for path in (tmp_path / "kernel").iterdir())
+    assert files == sorted(path.name for path in (tmp_path / "plain").iterdir()) and len(files) > 2
+    assert all((tmp_path / "kernel" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes() for name in files)
+    assert weights(tmp_path / "kernel").keys() >= weights(tmp_path / "src").keys()
+
+
 MEMORY_SCRIPT = r"""
-import json, sys
+import ctypes, json, sys
 import torch
 from attnres_hf.conversion import convert
 # what a conversion imports on the way, imported before the baseline: the memory measured is the conversion's
 import accelerate.big_modeling, transformers.generation, transformers.models.llama.modeling_llama
+import attnres_hf.conversion.k3_source, attnres_hf.modeling.backbones_k3
 from attnres_hf.conversion.offloaded import offloaded
 from attnres_hf.conversion.verify import verify_conversion
 from attnres_hf.modeling import AttnResForCausalLM
@@ -444,33 +543,53 @@ def status(field):  # VmHWM: this process's peak; getrusage's ru_maxrss keeps th
     with open("/proc/self/status") as lines:
         return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":"))
 
-base = status("VmRSS")
-convert(sys.argv[1], sys.argv[2], stream=sys.argv[3] == "stream", dtype="float32")
-print(json.dumps({"above_start": status("VmHWM") - base}))
+above = []
+for source, output, mode, dtype in json.loads(sys.argv[1]):
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the previous conversion's freed heap back to the system
+    with open("/proc/self/clear_refs", "w") as refs:  # VmHWM reset to the current resident size (Linux >= 4.0)
+        refs.write("5")
+    base = status("VmRSS")
+    convert(source, output, stream=mode == "stream", dtype=dtype)
+    above.append(status("VmHWM") - base)
+print(json.dumps({"above_start": above}))
 """
 
 
 def test_a_streamed_conversion_holds_about_one_tensor_not_the_model(tmp_path):
-    """Peak resident memory above the process's start (its imports done), converting a 114M-parameter bf16
-    checkpoint (0.23 GB; its largest tensors, the embedding and the head, 0.13 GB each in fp32) to fp32, in a fresh
-    interpreter: streamed at most 5 times the largest tensor in fp32 (measured 2.5-3.1x in 18 of 22 runs on a 2-core
-    AMD EPYC, 3.5-4.4x in the other 4, before and after the lazy records alike: one write chunk, the verification's
-    layers and head chunks one at a time, the probe's activations, and the allocator's slack, which at this size
-    outweighs the tensors and varies from run to run; VmHWM also counts file pages the verification's safetensors
-    reads map), in memory more than 6 times (measured 7.8-7.9x: the source and the AttnRes model in fp32 together)."""
+    """Peak resident memory above the start of each conversion (the process's imports done; in one interpreter, its
+    peak reset between conversions): a 114M-parameter bf16 Llama checkpoint (0.23 GB; its largest tensors, the
+    embedding and the head, 0.13 GB each in fp32) converted to fp32 streamed at most 5 times the largest tensor in
+    fp32 (measured 2.8-2.9x in 4 runs on a 2-core AMD EPYC; 2.5-4.4x in separate interpreters before the reused read
+    buffers: one write chunk, the verification's layers and head chunks one at a time, the probe's activations, and
+    the allocator's slack, which at this size outweighs the tensors; VmHWM also counts file pages read), in memory
+    more than 6 times (measured 7.5x: the source and the AttnRes model in fp32 together); and a Kimi K3 text
+    checkpoint with MXFP4 experts and AttnRes (`benchmarks/convert_scale.py`'s `k3-small`: 40M parameters, 76 MB; its
+    largest tensors 65 MB in fp32) converted streamed, its experts dequantised one at a time, at most 5 times its
+    largest tensor too (measured 4.0x: the written-tensor check's 64 MiB chunks, read and written side by side)."""
     from transformers import LlamaConfig as Config
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import convert_scale
 
     config = Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
                     num_key_value_heads=2, vocab_size=64000, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cpu"):
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "src", max_shard_size="50MB")
-    largest = config.vocab_size * config.hidden_size * 4
-    above = {}
-    for mode in ("stream", "memory"):
-        done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "src"), str(tmp_path / mode), mode],
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        above[mode] = json.loads(done.stdout.strip().splitlines()[-1])["above_start"] / largest
-    assert above["stream"] <= 5, above
+    family, fields = convert_scale.CASES["k3-small"]
+    convert_scale.write_checkpoint(tmp_path / "k3", family, fields, 32 * 2**20)
+    largest = {"llama": config.vocab_size * config.hidden_size * 4,
+               "k3": fields["vocab_size"] * fields["hidden_size"] * 4}  # (the embedding, fp32)
+    jobs = [(str(tmp_path / "src"), str(tmp_path / "stream"), "stream", "float32"),
+            (str(tmp_path / "k3"), str(tmp_path / "k3-stream"), "stream", "auto"),
+            (str(tmp_path / "src"), str(tmp_path / "memory"), "memory", "float32")]
+    done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, json.dumps(jobs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stream, k3, memory = json.loads(done.stdout.strip().splitlines()[-1])["above_start"]
+    above = {"stream": stream / largest["llama"], "k3": k3 / largest["k3"], "memory": memory / largest["llama"]}
+    assert above["stream"] <= 5 and above["k3"] <= 5, above
     assert above["memory"] > 6, above  # the bound tells the two paths apart
+    assert json.loads((tmp_path / "k3-stream" / "conversion_report.json").read_text())["verification"][
+        "tensors_identical"]
+

@@ -8,6 +8,7 @@ run never leaves a half-written `output_dir`.
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -25,11 +26,11 @@ from .retrofit import (check_dtype, check_max_shard_size, check_output_folder, c
                        load_source_config, split_gguf_path)
 from .sources import ModelSource, Source, most_common_dtype
 from .sources import continuation as _continuation
-from .verify import PROBE_TEXT, verify_conversion
+from .verify import PROBE_TEXT, verify_offloaded_conversion
 
 STREAMED_NEW_TOKENS = 4
-"""Greedy tokens a streamed conversion's check generates (each one reads every weight from disk, twice: the source
-and the output); the in-memory check generates 32."""
+"""Greedy tokens a streamed conversion's check generates (each one reads every weight of the source from disk again;
+the output's are read once, `verify_offloaded_conversion`); the in-memory check generates 32."""
 
 def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None, trust_remote_code: bool = False):
     """The source's tokenizer (from the folder, or converted from the GGUF file with the pre-tokenizer the file
@@ -179,8 +180,8 @@ def convert(
             checkpoint's, since their own code does not run in a streamed check), `False` in memory (source and
             AttnRes model resident: about twice the fp32 size of the model), `"auto"` (default) streamed when the
             model's parameters exceed `STREAM_ABOVE_BYTES` in fp32 (1 GiB) and its tensors can be streamed. The
-            report's `conversion.mode` says which ran and `conversion.why` why. A model in memory is converted in
-            memory.
+            report's `conversion.mode` says which ran, `conversion.why` why (streamed: `conversion.seconds`, the
+            writing's and the check's wall time). A model in memory is converted in memory.
         **config_overrides: further `AttnResConfig` fields (e.g. `attnres_rescale_output=False`).
 
     Returns:
@@ -331,19 +332,21 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
     shard into the staging folder, then checked with every module offloaded to disk (`offloaded`): a retrofit's
     logits against the source's backbone model read through the same `Source`; a source with trained routers (an fla
     or K3 AttnRes model: no model of the source's own code runs here) every written tensor against the source's, and
-    the converted model's greedy continuation."""
+    the converted model's greedy continuation. The report's `conversion.seconds`: each phase's wall time."""
     from ..modeling import AttnResForCausalLM
     from .offloaded import offloaded
     from .streaming import write_folder_files, write_streamed
 
     input_ids = _probe_ids(tokenizer, probe_text, plan.config.vocab_size)
     with staged_folder(output_dir, replace=force) as staging:
+        start = time.perf_counter()
         write_folder_files(plan, staging, generation_config=plan.source.generation_config())
         print(f"Writing {len(plan.targets)} tensors ({plan.num_bytes / 2**30:.2f} GiB), streamed from the source "
               "files ...", flush=True)
         write_streamed(plan, staging, max_shard_size, progress=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        written = time.perf_counter()
         if plan.source.imported_routers:
             print(f"Checking every tensor written against the checkpoint's, and a {STREAMED_NEW_TOKENS}-token greedy "
                   "continuation of the written folder offloaded to disk ...", flush=True)
@@ -356,8 +359,15 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
                 verification = _written_tensors_check(plan, staging) | _continuation(
                     model, input_ids, STREAMED_NEW_TOKENS)
             else:
-                with offloaded(plan.source) as source_model:
-                    verification = verify_conversion(source_model, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
+                # the source's weights as they were written (a conversion into another dtype compares the
+                # retrofit, not the rounding, as the in-memory check does before the output is cast)
+                rounded = {name: plan.targets[name].dtype for name, read in plan.sources.items()
+                           if plan.targets[name].dtype != read.dtype and plan.targets[name].dtype != torch.float32}
+                with offloaded(plan.source, rounded_to=rounded) as source_model:
+                    verification = verify_offloaded_conversion(source_model, model, input_ids,
+                                                               new_tokens=STREAMED_NEW_TOKENS)
+                verification["source_weights_rounded_to"] = sorted({str(d).removeprefix("torch.")
+                                                                    for d in rounded.values()})
         if plan.source.kind == "gguf":  # every weight written against the file's dequantised tensor
             print(f"Checking every weight written against {plan.source.path.name} ...", flush=True)
             checked = _written_tensors_check(plan, staging)
@@ -369,7 +379,8 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
                 if f"{which}_continuation_ids" in verification:
                     verification[f"{which}_continuation"] = tokenizer.decode(verification[f"{which}_continuation_ids"])
         dtype = most_common_dtype(plan.targets.values())
-        report = _report(source_fields, output_dir, dtype, plan.config, verification, mode)
+        seconds = {"write": round(written - start, 2), "verify": round(time.perf_counter() - written, 2)}
+        report = _report(source_fields, output_dir, dtype, plan.config, verification, mode | {"seconds": seconds})
         model_card(report).save(staging / "README.md")
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .sources import (CHUNK_BYTES, Source, TensorRead, generation_config_of, identity_reads, safetensors_files,
+from .sources import (BUFFERS, CHUNK_BYTES, Source, TensorRead, generation_config_of, identity_reads, safetensors_files,
                       stored_tensors)
 
 
@@ -45,14 +45,16 @@ def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
 
 
 @contextlib.contextmanager
-def offloaded(folder: "str | os.PathLike | Source", model_class=None):
+def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to: dict | None = None):
     """The model saved in `folder` (safetensors), or the backbone model of a `Source` (an fla or K3 folder read
     through its name map and transforms: `Source.reads`), in fp32 with every weight-holding module offloaded to disk
     (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
     folder's own safetensors files as its weights (`FolderWeights`), so nothing is read until a module's forward
     loads its weights (cast to fp32) and nothing stays after it; the embedding and head read only what each forward
     needs (`_stream_vocabulary_modules`). `model_class`: the class to load (`None`: the family's causal LM, as
-    `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too).
+    `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too). `rounded_to`: `{weight name:
+    dtype}` of weights read rounded to that dtype first (then fp32): a source compared with a conversion that wrote
+    its weights in another dtype, as the in-memory check compares before the output is cast.
 
     transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
     (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns), and its index-based
@@ -103,15 +105,20 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None):
             model.get_submodule(owner)._buffers[leaf] = reads[name].rows(dtype=torch.float32)
         elif name in reads:
             weights[name] = reads[name]
+    rounded_to = dict(rounded_to or {})
     for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         if tied not in weights and source in weights:
             weights[tied] = weights[source]
+            if source in rounded_to:
+                rounded_to[tied] = rounded_to[source]
     missing += [name for name in params if name not in weights]
     if missing:
         raise ValueError(f"{folder}: no tensor for {', '.join(missing[:4])} in its safetensors files")
-    source = FolderWeights(weights)
+    source = FolderWeights(weights, rounded_to)
     _stream_vocabulary_modules(model, source)
-    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch:  # accelerate's; nothing is written
+    # `scratch`: accelerate's, nothing is written; `BUFFERS.scope()`: each forward reads the same shapes again (layer
+    # after layer, model after model), into reused memory
+    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch, BUFFERS.scope():
         # `state_dict` is read by key for each module's forward; an empty (not None) `offload_index` tells accelerate
         # the weights are already on disk (it would otherwise save the meta model's into `offload_dir`)
         quiet = logging.getLogger("accelerate.big_modeling")  # its "parameters on the meta device" is the point
@@ -132,17 +139,24 @@ class FolderWeights(Mapping):
 
     Args:
         reads: `{weight name: TensorRead}`.
+        rounded_to: `{weight name: dtype}` of weights read in that dtype, then cast to fp32 (`offloaded`).
     """
 
-    def __init__(self, reads: dict[str, TensorRead]):
-        self.reads = reads
+    def __init__(self, reads: dict[str, TensorRead], rounded_to: dict | None = None):
+        self.reads, self.rounded_to = reads, rounded_to or {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.read(key)
 
+    def __contains__(self, key) -> bool:  # `Mapping`'s would read the tensor (accelerate asks before each read)
+        return key in self.reads
+
     def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows `start:stop` of weight `key` in fp32 (`TensorRead.rows`)."""
-        return self.reads[key].rows(start, stop, torch.float32)
+        """Rows `start:stop` of weight `key` in fp32 (`TensorRead.rows`; rounded to `rounded_to[key]` first)."""
+        rounded = self.rounded_to.get(key, torch.float32)
+        if rounded == torch.float32:
+            return self.reads[key].rows(start, stop, torch.float32)
+        return self.reads[key].rows(start, stop, rounded).float()
 
     def rows(self, key: str, indices: list[int]) -> torch.Tensor:
         """The rows `indices` of weight `key` in fp32, `(len(indices), *row shape)`."""

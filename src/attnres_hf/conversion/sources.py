@@ -1,4 +1,5 @@
-"""One interface for the checkpoints a conversion reads (`Source`), and its safetensors reader.
+"""One interface for the checkpoints a conversion reads (`Source`); their safetensors files are read by
+`safetensors_reader`.
 
 A `Source` gives what a streamed conversion (`streaming.stream_plan`) and its check (`offloaded.offloaded`) need,
 without reading a weight: the backbone's transformers config (`config`), the stored tensors' names, shapes and dtypes
@@ -18,10 +19,8 @@ importer's `Source`.
 
 import abc
 import copy
-import json
 import math
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,124 +29,9 @@ from typing import NamedTuple
 import torch
 
 from .retrofit import _check_overrides, load_source, retrofit, retrofit_config
+from .safetensors_reader import (BUFFERS, CHUNK_BYTES, SAFETENSORS_DTYPES, STORED_DTYPES, SafetensorsFile,  # noqa: F401
+                                 StoredTensor, safetensors_files, stored_tensors)
 from .verify import verify_conversion
-
-CHUNK_BYTES = 64 * 2**20
-"""The most bytes of one tensor read, cast and written at a time (rows of a large tensor; a row never splits)."""
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
-"""The safetensors format's dtype names (its specification, `Dtype` in the safetensors crate) of the dtypes a
-retrofit writes."""
-STORED_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
-
-
-class SafetensorsFile:
-    """One safetensors file, its tensors read by row ranges with plain file reads into fresh tensors.
-
-    safetensors' own reader memory-maps the file: every page a read touches counts as resident memory until the file
-    is closed (a Llama-3-8B's 1 GB head read through `safe_open` costs its 1 GB of mapped pages on top of the tensor
-    and its fp32 copy). This reads the format's documented layout (an 8-byte little-endian header length, the JSON
-    header, the data; little-endian values, as every platform torch runs on stores them) in chunks into the output.
-
-    Raises (at construction):
-        ValueError: a file too short for its header or for the tensors the header lists (one line naming it).
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        size = self.path.stat().st_size
-        with self.path.open("rb") as handle:
-            head = handle.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-            if 8 + length > size:
-                raise ValueError(f"{self.path}: truncated or not safetensors (its header does not fit in the file)")
-            try:
-                entries = json.loads(handle.read(length))
-            except ValueError as error:
-                raise ValueError(f"{self.path}: its safetensors header is not JSON ({error})") from None
-        entries.pop("__metadata__", None)
-        self.entries, self.data_start = entries, 8 + length
-        end = max((entry["data_offsets"][1] for entry in entries.values()), default=0)
-        if self.data_start + end > size:
-            raise ValueError(f"{self.path}: truncated ({size} bytes; its tensors end at byte {self.data_start + end})")
-
-    def dtype(self, name: str) -> torch.dtype:
-        """The stored dtype of tensor `name`.
-
-        Raises:
-            ValueError: a dtype this reader does not know (`SAFETENSORS_DTYPES`).
-        """
-        code = self.entries[name]["dtype"]
-        stored = STORED_DTYPES.get(code)
-        if stored is None:
-            raise ValueError(f"{self.path}: tensor {name} has dtype {code}, which streaming does not read")
-        return stored
-
-    def read(self, name: str, dtype: torch.dtype, start: int = 0, stop: int | None = None,
-             chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-        """Rows `start:stop` (along dim 0; a 0-d tensor has one) of tensor `name`, cast to `dtype`: a contiguous CPU
-        tensor, read `chunk_bytes` of the file at a time, so the memory used is the result plus one chunk.
-
-        Raises:
-            KeyError: no tensor `name` in the file.
-            ValueError: a dtype this reader does not know (`SAFETENSORS_DTYPES`).
-        """
-        entry, stored = self.entries[name], self.dtype(name)
-        shape = entry["shape"]
-        rows = shape[0] if shape else 1
-        stop = rows if stop is None else stop
-        row_numel = math.prod(shape[1:]) if shape else 1
-        row_bytes = row_numel * stored.itemsize
-        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=dtype)
-        flat = out.view(-1)
-        step = max(1, chunk_bytes // max(row_bytes, 1))
-        buffer = torch.empty(min(step, stop - start) * row_bytes, dtype=torch.uint8)
-        with self.path.open("rb", buffering=0) as handle:
-            handle.seek(self.data_start + entry["data_offsets"][0] + start * row_bytes)
-            for first in range(start, stop, step):
-                count = min(step, stop - first) * row_bytes
-                view = buffer[:count]
-                if handle.readinto(memoryview(view.numpy())) != count:
-                    raise ValueError(f"{self.path}: truncated while reading {name}")
-                begin = (first - start) * row_numel
-                flat[begin:begin + count // stored.itemsize].copy_(view.view(stored))
-        return out
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """A tensor as a safetensors header lists it: its file, shape and stored dtype (`None`: one streaming does not
-    read, e.g. a float8 or 4-bit code the header names)."""
-
-    file: Path
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None
-
-
-def safetensors_files(folder: Path) -> list[Path] | None:
-    """The safetensors files transformers loads from `folder` (`model.safetensors`, else every shard of
-    `model.safetensors.index.json`), or `None` when it loads other weights (`.bin`)."""
-    from .hf_source import read_index
-
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / shard for shard in sorted(set(read_index(index).values()))]
-    return None
-
-
-def stored_tensors(files: list[Path]) -> dict[str, StoredTensor]:
-    """`{tensor name: StoredTensor}` of every tensor of the safetensors `files`, from their headers (no data read)."""
-    held = {}
-    for path in files:
-        for name, entry in SafetensorsFile(path).entries.items():
-            held[name] = StoredTensor(path, tuple(entry["shape"]), STORED_DTYPES.get(entry["dtype"]))
-    return held
-
 
 @dataclass(frozen=True)
 class TensorRead:
@@ -160,12 +44,15 @@ class TensorRead:
         where: the file (or files) it is read from, for messages.
         read_rows: `(start, stop, dtype) -> tensor` of rows `start:stop` in `dtype`, `(stop - start, *shape[1:])`
             (a 0-d tensor has one row and is returned 0-d).
+        stored_in: `(file, name)` when the values are tensor `name` of a safetensors file exactly as stored
+            (`stored`): a writer may copy its bytes (`streaming.write_streamed`); `None` for a computed tensor.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     where: str
     read_rows: Callable[[int, int, torch.dtype], torch.Tensor]
+    stored_in: "tuple[SafetensorsFile, str] | None" = None
 
     @property
     def num_rows(self) -> int:
@@ -183,7 +70,7 @@ class TensorRead:
             KeyError: no tensor `name` in the file; ValueError: a dtype the reader does not know.
         """
         return cls(tuple(file.entries[name]["shape"]), file.dtype(name), str(file.path),
-                   lambda start, stop, dtype: file.read(name, dtype, start, stop))
+                   lambda start, stop, dtype: file.read(name, dtype, start, stop), (file, name))
 
     @classmethod
     def whole(cls, shape, dtype: torch.dtype, where: str, load: Callable[[], torch.Tensor]) -> "TensorRead":
@@ -468,5 +355,5 @@ def max_read_delta(reads: dict[str, TensorRead], others: dict[str, TensorRead],
             stop = min(start + step, read.num_rows)
             ours = read.rows(start, stop).to((dtypes or {}).get(name, read.dtype)).float()
             theirs = other.rows(start, stop, torch.float32)
-            worst = max(worst, float((ours - theirs).abs().max()) if ours.numel() else 0.0)
+            worst = max(worst, float((ours - theirs).abs_().max()) if ours.numel() else 0.0)
     return worst

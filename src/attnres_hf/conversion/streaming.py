@@ -19,20 +19,24 @@ model's weights together:
 2. **Write** (`write_streamed`): the shard plan is huggingface_hub's (`split_torch_state_dict_into_shards`, as
    `save_pretrained` names and fills shards), computed from the meta tensors. Each shard's safetensors header is
    written first (the format's documented layout: an 8-byte little-endian header length, the JSON header, the data),
-   then every tensor in row chunks of at most `chunk_bytes`, each read from the source file, cast and appended; the
-   index is written last. safetensors' own reader checks each shard before the folder is kept.
+   then every tensor: a stored tensor of the output's dtype as its bytes, copied file to file inside the kernel
+   (`os.copy_file_range`, as `cp` copies), any other in chunks of at most `chunk_bytes`, each read from the source
+   file, cast and appended; the index is written last. safetensors' own reader checks each shard before the folder
+   is kept.
 3. **Verify** (`offloaded.offloaded`): the source and the written output are built on the meta device and
    dispatched by accelerate with each decoder layer offloaded to disk (its weights read, in fp32, from the folder's
    own safetensors files for its forward and dropped after; the embedding and head read only what each forward
-   needs), and `verify.verify_conversion` runs on them as on resident models: the same logits, compared in fp32.
+   needs), and `verify.verify_offloaded_conversion` compares them: the same logits, in fp32, and the greedy
+   continuation, in `new_tokens + 1` forwards (each reads every weight of its model again).
 
-Every read goes through `SafetensorsFile`: plain reads of row chunks, no memory map (whose touched pages count as
-resident). Peak memory: one decoder layer's fp32 weights (a Llama-3-8B's: 0.87 GB) plus one chunk and the probe's
+Every read goes through `SafetensorsFile`: plain reads, no memory map (whose touched pages count as resident), into
+memory reused from read to read (`sources.BUFFERS`). Peak memory: one decoder layer's fp32 weights (a Llama-3-8B's: 0.87 GB) plus one chunk and the probe's
 activations; measured figures are in docs/retrofitting.md ("Checkpoints of any size", written by
 `benchmarks/convert_scale.py`).
 """
 
 import copy
+import errno
 import json
 import math
 import os
@@ -42,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .sources import CHUNK_BYTES, SAFETENSORS_DTYPES, Source, TensorRead, generation_config_of  # noqa: F401
+from .sources import BUFFERS, CHUNK_BYTES, SAFETENSORS_DTYPES, Source, TensorRead, generation_config_of  # noqa: F401
 
 STREAM_ABOVE_BYTES = 2**30
 """`convert(stream="auto")` streams a streamable source whose parameters take more than this in fp32 (1 GiB: about
@@ -142,9 +146,20 @@ def stream_plan(source: Source, dtype: torch.dtype, auto: bool = False, **overri
     return StreamPlan(config=config, model=model, targets=targets, sources=sources, mixing=mixing, source=source)
 
 
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes of a file written unchanged: `length` bytes from `offset` of `path`."""
+
+    path: Path
+    offset: int
+    length: int
+
+
 def _chunks(plan: StreamPlan, name: str, chunk_bytes: int):
-    """The values of output tensor `name`, cast to its dtype, as contiguous row chunks of at most `chunk_bytes`
-    (a row never splits), read through its `TensorRead` (plain file reads: no mapped pages counted as resident).
+    """The values of output tensor `name`, in its dtype and file order: a `ByteRange` when they are a source file's
+    stored bytes (`TensorRead.stored_in`, the same dtype: copied, no cast), else contiguous chunks of at most
+    `chunk_bytes` of the source's (a stored tensor's elements in file order, refilling one buffer: each chunk is
+    written before the next is read; another read's rows, a row never splitting), each cast to the output dtype.
 
     Raises:
         ValueError: values beyond the output dtype's range (`retrofit.check_representable`: a float16 output).
@@ -156,13 +171,63 @@ def _chunks(plan: StreamPlan, name: str, chunk_bytes: int):
     from .retrofit import check_representable
 
     read = plan.sources[name]
+    if read.stored_in is not None:
+        file, stored_name = read.stored_in
+        if read.dtype == target.dtype:
+            yield ByteRange(file.path, *file.byte_range(stored_name))
+            return
+        out = None
+        for values in file.chunks(stored_name, chunk_bytes):
+            check_representable(name, values, target.dtype, read.where)  # an outlier beyond float16's range: refused
+            out = BUFFERS.empty(values.shape, target.dtype) if out is None else out
+            yield out[:values.numel()].copy_(values)
+        return
     rows = read.num_rows
     row_bytes = math.prod(target.shape[1:]) * max(target.element_size(), 4)  # the cast may pass through fp32
     step = max(1, chunk_bytes // max(row_bytes, 1))
     for start in range(0, rows, step):
         values = read.rows(start, min(start + step, rows))
-        check_representable(name, values, target.dtype, read.where)  # an outlier beyond float16's range: refused
+        check_representable(name, values, target.dtype, read.where)
         yield values.to(target.dtype)
+
+
+def _write_all(out, data) -> None:
+    """Write all of `data` (bytes-like) to the unbuffered file `out`."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[out.write(view):]
+
+
+def _copy_range(part: ByteRange, out, chunk_bytes: int) -> None:
+    """Append `part` to the unbuffered file `out`: copied inside the kernel (`os.copy_file_range`, as `cp` does),
+    or read and written `chunk_bytes` at a time where the platform or the file systems do not allow it.
+
+    Raises:
+        ValueError: the source file ends before the range does.
+    """
+    truncated = f"{part.path}: truncated while copying bytes {part.offset}-{part.offset + part.length}"
+    with part.path.open("rb", buffering=0) as source:
+        offset, left = part.offset, part.length
+        copy = getattr(os, "copy_file_range", None)
+        while left and copy is not None:
+            try:
+                count = copy(source.fileno(), out.fileno(), left, offset)
+            except OSError as error:  # e.g. another file system (EXDEV) or none of its own (ENOSYS): the plain way
+                if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                break
+            if not count:
+                raise ValueError(truncated)
+            offset, left = offset + count, left - count
+        buffer = BUFFERS.empty((min(left, chunk_bytes),), torch.uint8) if left else None
+        source.seek(offset)
+        while left:
+            view = buffer[:min(left, chunk_bytes)]
+            count = source.readinto(memoryview(view.numpy()))
+            if not count:
+                raise ValueError(truncated)
+            _write_all(out, view.numpy()[:count])
+            left -= count
 
 
 def _header(names: list[str], targets: dict[str, torch.Tensor]) -> bytes:
@@ -183,7 +248,8 @@ def write_streamed(plan: StreamPlan, folder: str | os.PathLike, max_shard_size: 
                    chunk_bytes: int = CHUNK_BYTES, progress: bool = False) -> list[Path]:
     """Write `plan`'s tensors into `folder` as `save_pretrained` shards them (`model.safetensors`, or
     `model-0000K-of-0000N.safetensors` with `model.safetensors.index.json`, written last), each tensor streamed from
-    its source in chunks of at most `chunk_bytes` (`CHUNK_BYTES`); return the weight files.
+    its source (`_chunks`: a stored tensor of the output's dtype copied as bytes, any other in chunks of at most
+    `chunk_bytes`, `CHUNK_BYTES`); return the weight files.
 
     Raises:
         ValueError: a written shard that safetensors' reader refuses, or whose tensors are not the plan's, or a source
@@ -199,15 +265,19 @@ def write_streamed(plan: StreamPlan, folder: str | os.PathLike, max_shard_size: 
                                                max_shard_size=max_shard_size)
     written = []
     bar = tqdm(total=plan.num_bytes, unit="B", unit_scale=True, desc="Writing AttnRes weights", disable=not progress)
-    with bar:
+    with bar, BUFFERS.scope():
         for file_name, names in split.filename_to_tensors.items():
             path = folder / file_name
-            with path.open("wb") as out:
-                out.write(_header(names, plan.targets))
+            with path.open("wb", buffering=0) as out:
+                _write_all(out, _header(names, plan.targets))
                 for name in names:
                     for chunk in _chunks(plan, name, chunk_bytes):
-                        out.write(chunk.reshape(-1).view(torch.uint8).numpy().data)
-                        bar.update(chunk.numel() * chunk.element_size())
+                        if isinstance(chunk, ByteRange):
+                            _copy_range(chunk, out, chunk_bytes)
+                            bar.update(chunk.length)
+                        else:
+                            _write_all(out, chunk.reshape(-1).view(torch.uint8).numpy())
+                            bar.update(chunk.numel() * chunk.element_size())
             try:
                 with safe_open(path, "pt") as handle:
                     stored = set(handle.keys())
