@@ -507,7 +507,7 @@ def test_stored_bytes_are_copied_the_plain_way_where_the_kernel_cannot(copy_file
     import os
 
     from attnres_hf.conversion.retrofit import load_source_config
-    from attnres_hf.conversion.sources import HFSource
+    from attnres_hf.conversion.hf_stream import HFSource
 
     write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {})
     plan = streaming.stream_plan(HFSource(tmp_path / "src", load_source_config(tmp_path / "src")), torch.bfloat16)
