@@ -9,13 +9,14 @@ model's weights together:
 
 1. **Plan** (`StreamPlan`): the AttnRes model is built on the meta device (no weight memory); its state dict names,
    shapes and dtypes, less the tied weights `save_pretrained` leaves out, are the output's tensors. Each is either
-   read from the source (`Source.reads`: the name map and per-tensor transforms; an HF folder's tensors under their
-   own names, `families.map_keys` being the identity for every supported family) or a parameter of a depth-mixing
-   module, whose value is that module's `reset_parameters()` (each module materialised alone: a few vectors), unless
-   the source holds trained routers (`Source.imported_routers`). Source tensors transformers' loading drops (a tied head stored beside its embedding, old per-layer
-   rotary `inv_freq`) are dropped too. A source whose tensors do not hold the model's one by one (per-expert MoE
-   tensors that transformers' weight conversions fuse, `.bin` weights) is not streamable; `convert` takes the
-   in-memory path and says why.
+   read from the source (`Source.reads`: the name map and per-tensor transforms; an HF folder's tensors under the
+   names transformers' loading gives them, per-expert MoE tensors stacked by its own operations:
+   `hf_stream.converted_reads`) or a parameter of a depth-mixing module, whose value is that module's
+   `reset_parameters()` (each module materialised alone: a few vectors), unless the source holds trained routers
+   (`Source.imported_routers`). Source tensors transformers' loading drops (a tied head stored beside its
+   embedding, old per-layer rotary `inv_freq`) are dropped too. A source whose tensors cannot be read so (a dtype
+   the reader does not read, a legacy `.bin`: `Source.not_streamable`; a model tensor no read gives) is not
+   streamable; `convert` takes the in-memory path and says why.
 2. **Write** (`write_streamed`): the shard plan is huggingface_hub's (`split_torch_state_dict_into_shards`, as
    `save_pretrained` names and fills shards), computed from the meta tensors. Each shard's safetensors header is
    written first (the format's documented layout: an 8-byte little-endian header length, the JSON header, the data),
@@ -87,7 +88,7 @@ class StreamPlan:
 def stream_plan(source: Source, dtype: torch.dtype, auto: bool = False, **overrides) -> StreamPlan | str:
     """The `StreamPlan` of a conversion of `source` (its config already checked) written in `dtype` (`auto`: the
     checkpoint's own, `Source.checkpoint_dtype`, with the tensors it keeps in another dtype, `Source.kept_dtypes`)
-    with `overrides` (`AttnResConfig` fields, already the source's: `fla_overrides`, `k3_overrides`), or the reason,
+    with `overrides` (`AttnResConfig` fields, already the source's: `Source.overrides`), or the reason,
     one line, why its tensors cannot be streamed (then `convert` loads it in memory).
 
     Raises:
@@ -120,9 +121,8 @@ def stream_plan(source: Source, dtype: torch.dtype, auto: bool = False, **overri
     mixing_keys = {key for keys in mixing_names.values() for key in keys}
     backbone = set(targets) - mixing_keys
     absent = sorted(backbone - set(reads))
-    if absent:  # e.g. per-expert MoE tensors that transformers' conversions fuse into one
-        return ("its tensors are not the AttnRes model's one by one (transformers' weight conversions combine or "
-                f"rename them, e.g. per-expert MoE tensors into {absent[0]})")
+    if absent:  # a source kind whose reads do not give every backbone tensor of the model
+        return f"its tensors do not give every tensor of the AttnRes model (no read for {absent[0]})"
     # the rest are tensors transformers' loading drops too (`load_source_config` checked that): a tied head stored
     # beside its embedding, old checkpoints' per-layer rotary `inv_freq`
     imported = mixing_keys & set(reads) if source.imported_routers else set()
