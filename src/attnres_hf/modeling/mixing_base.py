@@ -20,7 +20,8 @@ baseline.
 Sub-layers: attention and MLP each count as one (a "layer" in the AttnRes paper); `num_hidden_layers = L` gives
 `2 L`. All mixing weights, norms, softmax and sigmoid run in fp32; outputs are cast back to the stream's dtype.
 
-Travels with checkpoints as remote code: imports only torch, transformers and its sibling `torch_internals.py`.
+Travels with checkpoints as remote code: imports only torch and transformers (and, when a read is rebuilt in
+backward, its sibling `torch_internals.py`).
 """
 
 import functools
@@ -31,7 +32,6 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from .torch_internals import saved_tensors_hooks_active
 
 
 class DepthRead(NamedTuple):
@@ -68,6 +68,8 @@ class DepthRead(NamedTuple):
         mechanism of torch's non-reentrant checkpoint); what else `norm` saves is kept as usual. A norm that saves
         `hidden` several times (an RMSNorm: for `x^2` and for `x / rms`) gets one rebuild per backward pass, kept
         until the last of them is unpacked."""
+        from .torch_internals import saved_tensors_hooks_active  # (here: a configuration imports this module)
+
         hidden, recompute = self.hidden, self.recompute
         if (recompute is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or saved_tensors_hooks_active()):
