@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import PreTrainedModel
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM
 from attnres_hf.cli import main
@@ -460,12 +461,17 @@ BAD_INPUT = {
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    """Fail the test if a model is built or (`reads=True` aside) a tensor's data is read."""
+    """Fail the test if a model is built off the meta device or (`reads=True` aside) a tensor's data is read."""
     def patch(reads=False):
         def loaded(*args, **kwargs):
             raise AssertionError("the refusal came after loading")
 
-        monkeypatch.setattr(k3_module, "KimiK3ForCausalLM", loaded)
+        def built(self, *args, _init=PreTrainedModel.__init__, **kwargs):  # any model but a meta-device one (shapes)
+            if torch.get_default_device().type != "meta":
+                loaded()
+            _init(self, *args, **kwargs)
+
+        monkeypatch.setattr(PreTrainedModel, "__init__", built)
         if not reads:
             monkeypatch.setattr(k3_module, "read_k3_tensors", loaded)
     return patch

@@ -30,7 +30,7 @@ import re
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..modeling.backbones_k3 import KimiK3Config, token_id_problem
+from ..modeling.configuration_kimi_k3 import KimiK3Config, token_id_problem
 from ._names import is_pseudo_query, query_as_ours, query_as_theirs, rename, rename_tables
 
 K3_MODEL_TYPE = "kimi_k3"

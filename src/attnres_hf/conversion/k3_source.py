@@ -22,7 +22,8 @@ import torch
 from transformers import GenerationConfig
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
-from ..modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM
+from ..modeling import backbones
+from ..modeling.configuration_kimi_k3 import KimiK3Config
 from ..modeling.depth_mixing import is_depth_mixing_parameter
 from .families import UnsupportedSourceError
 from .hf_source import _shown, folder_tensors
@@ -247,7 +248,7 @@ def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
 class K3Model(NamedTuple):
     """What an in-memory K3 conversion's check compares with (`InMemory.reference`)."""
 
-    plain: KimiK3ForCausalLM  # the K3 model without AttnRes it was built from (the source of a retrofit)
+    plain: "KimiK3ForCausalLM"  # the K3 model without AttnRes it was built from (the source of a retrofit)
     tensors: dict  # the tensors read (`read_k3_tensors`), for `verify_k3_tensors`
 
 
@@ -302,7 +303,7 @@ class K3StreamSource(Source):
         stored = {name: tensor.dtype for name, tensor in state.items()}
         state = {name: tensor.float() for name, tensor in state.items()}
         with torch.device("meta"):
-            plain = KimiK3ForCausalLM(source.backbone)
+            plain = backbones.k3.load().KimiK3ForCausalLM(source.backbone)  # (imported here: fla, transformers' GLM)
         plain.to_empty(device="cpu").float()
         plain.load_state_dict({n: t for n, t in state.items() if not is_depth_mixing_parameter(n)},
                               strict=not source.backbone.tie_word_embeddings)
