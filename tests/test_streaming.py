@@ -16,6 +16,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 from attnres_hf.cli import main
+from attnres_hf.conversion.convert import STREAMED_NEW_TOKENS
 from attnres_hf.conversion import convert, export, streaming
 from attnres_hf.conversion.verify import verify_conversion
 from utils import TINY
@@ -96,8 +97,8 @@ def test_the_streamed_folder_is_the_in_memory_conversions(case, tmp_path):
     for key in ("max_abs_logit_delta", "mean_abs_logit_delta", "source_max_abs_logit"):
         assert abs(check[key] - resident_check[key]) <= 1e-6 * scale, key
     assert check["argmax_agreement"] == resident_check["argmax_agreement"]
-    assert check["greedy_new_tokens"] == 4 and check["greedy_match"] == resident_check["greedy_match"]
-    assert check["converted_continuation_ids"] == resident_check["converted_continuation_ids"][:4]
+    assert check["greedy_new_tokens"] == STREAMED_NEW_TOKENS and check["greedy_match"] == resident_check["greedy_match"]
+    assert check["converted_continuation_ids"] == resident_check["converted_continuation_ids"][:STREAMED_NEW_TOKENS]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32).eval()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "resident", dtype=torch.float32).eval()
     ids = torch.randint(3, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
@@ -171,7 +172,7 @@ def test_fla_k3_and_gguf_sources_stream_to_the_in_memory_conversions_folder(case
     check = streamed["verification"]
     if streamed["source"].get("imported_routers"):
         assert check["tensors_identical"] and check["tensors_checked"] > 0 and check["max_abs_tensor_delta"] == 0
-        assert check["logits_compared"].startswith("no") and check["greedy_new_tokens"] == 4
+        assert check["logits_compared"].startswith("no") and check["greedy_new_tokens"] == STREAMED_NEW_TOKENS
         # and back to its own layout, streamed (`attnres export --stream`): the checkpoint's every tensor, value and
         # dtype (as the in-memory export gives it: tests/test_fla.py, tests/test_k3.py), its read-back check passed
         to = {"fla": "fla", "k3": "k3-layout"}[streamed["source"]["format"]]
@@ -202,7 +203,7 @@ def test_the_cli_streams_on_request_and_prints_the_check(tmp_path, capsys):
     write_source(tmp_path / "src", Qwen2Config, Qwen2ForCausalLM, {})
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--stream", "--dtype", "bfloat16"]) == 0
     printed = capsys.readouterr().out
-    assert "streamed from the source files" in printed and "4-token greedy continuation identical: True" in printed
+    assert "streamed from the source files" in printed and f"{STREAMED_NEW_TOKENS}-token greedy continuation identical: True" in printed
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert report["conversion"]["mode"] == "streamed" and report["dtype"] == "bfloat16"
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out2"), "--no-stream"]) == 0

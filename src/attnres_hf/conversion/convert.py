@@ -28,9 +28,11 @@ from .sources import ModelSource, Source, most_common_dtype
 from .sources import continuation as _continuation
 from .verify import PROBE_TEXT, verify_offloaded_conversion
 
-STREAMED_NEW_TOKENS = 4
-"""Greedy tokens a streamed conversion's check generates (each one reads every weight of the source from disk again;
-the output's are read once, `verify_offloaded_conversion`); the in-memory check generates 32."""
+STREAMED_NEW_TOKENS = 2
+"""Greedy tokens a streamed conversion's check generates: the first comes with the probe's forward, each further one
+reads every weight of the source from disk again (at 8B: 16 GB, and as long as the writing), while the output's are
+read once (`verify_offloaded_conversion`); two, so the second continues from a generated token through the source's
+KV cache. The in-memory check generates 32."""
 
 def load_tokenizer(source: str | os.PathLike, gguf_file: str | None = None, trust_remote_code: bool = False):
     """The source's tokenizer (from the folder, or converted from the GGUF file with the pre-tokenizer the file
@@ -174,7 +176,7 @@ def convert(
         stream: a folder of safetensors weights (HF, flash-linear-attention or Kimi K3) or a GGUF file (`sources`:
             every weight written also compared with the file's dequantised tensor): `True` converts it
             streamed (`streaming`: read tensor by tensor through its `sources.Source`, written shard by shard as it is
-            read; checked with every module offloaded to disk, one module's weights resident at a time, and a 4-token
+            read; checked with every module offloaded to disk, one module's weights resident at a time, and a 2-token
             greedy continuation, `STREAMED_NEW_TOKENS`: a retrofit's logits against the source's backbone model read
             through the same `Source`; an fla or K3 AttnRes checkpoint's every written tensor against the
             checkpoint's, since their own code does not run in a streamed check), `False` in memory (source and
