@@ -501,6 +501,45 @@ def test_reused_buffers_hand_out_only_memory_no_tensor_uses():
     assert not BUFFERS.held and BUFFERS.empty((4,), torch.float32).data_ptr() != outside.data_ptr()
 
 
+def test_offloaded_weights_read_the_next_ones_ahead_in_order(tmp_path, monkeypatch):
+    """`offloaded.FolderWeights`: each weight read whole has the kernel fetch the stored weights after it, in the
+    folder's order, up to `READ_AHEAD_BYTES` ahead and each once per pass; a pass starting again (the next forward)
+    reads ahead again; a row read (the embedding's) asks for nothing; the values are the stored ones."""
+    from attnres_hf.conversion import offloaded
+    from attnres_hf.conversion.safetensors_reader import SafetensorsFile
+    from attnres_hf.conversion.sources import identity_reads, safetensors_files, stored_tensors
+
+    write_source(tmp_path / "src", LlamaConfig, LlamaForCausalLM, {})
+    reads = identity_reads(stored_tensors(safetensors_files(tmp_path / "src")))
+    names = list(reads)
+    sizes = [reads[name].rows().numel() * reads[name].dtype.itemsize for name in names]
+    advised = []
+    monkeypatch.setattr(SafetensorsFile, "will_need", lambda self, name: advised.append(name))
+    monkeypatch.setattr(offloaded, "READ_AHEAD_BYTES", 3 * max(sizes))
+    source = offloaded.FolderWeights(reads)
+    try:
+        def after(index):  # what reading weight `index` of a pass adds to the advice
+            source._reader.submit(lambda: None).result()  # (the worker's queue drained)
+            got = advised.copy()
+            advised.clear()
+            return got
+
+        expected_end = 0
+        for index, name in enumerate(names):
+            assert torch.equal(source[name], reads[name].rows().float())
+            window = [i for i in range(index + 1, len(names)) if sum(sizes[index + 1:i]) < 3 * max(sizes)]
+            new = [names[i] for i in window if i >= expected_end]
+            assert after(index) == new, name
+            expected_end = max(expected_end, window[-1] + 1 if window else 0)
+        assert expected_end == len(names)
+        source.read(names[0], 1, 2)  # rows: no advice
+        assert after(0) == []
+        source[names[0]]  # the next pass
+        assert after(0) == [names[i] for i in range(1, len(names)) if sum(sizes[1:i]) < 3 * max(sizes)]
+    finally:
+        source.close()
+
+
 @pytest.mark.parametrize("copy_file_range", ["refused", "absent"])
 def test_stored_bytes_are_copied_the_plain_way_where_the_kernel_cannot(copy_file_range, tmp_path, monkeypatch):
     """A tensor written in its stored dtype is its bytes copied (`os.copy_file_range`); where that fails (another

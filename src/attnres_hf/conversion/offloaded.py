@@ -8,8 +8,10 @@ and the head, a model's largest tensors, are replaced by modules that read only 
 (`RowStreamedEmbedding`, `RowStreamedLinear`). Every read is a `sources.TensorRead`'s (no memory map).
 """
 
+import concurrent.futures
 import contextlib
 import copy
+import itertools
 import logging
 import os
 import tempfile
@@ -20,6 +22,10 @@ import torch
 
 from .sources import (BUFFERS, CHUNK_BYTES, Source, TensorRead, generation_config_of, identity_reads, safetensors_files,
                       stored_tensors)
+
+READ_AHEAD_BYTES = 2**30
+"""How far ahead of the weight being read `FolderWeights` has the kernel fetch the next ones from disk (two of
+Llama-3-8B's bf16 decoder layers)."""
 
 
 def offload_map(model: torch.nn.Module) -> dict[str, str]:
@@ -118,7 +124,8 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
     _stream_vocabulary_modules(model, source)
     # `scratch`: accelerate's, nothing is written; `BUFFERS.scope()`: each forward reads the same shapes again (layer
     # after layer, model after model), into reused memory
-    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch, BUFFERS.scope():
+    with tempfile.TemporaryDirectory(prefix="attnres-offload-") as scratch, BUFFERS.scope(), \
+            contextlib.closing(source):
         # `state_dict` is read by key for each module's forward; an empty (not None) `offload_index` tells accelerate
         # the weights are already on disk (it would otherwise save the meta model's into `offload_dir`)
         quiet = logging.getLogger("accelerate.big_modeling")  # its "parameters on the meta device" is the point
@@ -135,7 +142,9 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
 
 class FolderWeights(Mapping):
     """`{weight name: fp32 tensor}` read from the files when asked (`sources.TensorRead`: plain reads, no memory
-    map): what accelerate's offload hooks read a module's weights from before its forward and drop after it.
+    map): what accelerate's offload hooks read a module's weights from before its forward and drop after it. Each
+    weight read whole has the kernel fetch the next `READ_AHEAD_BYTES` of stored weights in the background
+    (`_read_ahead`), so the next layer's reads from disk overlap this layer's compute. `close()` stops that.
 
     Args:
         reads: `{weight name: TensorRead}`.
@@ -144,6 +153,12 @@ class FolderWeights(Mapping):
 
     def __init__(self, reads: dict[str, TensorRead], rounded_to: dict | None = None):
         self.reads, self.rounded_to = reads, rounded_to or {}
+        self._order = {name: index for index, name in enumerate(reads)}
+        self._stored = [read.stored_in for read in reads.values()]  # (file, name) or None (computed: not advised)
+        self._ends = list(itertools.accumulate(0 if where is None else where[0].byte_range(where[1])[1]
+                                               for where in self._stored))  # stored bytes up to and with each
+        self._last = self._ahead = len(self._stored)  # the last weight read whole; the first not yet advised
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attnres-read-ahead")
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.read(key)
@@ -153,10 +168,30 @@ class FolderWeights(Mapping):
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows `start:stop` of weight `key` in fp32 (`TensorRead.rows`; rounded to `rounded_to[key]` first)."""
+        if start == 0:
+            self._read_ahead(self._order[key])
         rounded = self.rounded_to.get(key, torch.float32)
         if rounded == torch.float32:
             return self.reads[key].rows(start, stop, torch.float32)
         return self.reads[key].rows(start, stop, rounded).float()
+
+    def _read_ahead(self, index: int) -> None:
+        """Have the kernel fetch the stored weights after weight `index` (`READ_AHEAD_BYTES` of them, in the order of
+        `reads`, the model's state-dict order, which its forward follows layer by layer) into the page cache in the
+        background (`SafetensorsFile.will_need`, from one worker thread, so no read waits on it), so that reading the
+        next layer's weights from disk overlaps this layer's compute. Advised bytes are read once per pass."""
+        if index <= self._last:  # the first read of a pass over the weights (the next forward)
+            self._ahead = index + 1
+        self._last, ahead = index, max(self._ahead, index + 1)
+        while ahead < len(self._stored) and self._ends[ahead - 1] - self._ends[index] < READ_AHEAD_BYTES:
+            if self._stored[ahead] is not None:
+                self._reader.submit(self._stored[ahead][0].will_need, self._stored[ahead][1])
+            ahead += 1
+        self._ahead = ahead
+
+    def close(self) -> None:
+        """Stop reading ahead (the worker thread ends; advice not yet given is dropped)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def rows(self, key: str, indices: list[int]) -> torch.Tensor:
         """The rows `indices` of weight `key` in fp32, `(len(indices), *row shape)`."""

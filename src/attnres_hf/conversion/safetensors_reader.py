@@ -107,6 +107,18 @@ class SafetensorsFile:
         begin, end = self.entries[name]["data_offsets"]
         return self.data_start + begin, end - begin
 
+    def will_need(self, name: str) -> None:
+        """Ask the kernel to read tensor `name`'s bytes into the page cache in the background
+        (`posix_fadvise(POSIX_FADV_WILLNEED)`), so a later `read` finds them there; nothing where the platform has no
+        `posix_fadvise`. The pages are the kernel's cache, not this process's memory."""
+        if hasattr(os, "posix_fadvise"):
+            offset, length = self.byte_range(name)
+            descriptor = os.open(self.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(descriptor, offset, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(descriptor)
+
     def _chunks(self, name: str, offset: int, count: int, stored: torch.dtype, chunk_bytes: int):
         """`(index of its first element, values)` of `count` elements of dtype `stored` from byte `offset`, read
         `chunk_bytes` at a time into one buffer."""
