@@ -77,7 +77,24 @@ def main(argv: list[str] | None = None) -> int:
         app(args=["serve", *argv], prog_name="attnres")
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        _stop_generation_workers()
     return 0
+
+
+def _stop_generation_workers() -> None:
+    """Stop the generation workers transformers' server leaves running once it has stopped (SIGTERM or SIGINT:
+    uvicorn ends the blocking `Serve`). transformers 5.24 stops them only in `Serve.kill_server`, the non-blocking
+    path's, and `--continuous-batching`'s worker is a non-daemon thread: without this the process outlived SIGTERM.
+    The server's `GenerationState` is found among live objects (the command keeps no reference to it);
+    `GenerationState.shutdown` is transformers' own."""
+    import gc
+
+    from transformers.cli.serving.utils import GenerationState
+
+    # (`type(obj) is`, not `isinstance`: that reads `__class__`, which makes lazy proxies such as openai's import)
+    for state in [obj for obj in gc.get_objects() if type(obj) is GenerationState]:
+        state.shutdown()
 
 
 def _check_cpu_4bit(folder: str, options: dict) -> None:
