@@ -20,11 +20,11 @@ row saying why. Targets (issue: streamed conversion at 7-8B): peak memory <= 3 G
 the writing alone, and the whole conversion with its check), |delta| <= 1e-3 of the logits' scale, a source larger
 than the machine's memory converting and verifying, a K3 model's every tensor back through export bit for bit.
 
-    python benchmarks/convert_scale.py --results docs/results/convert_scale.md   # the FULL cases: ~40 min on 2 cores
+    python benchmarks/convert_scale.py --results docs/results/convert_scale.md   # the FULL cases: ~20 min on 2 cores
     python benchmarks/convert_scale.py --small                                  # the small ones, a few minutes
 
 Random weights (normal, std 0.02; norms ones) make small logits; the relative delta is what compares across shapes.
-Disk: the checkpoint and the output at once (the fp32 case: about 40 GB; a case the free disk cannot hold is a row
+Disk: the checkpoint and the output at once (the fp32 case: about 50 GB; a case the free disk cannot hold is a row
 saying so); each case's files are deleted before the next.
 """
 
@@ -71,9 +71,9 @@ CASES = {  # (family, config fields)
                                               num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                               tie_word_embeddings=False)),
     "k3-text-3-layers": ("kimi_k3", K3_TEXT),
-    # a source larger than the machine's memory (23.5 GiB): Llama-3-8B in fp32 at 26 of its 32 layers (27 GB; the
-    # whole 8B's 32 GB and its 16 GB output did not fit the disk beside the other work on it)
-    "llama-3-8b-26-layers-fp32": ("llama", dict(LLAMA_3_8B, num_hidden_layers=26)),
+    # a source larger than the machine's memory (23.5 GiB): Llama-3-8B in fp32 (32 GB; with its 16 GB bf16 output,
+    # about 50 GB of disk)
+    "llama-3-8b-fp32": ("llama", LLAMA_3_8B),
     # --small: the same kinds at a few hundred MB, the streamed path on every machine
     "llama-small": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                                   num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)),
@@ -89,9 +89,9 @@ CASES = {  # (family, config fields)
                                  linear_attn_config=dict(K3_TEXT["linear_attn_config"], num_heads=4, head_dim=64),
                                  moe_intermediate_size=256, routed_expert_hidden_size=256)),
 }
-SOURCE_DTYPE = {"llama-3-8b-26-layers-fp32": "float32"}
+SOURCE_DTYPE = {"llama-3-8b-fp32": "float32"}
 """The cases whose checkpoint is not bf16."""
-FULL = ["llama-3-8b", "k3-text-3-layers", "mixtral-8x7b-2-layers", "qwen2.5-7b", "llama-3-8b-26-layers-fp32"]
+FULL = ["llama-3-8b", "k3-text-3-layers", "mixtral-8x7b-2-layers", "qwen2.5-7b", "llama-3-8b-fp32"]
 SMALL = ["llama-small", "qwen2-small-tied", "mixtral-small", "k3-small"]
 TARGETS = {"peak_gb": 3.0, "wall_over_cp": 3.0, "relative_delta": 1e-3}
 LOADED = {"llama-3-8b", "qwen2.5-7b", "llama-small", "qwen2-small-tied"}
