@@ -421,6 +421,11 @@ def test_a_fine_tuned_mxfp4_expert_is_refused_by_name_or_exported_unquantized(k3
     assert torch.equal(written[name], tuned["model.layers.2.mlp.experts.down_proj"][3])
     assert written[name].dtype == torch.bfloat16
     assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    recorded = json.loads((out / "conversion_report.json").read_text())  # as a report written before the record
+    del recorded["source"]["k3_quantization_config"], recorded["source"]["k3_text_config"]["quantization_config"]
+    (tmp_path / "tuned" / "conversion_report.json").write_text(json.dumps(recorded))
+    with pytest.raises(ValueError, match="records no quantization_config"):
+        export(tmp_path / "tuned", tmp_path / "x", to="k3-layout", experts="mxfp4")
     (tmp_path / "tuned" / "conversion_report.json").unlink()  # no record of the experts' MXFP4 source
     with pytest.raises(ValueError, match="not imported from MXFP4 experts"):
         export(tmp_path / "tuned", tmp_path / "x", to="k3-layout", experts="mxfp4")

@@ -258,19 +258,22 @@ def _k3_experts(model_dir: Path, experts: str | None) -> tuple[dict | None, dict
     """
     try:
         source = json.loads((model_dir / "conversion_report.json").read_text())["source"]
-        text = source.get("k3_text_config") or {}
-        declared = (source.get("k3_quantization_config") or text.get("quantization_config")
-                    if source.get("format") == "k3" and source.get("mxfp4_experts") else None)
+        mxfp4 = source.get("format") == "k3" and source.get("mxfp4_experts") is True
+        declared = source.get("k3_quantization_config") or (source.get("k3_text_config") or {}).get(
+            "quantization_config") if mxfp4 else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        declared = None
+        mxfp4, declared = False, None
     if experts == "unquantized":
         return None, {"format": "unquantized", "why": "requested (experts='unquantized'): .weight, values unchanged"}
     if not isinstance(declared, dict):
+        why = ("imported from MXFP4 experts, but conversion_report.json records no quantization_config (converted "
+               "before attnres-hf recorded it: convert the K3 checkpoint again to export MXFP4)" if mxfp4 else
+               "not imported from MXFP4 experts (conversion_report.json)")
         if experts == "mxfp4":
             raise ValueError(f"{model_dir}: experts='mxfp4' writes the experts as the MXFP4 K3 checkpoint they were "
-                             "imported from stores them, and its conversion_report.json records none (not imported "
-                             "from MXFP4 experts); export with --experts unquantized")
-        return None, {"format": "unquantized", "why": "not imported from MXFP4 experts (conversion_report.json)"}
+                             f"imported from declares them, and this folder is {why}; export with --experts "
+                             "unquantized")
+        return None, {"format": "unquantized", "why": why}
     from .k3_source import check_compressed_tensors
 
     check_compressed_tensors()

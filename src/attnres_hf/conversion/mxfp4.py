@@ -9,7 +9,8 @@ Encoding picks each block's scale as compressed-tensors does when it quantises a
 the block's min and max: a power of two from the largest magnitude, `generate_mx_scales`) and packs the
 codes with its `MXFP4PackedCompressor.compress`, so MXFP4 that compressed-tensors made from weights (as a release is
 made) comes back byte for byte. One correction: a code of -0 (a weight that rounded to zero from below) decodes to
--0.0, which the compressor packs as +0 (its quantiser adds a zero point of +0.0); the sign of each -0.0 is put back.
+-0.0, which the compressor packs as +0 (its rounding, `cast_to_fp4`, takes the sign from `torch.sign`, 0 for -0.0;
+its GPU kernel tests `x < 0`); the sign of each -0.0 is put back.
 What values cannot tell: a block whose stored scale is larger than the one compressed-tensors picks for its values
 (every code at most 3, all zero included, as another encoder may write) is written with compressed-tensors' scale:
 the same values, other bytes. Every encoded tensor is decoded again and compared with the weight bit for bit.
