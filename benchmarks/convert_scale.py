@@ -189,8 +189,9 @@ def write_checkpoint(folder: Path, family: str, fields: dict, shard_bytes: int, 
 def write_k3_checkpoint(folder: Path, fields: dict, shard_bytes: int, seed: int = 0) -> dict:
     """A Kimi K3 text-layout checkpoint (`tests/k3_reference.py`'s layout: `model.*`, `lm_head.weight`, the text
     config as `config.json`) of `tiny_k3_text_config(**fields)` in bf16 (K3's fp32 tensors fp32; projections std
-    0.02), routed experts in MXFP4 (`weight_packed` random codes, `weight_scale` 2^-6..2^-4), written tensor by tensor
-    into shards of about `shard_bytes`; returns the parameter (MXFP4 values counted) and tensor counts."""
+    0.02), routed experts in MXFP4 as a release's are made: bf16 weights of std 0.02 compressed by compressed-tensors
+    (`k3_reference.compressed_tensors_mxfp4_encode`: its scale choice and `MXFP4PackedCompressor`), written tensor by
+    tensor into shards of about `shard_bytes`; returns the parameter (MXFP4 values counted) and tensor counts."""
     import k3_reference as ref
     import torch
 
@@ -209,12 +210,16 @@ def write_k3_checkpoint(folder: Path, fields: dict, shard_bytes: int, seed: int 
         else:
             specs[full] = (tuple(shape), torch.float32 if name.endswith(ref._FP32_SUFFIXES) else torch.bfloat16, kind)
 
+    scales = {}  # an expert's `weight_scale`, made with its `weight_packed` (written next)
+
     def make(name):
         shape, dtype, kind = specs[name]
         if kind == "codes":
-            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+            weight = _normal((shape[0], 2 * shape[1]), 0.02, torch.bfloat16, generator)
+            packed, scales[name.replace("_packed", "_scale")] = ref.compressed_tensors_mxfp4_encode(weight)
+            return packed
         if kind == "scale":
-            return torch.randint(121, 124, shape, dtype=torch.uint8, generator=generator)
+            return scales.pop(name)
         if kind in ("proj", "embed"):  # the large ones, made in chunks (ref._random's std, a tenth for projections)
             return _normal(shape, 0.02 if kind == "proj" else 1.0, dtype, generator)
         return ref._random(list(shape), kind, config["linear_attn_config"]["num_heads"], generator).to(dtype)
@@ -353,10 +358,14 @@ def measure(name: str, root: Path, dtype: str, shard_bytes: int) -> dict:
 
 def export_round_trip(output: Path, back: Path, source: Path) -> dict:
     """`attnres export OUTPUT BACK --to k3-layout --stream` in a child process (its wall time and peak memory), then
-    every tensor of `back` against the checkpoint's, in row chunks: the same dtype and bytes (`export_bit_for_bit`),
-    or, for an MXFP4 expert, which the export writes as its values (`.weight`), those values against the
+    every tensor of `back` against the checkpoint's, in row chunks: the same dtype and bytes (`export_bit_for_bit`;
+    MXFP4 experts, which the export writes as MXFP4 again, as their `weight_packed` and `weight_scale`), or, for an
+    MXFP4 expert written as its values (`.weight`, an export with `--experts unquantized`), those values against the
     checkpoint's codes decoded (`export_mxfp4_as_values`); tensors that differ (`export_differ`) and the checkpoint's
-    tensors the export lacks (`export_missing`)."""
+    tensors the export lacks (`export_missing`). The checkpoint's MXFP4 is compressed-tensors' own
+    (`write_k3_checkpoint`), which the export gives back byte for byte; MXFP4 another encoder wrote with a scale larger
+    than compressed-tensors picks for a block's values would come back as the same values under other bytes, a
+    difference this check counts."""
     import k3_reference as ref
     import torch
     from safetensors import safe_open
@@ -465,8 +474,8 @@ def format_table(rows: list[dict]) -> str:
             notes.append(
                 f"{row['case']}: `attnres export --to k3-layout --stream` of the output in {row['export_s']:.0f} s "
                 f"(peak {row['export_peak_gb']:.2f} GB): {row['export_bit_for_bit']} tensors back bit for bit with "
-                f"their dtype, {row['export_mxfp4_as_values']} MXFP4 experts back as their values (bf16 `.weight`, "
-                "equal to the checkpoint's codes decoded; the export does not write MXFP4 codes), "
+                "their dtype (MXFP4 experts as their `weight_packed` and `weight_scale`, compressed-tensors' own), "
+                f"{row['export_mxfp4_as_values']} MXFP4 experts back only as their values (`.weight`), "
                 f"{len(row['export_differ'])} differing {', '.join(row['export_differ'][:4])}".rstrip() + ", "
                 f"{len(row['export_missing'])} of the checkpoint's missing")
         if row["case"] not in FULL:

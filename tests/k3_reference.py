@@ -5,7 +5,9 @@ It deliberately imports neither `attnres_hf` nor `transformers.models.*`: it is 
 loader are tested against.
 
 Public: `tiny_k3_text_config`, `DELETE`, `MXFP4_OVERRIDES`, `RELEASE_MLA_LATENT_NORM_EPS`, `K3_CONFIG_DEFAULTS`,
-`write_k3_checkpoint`, `k3_reference_logits`, `k3_reference_depth_weights`, `mxfp4_encode`, `mxfp4_decode`.
+`write_k3_checkpoint`, `k3_reference_logits`, `k3_reference_depth_weights`, `mxfp4_encode`, `mxfp4_decode`,
+`compressed_tensors_mxfp4_encode` (the one function here that runs a library's code: compressed-tensors', which makes
+a release's MXFP4).
 """
 
 import copy
@@ -120,6 +122,25 @@ def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent[..., 0] + 127).to(torch.uint8)
 
 
+def compressed_tensors_mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mxfp4_encode`'s contract, by compressed-tensors as a release's MXFP4 is made: `weight` rounded to bf16, each
+    block's E8M0 scale by its `calculate_qparams` of the block's min and max (a min-max observer's), the codes by
+    `MXFP4PackedCompressor.compress`. Its scales can differ from `mxfp4_encode`'s (which takes the smallest power of
+    two with max|w| / scale <= 6: a larger scale where the block's max is at most 3 of it), and so can ties."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True,
+                            scale_dtype=torch.uint8)
+    weight = weight.to(torch.bfloat16)
+    blocks = weight.unflatten(-1, (weight.shape[-1] // 32, 32))
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+    out = MXFP4PackedCompressor.compress({"weight": weight, "weight_scale": scale},
+                                         QuantizationScheme(targets=["Linear"], weights=args))
+    return out["weight_packed"], out["weight_scale"]
+
+
 def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(`[out, in/2]` uint8, `[out, in/32]` uint8) -> float32 `[out, in]`: E2M1 value times `2 ** (scale - 127)`."""
     out_dim = packed.shape[0]
@@ -216,13 +237,14 @@ def _random(shape, kind, num_heads, gen) -> torch.Tensor:
 
 def write_k3_checkpoint(folder, text_config: dict, *, seed: int = 0, layout: str = "multimodal",
                         dtype: torch.dtype = torch.float32, mxfp4_experts: bool = False,
-                        with_vision: bool = True) -> dict[str, torch.Tensor]:
+                        with_vision: bool = True, mxfp4_encoder=mxfp4_encode) -> dict[str, torch.Tensor]:
     """Write a K3-layout folder (config.json, 2 safetensors shards, model.safetensors.index.json) of random weights.
 
     `layout="multimodal"`: `language_model.model.*` / `language_model.lm_head.weight`, the release's top-level config
     (L §1.1) and, with `with_vision`, a few `vision_tower.*`/`mm_projector.*` tensors. `layout="text"`: `model.*` /
     `lm_head.weight`, config.json = the text config. `mxfp4_experts` stores routed experts as `weight_packed` +
-    `weight_scale` (L §3.3; expert input dims must divide by 32: see `MXFP4_OVERRIDES`). Seeded weights: projections
+    `weight_scale` (L §3.3; expert input dims must divide by 32: see `MXFP4_OVERRIDES`), encoded by `mxfp4_encoder`
+    (`mxfp4_encode`, or `compressed_tensors_mxfp4_encode` as a release is made). Seeded weights: projections
     std 0.2, norms 1 + 0.1 noise, `*_res_proj` std 0.5. Returns `{name: tensor}` as written, except quantised experts,
     which appear dequantised (fp32) under their `.weight` names.
     """
@@ -236,7 +258,7 @@ def write_k3_checkpoint(folder, text_config: dict, *, seed: int = 0, layout: str
         full = head if name == "lm_head.weight" else prefix + name
         value = _random(shape, kind, cfg["linear_attn_config"]["num_heads"], gen)
         if kind == "expert" and mxfp4_experts:
-            packed, scale = mxfp4_encode(value)
+            packed, scale = mxfp4_encoder(value)
             written[full + "_packed"], written[full + "_scale"] = packed, scale
             returned[full] = mxfp4_decode(packed, scale)
             continue

@@ -34,8 +34,8 @@ from attnres_hf.conversion.convert import open_source
 from attnres_hf.modeling.backbones_k3 import KimiK3Config
 from attnres_hf.training import prepare_model
 from attnres_hf.training.recipes import is_router_parameter
-from k3_reference import (DELETE, MXFP4_OVERRIDES, RELEASE_MLA_LATENT_NORM_EPS, k3_reference_depth_weights,
-                          k3_reference_logits, tiny_k3_text_config, write_k3_checkpoint)
+from k3_reference import (DELETE, MXFP4_OVERRIDES, RELEASE_MLA_LATENT_NORM_EPS, compressed_tensors_mxfp4_encode,
+                          k3_reference_depth_weights, k3_reference_logits, tiny_k3_text_config, write_k3_checkpoint)
 from utils import tiny_model
 
 k3_module = sys.modules["attnres_hf.conversion.k3_source"]  # the module, whose function `k3_source` shares its name
@@ -351,6 +351,114 @@ def test_mxfp4_without_compressed_tensors_names_the_extra(tmp_path, capsys, monk
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
     _refused(tmp_path, capsys, ["convert", str(tmp_path / "k3"), str(tmp_path / "out")],
              'pip install "attnres-hf[k3]"')
+
+
+@pytest.fixture(scope="module")
+def k3_mxfp4_converted(tmp_path_factory):
+    """A bf16 K3 release in miniature (multimodal, vision tensors) whose MXFP4 experts compressed-tensors made from
+    bf16 weights, as a release is made (`compressed_tensors_mxfp4_encode`), and `convert`'s output (`dtype="auto"`:
+    every stored dtype kept)."""
+    pytest.importorskip("compressed_tensors")
+    root = tmp_path_factory.mktemp("k3-mxfp4")
+    write_k3_checkpoint(root / "k3", tiny_k3_text_config(**MXFP4_OVERRIDES, dtype="bfloat16"), seed=0,
+                        dtype=torch.bfloat16, mxfp4_experts=True, mxfp4_encoder=compressed_tensors_mxfp4_encode)
+    report = convert(root / "k3", root / "out", dtype="auto")
+    assert report["source"]["mxfp4_experts"] and report["source"]["k3_quantization_config"]
+    return root / "k3", root / "out"
+
+
+def _assert_bytes_back(folder, back):
+    """Every text tensor of the K3 checkpoint `folder` is in `back` under the text layout's name with its dtype and
+    bytes (MXFP4 `weight_packed` / `weight_scale` included), and `back` holds no other."""
+    original = {_text_name(n): t for n, t in folder_state(folder).items()
+                if not n.startswith(("vision_tower.", "mm_projector."))}
+    written = folder_state(back)
+    assert sorted(written) == sorted(original)
+    assert sum(name.endswith("weight_packed") for name in written) > 0
+    for name, tensor in original.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name].view(torch.uint8),
+                                                                   tensor.view(torch.uint8)), name
+
+
+def test_mxfp4_experts_export_back_byte_for_byte(k3_mxfp4_converted, tmp_path, capsys):
+    """convert -> export --to k3-layout, in memory and streamed: every tensor of the checkpoint back byte for byte,
+    MXFP4 experts as compressed-tensors' `weight_packed` / `weight_scale` again, under the text config (its
+    `quantization_config` as the checkpoint declares it), read back by the import's reader (the export's check)."""
+    folder, out = k3_mxfp4_converted
+    report = export(out, tmp_path / "memory", to="k3-layout", stream=False)
+    assert report["experts"]["format"] == "mxfp4" and report["verification"]["tensors_identical"]
+    capsys.readouterr()
+    assert main(["export", "--to", "k3-layout", str(out), str(tmp_path / "streamed"), "--stream"]) == 0
+    assert "routed experts: mxfp4 (imported from MXFP4 experts" in capsys.readouterr().out
+    for back in ("memory", "streamed"):
+        _assert_bytes_back(folder, tmp_path / back)
+        config, original = json.loads((tmp_path / back / "config.json").read_text()), text_config_of(folder)
+        assert config == original and config["quantization_config"] == json.loads(
+            (folder / "config.json").read_text())["quantization_config"]
+
+
+def test_a_fine_tuned_mxfp4_expert_is_refused_by_name_or_exported_unquantized(k3_mxfp4_converted, tmp_path, capsys):
+    """An expert that is no longer MXFP4 (fine-tuned after the import) is refused in one line naming the tensor and
+    `--experts unquantized`, in memory and streamed, nothing written; `--experts unquantized` writes every expert as
+    `.weight` (values and dtype unchanged) with no `quantization_config`; `--experts mxfp4` of a model not imported
+    from MXFP4, or `experts` for fla, is refused before anything is read."""
+    folder, out = k3_mxfp4_converted
+    model = AttnResForCausalLM.from_pretrained(out, dtype="auto")
+    with torch.no_grad():
+        model.model.layers[2].mlp.experts.down_proj[3, 5, 7] += 1e-3
+    model.save_pretrained(tmp_path / "tuned")
+    shutil.copy(out / "conversion_report.json", tmp_path / "tuned")
+    name = "model.layers.2.block_sparse_moe.experts.3.w2.weight"
+    for stream in ("--no-stream", "--stream"):
+        _refused(tmp_path, capsys, ["export", "--to", "k3-layout", str(tmp_path / "tuned"), str(tmp_path / "out"),
+                                    stream], f"{name} is not MXFP4: 1 of its")
+    with pytest.raises(ValueError, match=f"^{name} is not MXFP4: .* --experts unquantized"):
+        export(tmp_path / "tuned", tmp_path / "out", to="k3-layout", stream=True)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    report = export(tmp_path / "tuned", tmp_path / "plain", to="k3-layout", experts="unquantized")
+    assert report["experts"]["format"] == "unquantized" and report["verification"]["tensors_identical"]
+    written, tuned = folder_state(tmp_path / "plain"), model.state_dict()
+    assert not any(n.endswith(("weight_packed", "weight_scale")) for n in written)
+    assert torch.equal(written[name], tuned["model.layers.2.mlp.experts.down_proj"][3])
+    assert written[name].dtype == torch.bfloat16
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    recorded = json.loads((out / "conversion_report.json").read_text())  # as a report written before the record
+    del recorded["source"]["k3_quantization_config"], recorded["source"]["k3_text_config"]["quantization_config"]
+    (tmp_path / "tuned" / "conversion_report.json").write_text(json.dumps(recorded))
+    with pytest.raises(ValueError, match="records no quantization_config"):
+        export(tmp_path / "tuned", tmp_path / "x", to="k3-layout", experts="mxfp4")
+    (tmp_path / "tuned" / "conversion_report.json").unlink()  # no record of the experts' MXFP4 source
+    with pytest.raises(ValueError, match="not imported from MXFP4 experts"):
+        export(tmp_path / "tuned", tmp_path / "x", to="k3-layout", experts="mxfp4")
+    with pytest.raises(ValueError, match="only for to='k3-layout'"):
+        export(out, tmp_path / "x", to="fla", experts="mxfp4")
+    with pytest.raises(ValueError, match="experts must be one of mxfp4, unquantized"):
+        export(out, tmp_path / "x", to="k3-layout", experts="bf16")
+
+
+def test_mxfp4_blocks_values_cannot_tell_decode_to_the_same_values():
+    """`encode_mxfp4` of decoded MXFP4: compressed-tensors' own blocks (made from bf16 weights, -0 codes included)
+    come back byte for byte; a block whose scale is larger than compressed-tensors picks for its values (all zero
+    under a scale other than its own, every code at most 3) comes back with compressed-tensors' scale, decoding to the
+    same values bit for bit; a value off the MXFP4 grid is refused."""
+    pytest.importorskip("compressed_tensors")
+    from attnres_hf.conversion.mxfp4 import decode_mxfp4, encode_mxfp4
+
+    weight = 0.02 * torch.randn(16, 128, generator=torch.Generator().manual_seed(0))
+    packed, scale = compressed_tensors_mxfp4_encode(weight)
+    assert (packed & 0x0F == 8).any()  # a -0 code (a weight that rounded to zero from below)
+    again = encode_mxfp4(decode_mxfp4(packed, scale), "w")
+    assert torch.equal(again[0], packed) and torch.equal(again[1], scale)
+    odd = packed.clone(), scale.clone()
+    odd[0][0, :16], odd[1][0, 0] = 0, 120  # an all-zero block under scale 2^-7
+    odd[0][1, :16], odd[1][1, 0] = 0x32, 125  # codes 2 (1.0) and 3 (1.5) only, under 2^-2
+    values = decode_mxfp4(*odd)
+    back = encode_mxfp4(values, "w")
+    assert torch.equal(decode_mxfp4(*back).view(torch.int16), values.view(torch.int16))
+    assert back[1][0, 0] != 120 and back[1][1, 0] == 123  # compressed-tensors' scale: the same values, other bytes
+    assert torch.equal(back[0][2:], packed[2:]) and torch.equal(back[1][2:], scale[2:])
+    with pytest.raises(ValueError, match=r"^w is not MXFP4: 1 of its 2048 values"):
+        encode_mxfp4(values + torch.nn.functional.one_hot(torch.tensor(40), 2048).reshape(16, 128) * 1e-3, "w")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "convert does, every tensor against the folder's (no model loaded: fla's logits are not "
                              "compared); --no-stream in memory, fla's logits compared. Default: streamed above 1 GiB "
                              "of fp32 tensors; export_report.json says which ran")
+    parser.add_argument("--experts", metavar="FORMAT", default=None,
+                        help="k3-layout: how routed experts are written: mxfp4 (compressed-tensors' MXFP4, as K3's "
+                             "release stores them; refused by name for an expert whose values are not MXFP4 values, "
+                             "e.g. fine-tuned) or unquantized (.weight, values unchanged). Default: mxfp4 when the "
+                             "experts were imported from MXFP4, else unquantized")
     add_writing_options(parser)
 
 
@@ -28,13 +33,15 @@ def run_export(args: argparse.Namespace) -> int:
     from ..conversion.export import export
 
     report = export(args.model, args.output_dir, to=args.to, force=args.force, max_shard_size=args.max_shard_size,
-                    trust_remote_code=args.trust_remote_code, stream="auto" if args.stream is None else args.stream)
+                    trust_remote_code=args.trust_remote_code, stream="auto" if args.stream is None else args.stream,
+                    experts=args.experts)
     check = report["verification"]
     if args.to == "k3-layout":
         print(f"read back by attnres convert: every tensor identical ({check['tensors_identical']}); logits not "
               "compared (no Kimi K3 runtime runs here)")
         print(f"wrote {args.output_dir} ({report['tensors']} tensors, {report['dtype']}); K3's text config: "
               f"{report['k3_text_config_source']}")
+        print(f"routed experts: {report['experts']['format']} ({report['experts']['why']})")
         if report["k3_remote_code_files"]:
             print(f"K3's own code loads it with trust_remote_code=True once its {', '.join(report['k3_remote_code_files'])} "
                   "(Moonshot's, in the K3 release; not shipped by attnres-hf) are copied into the folder")

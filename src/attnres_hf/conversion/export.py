@@ -4,7 +4,10 @@
 (`model_type: "kimi_linear"`, `attn_res_block_size` half the `attnres_block_size`), K3's tensor names under `model.` /
 `lm_head.weight`, values and dtype unchanged, the tokenizer, `generation_config.json` and `export_report.json`, which
 checks that `attnres convert` reads the written folder back into the same tensors. The text config is the K3
-checkpoint's own where the folder was converted from one and still describes the same model.
+checkpoint's own where the folder was converted from one and still describes the same model. Routed experts imported
+from K3's MXFP4 (`conversion_report.json`) are written as MXFP4 again (`experts`, `_k3_experts`): `weight_packed` /
+`weight_scale` encoded by compressed-tensors (`mxfp4.encode_mxfp4`, each checked to decode to the model's values bit
+for bit, one expert tensor at a time) under the checkpoint's own `quantization_config`.
 
 `--to fla`:
 The folder holds fla's `config.json` (its `TransformerConfig`, `model_type: "transformer"`), the weights under fla's
@@ -38,18 +41,28 @@ from .retrofit import _check_folder, check_max_shard_size, check_output_folder, 
 from .sources import TensorRead, identity_reads, max_read_delta, most_common_dtype, stored_tensors
 from .verify import PROBE_TEXT
 
+EXPERT_FORMATS = ("mxfp4", "unquantized")
+"""How `export(..., to="k3-layout")` writes routed experts: `"mxfp4"`, compressed-tensors' `mxfp4-pack-quantized`
+(`weight_packed` / `weight_scale`) as K3's release stores them; `"unquantized"`, `.weight` tensors with the model's
+values and dtype."""
+
 EXPORT_FORMATS = ("fla", "k3-layout")
 """What `export` writes: `"fla"`, flash-linear-attention 0.6's `TransformerForCausalLM`; `"k3-layout"`, Kimi K3's
 text model (its `KimiLinearForCausalLM` names and config)."""
 
 
-def _check(model_dir, output_dir, to, force, max_shard_size, probe_text, stream) -> tuple[Path, Path, int]:
+def _check(model_dir, output_dir, to, force, max_shard_size, probe_text, stream, experts) -> tuple[Path, Path, int]:
     if not isinstance(stream, bool) and stream != "auto":
         raise TypeError(f"stream must be True, False or 'auto', got {stream!r}")
     check_path_argument(model_dir, "model_dir (an AttnRes model folder)")
     check_path_argument(output_dir, "output_dir")
     if to not in EXPORT_FORMATS:
         raise ValueError(f"to must be one of {', '.join(EXPORT_FORMATS)}, got {to!r}")
+    if experts is not None and experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts!r}")
+    if experts is not None and to != "k3-layout":
+        raise ValueError(f"experts ({experts!r}) says how Kimi K3's layout stores routed experts: only for "
+                         "to='k3-layout'")
     if not isinstance(force, bool):
         raise TypeError(f"force must be True or False, got {force!r}")
     max_shard_size = check_max_shard_size(max_shard_size)  # in bytes, as save_pretrained reads a size
@@ -99,6 +112,7 @@ def export(
     probe_text: str = PROBE_TEXT,
     trust_remote_code: bool = False,
     stream: bool | str = "auto",
+    experts: str | None = None,
 ) -> dict:
     """Write the AttnRes model in `model_dir` as an fla `TransformerForCausalLM` checkpoint in `output_dir`, or (`to=
     "k3-layout"`) a `kimi_k3` model as Kimi K3's text checkpoint (`_export_k3`).
@@ -122,16 +136,29 @@ def export(
     folder's tensors, the export's and, for fla, both models resident); `"auto"` (default) streamed when the
     tensors exceed `streaming.STREAM_ABOVE_BYTES` in fp32. The report's `export` says which ran and why.
 
+    `experts` (`to="k3-layout"`; `EXPERT_FORMATS`): `"mxfp4"` writes each routed expert as compressed-tensors'
+    MXFP4 (`weight_packed` uint8 `[out, in / 2]`, `weight_scale` uint8 `[out, in / 32]`) under the `quantization_config`
+    of the K3 checkpoint the folder was imported from; `"unquantized"` as `.weight` (values and dtype unchanged);
+    `None` (default): `"mxfp4"` when the experts were imported from MXFP4 (`conversion_report.json`), else
+    `"unquantized"`. Nothing is rounded: an expert whose values are not MXFP4 values (fine-tuned since) is refused
+    by name, suggesting `experts="unquantized"`. MXFP4 that compressed-tensors made from weights comes back byte for
+    byte; a block whose stored scale was larger than compressed-tensors picks for its values (every code at most 3,
+    or all zero, as another encoder may write) comes back with compressed-tensors' scale: its values, other bytes.
+    The report's `experts` says which ran and why.
+
     Raises:
         FileExistsError: `output_dir` exists and `force` is false (checked first).
         TypeError, ValueError: a wrong-typed argument, a folder that is not an AttnRes checkpoint, a tokenizer that
             is its own code without `trust_remote_code`.
         UnsupportedSourceError (a `ValueError`): naming every setting fla's transformer does not have.
         FileNotFoundError, ValueError: missing or truncated weight files; a tensor with no fla name.
-        ImportError: flash-linear-attention is not installed (the export is checked against fla's model).
+        ImportError: flash-linear-attention is not installed (the export is checked against fla's model);
+            compressed-tensors is not installed for MXFP4 experts.
+        ValueError: `experts="mxfp4"` for a folder not imported from MXFP4 experts; an expert not exactly MXFP4
+            (naming it; a streamed export finds it while writing, and its staging folder is deleted).
     """
     model_dir, output_dir, max_shard_size = _check(model_dir, output_dir, to, force, max_shard_size, probe_text,
-                                                   stream)
+                                                   stream, experts)
     if (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} is a PEFT adapter, not a model: merge it into its base first "
                          "(attnres_hf.training.merge_lora), then export the merged folder")
@@ -144,7 +171,8 @@ def export(
     config = AttnResConfig.from_pretrained(model_dir)
     mode = _streaming_mode(files, stream)
     if to == "k3-layout":
-        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size, trust_remote_code, mode)
+        return _export_k3(model_dir, output_dir, config, files, force, max_shard_size, trust_remote_code, mode,
+                          experts)
     fields, problems = fla_from_attnres(config)
     if problems:
         raise UnsupportedSourceError(f"{model_dir}: fla's transformer cannot compute this model: {'; '.join(problems)}")
@@ -220,13 +248,52 @@ def _k3_text_config(model_dir: Path, fields: dict) -> dict:
     return {k: v for k, v in original.items() if k != "quantization_config"} if same else fields
 
 
+def _k3_experts(model_dir: Path, experts: str | None) -> tuple[dict | None, dict]:
+    """How `export(..., to="k3-layout", experts=...)` writes the routed experts: the `quantization_config` to write
+    them under (the K3 checkpoint's own, from `conversion_report.json`; `None`: unquantised), and the report's record.
+
+    Raises:
+        ValueError: `experts="mxfp4"` for a folder whose experts were not imported from MXFP4 (no config to write).
+        ImportError: MXFP4 experts without compressed-tensors.
+    """
+    try:
+        source = json.loads((model_dir / "conversion_report.json").read_text())["source"]
+        mxfp4 = source.get("format") == "k3" and source.get("mxfp4_experts") is True
+        declared = source.get("k3_quantization_config") or (source.get("k3_text_config") or {}).get(
+            "quantization_config") if mxfp4 else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        mxfp4, declared = False, None
+    if experts == "unquantized":
+        return None, {"format": "unquantized", "why": "requested (experts='unquantized'): .weight, values unchanged"}
+    if not isinstance(declared, dict):
+        why = ("imported from MXFP4 experts, but conversion_report.json records no quantization_config (converted "
+               "before attnres-hf recorded it: convert the K3 checkpoint again to export MXFP4)" if mxfp4 else
+               "not imported from MXFP4 experts (conversion_report.json)")
+        if experts == "mxfp4":
+            raise ValueError(f"{model_dir}: experts='mxfp4' writes the experts as the MXFP4 K3 checkpoint they were "
+                             f"imported from declares them, and this folder is {why}; export with --experts "
+                             "unquantized")
+        return None, {"format": "unquantized", "why": why}
+    from .k3_source import check_compressed_tensors
+
+    check_compressed_tensors()
+    return declared, {
+        "format": "mxfp4", "why": "requested (experts='mxfp4')" if experts else
+        "imported from MXFP4 experts (conversion_report.json); --experts unquantized writes .weight",
+        "how": "compressed-tensors' scale choice and MXFP4PackedCompressor, each expert decoded again and equal to "
+               "the model's values bit for bit; a block whose checkpoint scale was larger than compressed-tensors "
+               "picks for its values (every code at most 3, or all zero) is written with compressed-tensors' scale: "
+               "the same values, other bytes"}
+
+
 def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: list, force: bool,
-               max_shard_size: int, trust_remote_code: bool, mode: dict) -> dict:
+               max_shard_size: int, trust_remote_code: bool, mode: dict, experts: str | None) -> dict:
     """`export(..., to="k3-layout")`: see the module docstring. Raises `UnsupportedSourceError` naming every setting
     K3's model does not have (another backbone, method or knob, a Full or odd block size, a rescaled router output)."""
     from huggingface_hub import save_torch_state_dict
 
     from .k3_layout import k3_from_backbone, remote_code_files, to_k3_state_dict
+    from .mxfp4 import check_mxfp4_shapes, mxfp4_reads, mxfp4_state
     from .k3_source import K3StreamSource, check_k3_tensors, k3_source, read_k3_tensors
 
     problems = []
@@ -251,6 +318,7 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         raise UnsupportedSourceError(f"{model_dir}: Kimi K3's model cannot compute this one: {'; '.join(problems)}")
     derived = fields
     fields = _k3_text_config(model_dir, fields)
+    quantization, expert_record = _k3_experts(model_dir, experts)
     config_source = ("the K3 checkpoint's own (conversion_report.json)" if fields is not derived else
                      "derived from the model's config (no conversion_report.json from a K3 checkpoint of the same "
                      "architecture in the folder)")
@@ -259,9 +327,19 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         reads = _k3_reads(_folder_reads(files), config.backbone)
         tensors = {name: torch.empty(read.shape, dtype=read.dtype, device="meta") for name, read in reads.items()}
     else:
-        tensors = state = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
+        tensors = values = to_k3_state_dict(_read_tensors(files), config.backbone, layout="text")
     # the model's dtype (K3 keeps a few tensors fp32 in a bf16 model)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else most_common_dtype(tensors.values())
+    if quantization is not None:  # each expert encoded (streamed: as it is written), checked to decode to its values
+        fields = fields | {"quantization_config": quantization}
+        check_mxfp4_shapes(tensors)
+        if streamed:
+            reads = mxfp4_reads(reads)
+            tensors = {name: torch.empty(read.shape, dtype=read.dtype, device="meta") for name, read in reads.items()}
+        else:
+            print("Encoding the routed experts as MXFP4 (compressed-tensors) ...", flush=True)
+            tensors = mxfp4_state(values)
+    state = tensors
     print(f"Writing {len(tensors)} tensors in Kimi K3's text layout ({mode['mode']}) ...", flush=True)
     with staged_folder(output_dir, replace=force) as staging:
         (staging / "config.json").write_text(json.dumps(fields | {"dtype": str(dtype).removeprefix("torch.")},
@@ -276,12 +354,15 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         if streamed:  # every tensor read back (attnres-hf names) against the folder's, row chunks at a time
             identical = _read_back(_folder_reads(files), K3StreamSource(written).reads(), "K3")["tensors_identical"]
         else:
-            back = read_k3_tensors(written)
-            identical = set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+            back = read_k3_tensors(written)  # MXFP4 experts decoded (bf16), compared in the model's dtype
+            encoded = set(values) - set(state)
+            identical = set(back) == set(values) and all(torch.equal(back[n].to(values[n].dtype), values[n])
+                                                         and (back[n].dtype == values[n].dtype or n in encoded)
+                                                         for n in values)
         report = {
             "attnres_hf_version": __version__, "to": "k3-layout", "source": str(model_dir),
             "output_dir": str(output_dir), "dtype": str(dtype).removeprefix("torch."), "tensors": len(tensors),
-            "export": mode, "k3_text_config": fields, "k3_text_config_source": config_source,
+            "export": mode, "experts": expert_record, "k3_text_config": fields, "k3_text_config_source": config_source,
             "k3_remote_code_files": remote_code_files(fields),
             "verification": {"read_back_by_attnres_convert": True, "tensors_identical": identical,
                              "logits_compared": "no: no Kimi K3 runtime runs here"},

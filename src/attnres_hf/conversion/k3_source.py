@@ -29,6 +29,7 @@ from .families import UnsupportedSourceError
 from .hf_source import _shown, folder_tensors
 from .k3_layout import (K3_MODEL_TYPE, PREFIXES, SKIPPED_PREFIXES, TEXT_MODEL_TYPE, backbone_from_k3, k3_block_size,
                         k3_parts, k3_text_fields, to_attnres_state_dict, to_attnres_tensor, to_k3_state_dict)
+from .mxfp4 import decode_mxfp4
 from .retrofit import _check_folder, retrofit, retrofit_config
 from .sources import InMemory, SafetensorsFile, Source, TensorRead, continuation, most_common_dtype
 from .verify import verify_conversion
@@ -52,6 +53,7 @@ class K3Source(NamedTuple):
     files: list
     index: Path | None
     mxfp4: bool  # the routed experts are MXFP4
+    quantization_config: dict | None = None  # the config's, as declared (MXFP4 experts' only)
 
 
 def _config(source) -> dict | None:
@@ -83,11 +85,12 @@ def is_k3_folder(source) -> bool:
         or isinstance(linear, dict) and bool({"use_full_rank_gate", "gate_lower_bound"} & set(linear)))
 
 
-def _quantization(source_fields: dict, text: dict, folder: Path) -> bool:
-    """Whether the config declares MXFP4 experts; raises `UnsupportedSourceError` for any other quantization."""
+def _quantization(source_fields: dict, text: dict, folder: Path) -> dict | None:
+    """The config's `quantization_config` when it declares MXFP4 experts, else `None`; raises
+    `UnsupportedSourceError` for any other quantization."""
     declared = text.get("quantization_config") or source_fields.get("quantization_config")
     if declared is None:
-        return False
+        return None
     if not isinstance(declared, dict):
         raise UnsupportedSourceError(f"{folder / 'config.json'}: quantization_config must be an object, got "
                                      f"{type(declared).__name__}")
@@ -98,7 +101,7 @@ def _quantization(source_fields: dict, text: dict, folder: Path) -> bool:
         raise UnsupportedSourceError(f"{folder / 'config.json'}: quantization_config is not compressed-tensors' "
                                      f"{MXFP4_FORMAT} (K3's MXFP4 experts), the only quantization read here: "
                                      f"quant_method {declared.get('quant_method')!r}, format {sorted(map(str, formats))}")
-    return True
+    return declared
 
 
 def k3_source(folder: str | os.PathLike) -> K3Source:
@@ -123,7 +126,7 @@ def k3_source(folder: str | os.PathLike) -> K3Source:
     if text.get("model_type", TEXT_MODEL_TYPE) != TEXT_MODEL_TYPE:
         raise UnsupportedSourceError(f"{folder / 'config.json'}: K3's text_config has model_type "
                                      f"{text.get('model_type')!r}, not {TEXT_MODEL_TYPE!r}")
-    mxfp4 = _quantization(fields, text, folder)
+    quantization = _quantization(fields, text, folder)
     try:
         block_size = k3_block_size(text.get("attn_res_block_size"))
     except ValueError as error:
@@ -132,7 +135,8 @@ def k3_source(folder: str | os.PathLike) -> K3Source:
     if problems:
         raise UnsupportedSourceError(f"{folder}: K3 text config with no exact attnres-hf counterpart: "
                                      f"{'; '.join(problems)}")
-    return K3Source(folder, layout, fields, text, backbone, block_size, files, index, mxfp4)
+    return K3Source(folder, layout, fields, text, backbone, block_size, files, index, quantization is not None,
+                    quantization)
 
 
 def _dequantised_names(tensors: dict, source: K3Source) -> dict:
@@ -215,19 +219,6 @@ def check_compressed_tensors() -> str:
     return version("compressed-tensors")
 
 
-def _dequantise(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """One MXFP4 weight `(out, in)`, bfloat16 (which holds every MXFP4 value exactly), from its `weight_packed` `(out, in / 2)` and `weight_scale`
-    `(out, in / 32)` (uint8 each), by compressed-tensors' own decompressor."""
-    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    args = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True,
-                            scale_dtype=torch.uint8)
-    state = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale},
-                                             QuantizationScheme(targets=["Linear"], weights=args))
-    return state["weight"].to(torch.bfloat16)
-
-
 def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
     """Every text tensor of the folder under K3's names, MXFP4 experts dequantised (bf16) under `.weight`; the
     vision tensors are not read."""
@@ -241,7 +232,7 @@ def read_k3_tensors(source: K3Source) -> dict[str, torch.Tensor]:
             raw |= {name: handle.get_tensor(name) for name in handle.keys() if not name.startswith(SKIPPED_PREFIXES)}
     packed = [name.removesuffix(_PACKED) for name in raw if name.endswith(_PACKED)]
     for name in packed:
-        raw[name + ".weight"] = _dequantise(raw.pop(name + _PACKED), raw.pop(name + _SCALE))
+        raw[name + ".weight"] = decode_mxfp4(raw.pop(name + _PACKED), raw.pop(name + _SCALE))
     return raw
 
 
@@ -336,11 +327,12 @@ class K3StreamSource(Source):
                                                                                                self.k3.layout)
 
     def report_fields(self) -> dict:
-        """Its layout, whether its routers were imported, whether its experts were MXFP4, and its text config
-        (`attnres export --to k3-layout` writes it back while the model's architecture is unchanged)."""
+        """Its layout, whether its routers were imported, whether its experts were MXFP4 and the `quantization_config`
+        declaring them, and its text config (`attnres export --to k3-layout` writes them back: the config while the
+        model's architecture is unchanged, MXFP4 experts while their values are MXFP4 values)."""
         return {"model_type": "kimi_k3", "unused_config_keys": [], "format": "k3", "layout": self.k3.layout,
                 "imported_routers": self.imported_routers, "mxfp4_experts": self.k3.mxfp4,
-                "k3_text_config": self.k3.text_config}
+                "k3_quantization_config": self.k3.quantization_config, "k3_text_config": self.k3.text_config}
 
     def _tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """`{K3 name: (shape, dtype)}` of the text tensors, each MXFP4 pair as its `.weight` (bfloat16)."""
@@ -369,7 +361,7 @@ class K3StreamSource(Source):
             base = name.removesuffix(".weight")
             if base + _PACKED not in stored:
                 return file(name).read(name, file(name).dtype(name))
-            return _dequantise(file(base + _PACKED).read(base + _PACKED, torch.uint8),
+            return decode_mxfp4(file(base + _PACKED).read(base + _PACKED, torch.uint8),
                                file(base + _SCALE).read(base + _SCALE, torch.uint8))
 
         parts, _ = k3_parts(tensors, self.config, self.k3.layout)
