@@ -16,7 +16,8 @@ with the checkpoint tensor by tensor (`export_round_trip`); an HF family's outpu
 `AutoModelForCausalLM.from_pretrained(device_map="auto")` with a CPU budget well under the machine's memory
 (`LOAD_BUDGET`; the rest offloaded to disk), generating 2 greedy tokens: its wall time and peak resident memory
 (`LOAD_SCRIPT`). A case `--stream` refuses (Mixtral's per-expert tensors, which transformers fuses on loading) is a
-row saying why. Targets (issue: streamed conversion at 7-8B): peak memory <= 3 GB, wall <= 3x `cp` (judged twice:
+row saying why. Targets (issue: streamed conversion at 7-8B): peak memory <= 3 GB (the MoE cases: the same bound per
+layer, `per_layer_bound`), wall <= 3x `cp` (judged twice:
 the writing alone, and the whole conversion with its check), |delta| <= 1e-3 of the logits' scale, a source larger
 than the machine's memory converting and verifying, a K3 model's every tensor back through export bit for bit.
 
@@ -94,6 +95,9 @@ SOURCE_DTYPE = {"llama-3-8b-fp32": "float32"}
 FULL = ["llama-3-8b", "k3-text-3-layers", "mixtral-8x7b-2-layers", "qwen2.5-7b", "llama-3-8b-fp32"]
 SMALL = ["llama-small", "qwen2-small-tied", "mixtral-small", "k3-small"]
 TARGETS = {"peak_gb": 3.0, "wall_over_cp": 3.0, "relative_delta": 1e-3}
+PER_LAYER_MEMORY = {"k3-text-3-layers", "mixtral-8x7b-2-layers"}
+"""The MoE cases, judged on the issue's "same memory bound per layer" (`per_layer_bound`): a layer of theirs in fp32
+(2.2 and 5.8 GB) is what the check holds at once, as a Llama-3-8B's 0.87 GB is."""
 LOADED = {"llama-3-8b", "qwen2.5-7b", "llama-small", "qwen2-small-tied"}
 """The cases whose output is loaded with `device_map="auto"` and generates (`LOAD_SCRIPT`): the HF families'."""
 
@@ -285,6 +289,14 @@ def parameter_count(family: str, fields: dict) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
     return sum(p.numel() for p in model.parameters())  # (a tied head once)
+
+
+def per_layer_bound() -> float:
+    """The peak-memory target per layer: 3 GB (`TARGETS["peak_gb"]`) over one Llama-3-8B decoder layer in fp32 (its
+    parameters from the meta model: with one layer minus with none)."""
+    layer = parameter_count("llama", dict(LLAMA_3_8B, num_hidden_layers=1)) - parameter_count(
+        "llama", dict(LLAMA_3_8B, num_hidden_layers=0))
+    return TARGETS["peak_gb"] * 1e9 / (4 * layer)
 
 
 def copy_seconds(folder: Path, scratch: Path) -> float:
@@ -480,7 +492,14 @@ def format_table(rows: list[dict]) -> str:
                 f"{len(row['export_missing'])} of the checkpoint's missing")
         if row["case"] not in FULL:
             continue
-        checks = [("peak memory <= 3 GB", row["peak_gb"] <= TARGETS["peak_gb"]),
+        if row["case"] in PER_LAYER_MEMORY:  # MoE: the Llama-3-8B bound per layer (one fp32 layer is held at once)
+            bound = per_layer_bound()
+            ratio = row["peak_gb"] * 1e9 / row["largest_layer_bytes"]
+            memory = (f"peak memory <= {bound:.1f}x its largest layer, Llama-3-8B's 3 GB per layer ({ratio:.2f}x)",
+                      ratio <= bound)
+        else:
+            memory = ("peak memory <= 3 GB", row["peak_gb"] <= TARGETS["peak_gb"])
+        checks = [memory,
                   (f"writing alone <= 3x cp ({row['write_s'] / row['cp_s']:.1f}x)",
                    row["write_s"] / row["cp_s"] <= TARGETS["wall_over_cp"]),
                   (f"the whole conversion, writing and check (the child's wall time) <= 3x cp "
