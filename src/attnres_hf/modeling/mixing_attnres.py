@@ -2,12 +2,13 @@
 the ablation knobs of its Table 4): its depth state, the router module and the modules that hold the routers (the
 residual baseline's state is `mixing_base.ResidualState`).
 
-The router's pieces are siblings: the plain reference router and the sources of each router (`attnres_reference.py`),
-the source buffer and its autograd Functions (`attnres_buffer.py`), and two-phase block inference
-(`attnres_two_phase.py`, the paper's Algorithm 1), and fla's fused read on CUDA (`attnres_fla.py`).
+The router's pieces are siblings: the read's implementations with one signature and their registry (`ops.py`: the
+reference `ops_naive.py`, `ops_torch.py`, the Triton kernels' `ops_triton.py`, fla's `ops_fla.py`), the sources of
+each router (`attnres_reference.py`), the source buffer and its autograd Functions (`attnres_buffer.py`), and
+two-phase block inference (`attnres_two_phase.py`, the paper's Algorithm 1).
 
 Travels with checkpoints as remote code (a relative import of `depth_mixing.py`): imports only torch, transformers and
-its siblings `attnres_*.py`, `mixing_base.py` and `torch_internals.py`.
+its siblings `attnres_*.py`, `mixing_base.py`, `ops.py` and `torch_internals.py`.
 """
 
 from itertools import islice
@@ -18,9 +19,9 @@ from torch import nn
 
 from transformers import initialization as init
 
-from .attnres_buffer import (_SourceGrads, _SourceMix, _SourceScores, _as, _mix, _read_sources, _scores,
-                             _source_inverse_rms, _store)
-from .attnres_fla import fla_read, require_fla
+from .attnres_buffer import (SourceBuffer, _SourceGrads, _SourceMix, _SourceScores, _as, _mix, _read_sources,
+                             _scores, _source_inverse_rms, _store)
+from .attnres_fla import require_fla
 from .attnres_inference import close as close_source, direct as lean_direct, phase1 as lean_phase1
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
@@ -29,6 +30,7 @@ from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm
                                 rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           routed_sublayers, stacked_norms)
+from .ops import get as ops_get
 from .torch_internals import functorch_active
 
 
@@ -84,7 +86,7 @@ class AttnResState(NamedTuple):
     handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
     grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
     constants: _Constants | None = None  # made once per forward when every router is a plain `AttnResRouter`
-    implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`attnres_fla.py`)
+    implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`ops.get`)
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -320,6 +322,14 @@ class AttnResRouter(nn.Module):
         query = _as(self.query, torch.float32)
         return query if self._modules.get("key_norm") is None else self._fold_key_norm(query)
 
+    def _query_and_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pseudo-query and the key norm's weight as the ops take them (`ops.py`): the parameters themselves, or,
+        when a hook intercepts the key norm (`_fold_key_norm`), the query with the weight folded in and `None`."""
+        key_norm = self._modules.get("key_norm")
+        if key_norm is None or (_key_norm_reads_directly(key_norm) and not _global_pre_hooks()):
+            return self.query, None if key_norm is None else key_norm._parameters["weight"]
+        return key_norm(_as(self.query, torch.float32), normalize=False), None
+
     def _fold_key_norm(self, query: torch.Tensor) -> torch.Tensor:
         """`query * g`, fp32 `(..., D)`, `g` the key norm's weight: read in the key norm's forward
         (`AttnResRMSNorm.forward(normalize=False)`) when a hook intercepts it (accelerate's offload loads a module's
@@ -340,50 +350,20 @@ class AttnResRouter(nn.Module):
         weights = torch.sigmoid(logits) if self.score_fn == "sigmoid" else torch.softmax(logits, dim=-1)
         return weights, _as(weights * self._rescale(logits.shape[-1]) if self.rescale_output else weights, dtype)
 
-    def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
-        """The partial block sum's logit `(B, T)` fp32 (`eps`: a float or a 0-dim tensor, see `inverse_rms`)."""
-        logit = _as(partial, torch.float32) @ query
-        return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
-
-    def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One router over the source buffer (views of it, no stacking) and the partial sum; fla's fused read on CUDA
-        with `attnres_implementation="fla"` (`attnres_fla.fla_read`)."""
-        if state.implementation == "fla" and (read := fla_read(self, state)) is not None:
-            return read
-        if state.implementation == "triton" and triton_serves(state):
-            return self._triton_direct(state)
+    def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One router over the source buffer (views of it, no stacking) and the partial sum: one call of the read of
+        `attnres_implementation` (`ops.get`; the torch one, the Triton kernels, fla's fused kernel), or the
+        fewest-calls read without autograd and depth weights (`_direct_lean`)."""
         if state.constants is not None and state.constants.layout is not None:
             return self._direct_lean(state)
-        partial, buffer, n = state.partial, state.buffer, len(state.sources)
-        query = self._folded_query()
-        logits = _read_sources(_SourceScores, _scores, state, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
-        if self.key_norm is not None:
-            logits = logits * state.inv_rms
-        if partial is not None:
-            logits = torch.cat([logits, self._partial_logit(partial, query, state.eps).unsqueeze(-1)], dim=-1)
-        weights, mix = self._weights(logits, buffer.dtype)
-        completed = mix if partial is None else mix.narrow(-1, 0, n)
-        hidden = _read_sources(_SourceMix, _mix, state, completed.unsqueeze(-2)).squeeze(-2)
-        if partial is not None:
-            hidden = hidden + mix.narrow(-1, n, 1) * partial
-        return hidden, weights
-
-    def _triton_direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_direct` by the two-phase kernels with one query (`attnres_implementation="triton"`): phase 1 over the
-        completed sources, then the merge of the partial sum."""
-        partial, count = state.partial, len(state.sources)
-        query = self._folded_query()
-        inv_rms = state.inv_rms if self.key_norm is not None else None
-        probs, lse, mixed = (t.squeeze(2) for t in triton_phase1(state, query.unsqueeze(0), inv_rms))
-        if partial is None:
-            hidden, weights = mixed, probs
-        else:
-            count += 1
-            hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, inv_rms is not None)
-            weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
-        if self.rescale_output:
-            hidden = hidden * self._rescale(count)
-        return hidden, weights
+        partial, key_norm = state.partial, self.key_norm is not None
+        query, weight = self._query_and_weight()
+        count = len(state.sources) + (partial is not None)
+        read = ops_get(state.implementation, state.buffer.device)
+        return read(SourceBuffer(state.buffer, state.sources, state.handles, state.grads), query, weight,
+                    partial=partial, key_norm=key_norm, eps=state.eps, sigmoid=self.score_fn == "sigmoid",
+                    output_scale=self._rescale(count) if self.rescale_output else 1.0,
+                    inv_rms=state.inv_rms if key_norm else None, return_weights=state.keep_weights)
 
     def _direct_lean(self, state: AttnResState) -> tuple[torch.Tensor, None]:
         """`_direct` in the fewest operator calls (`attnres_inference.direct`; no autograd, no depth weights): the
