@@ -171,6 +171,53 @@ def test_torch_reads_pass_gradcheck_in_float64(router):
         assert torch.autograd.gradcheck(function, (sources, partial, query, weight))
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid", "no-key-norm"])
+def test_the_merge_with_its_sources_passes_gradcheck_in_float64(router):
+    """`ops_torch.merge` given its sources (`_PartialMerge`, the model's training merge: it keeps neither `mixed` nor
+    the sources for backward and recomputes `mixed` from them): its backward is the derivative of its forward, for
+    the output and the depth weights, in float64; its forward is the plain merge's exactly."""
+    knobs = {k: v for k, v in ROUTERS[router].items() if k != "sigmoid"}
+    sources, partial, query, weight = (t.double() for t in inputs(GRADCHECK_SHAPE, torch.float64, router))
+    probs, lse, mixed = (t if t is None else t.squeeze(2) for t in ops_torch.phase1(
+        sources, query.unsqueeze(0), weight.unsqueeze(0), eps=EPS, sigmoid=ROUTERS[router]["sigmoid"], **knobs))
+    leaves = [t.clone().requires_grad_() for t in (partial, mixed, query, weight) + (() if lse is None else (lse,))]
+
+    def merged(partial, mixed, query, weight, *lse, sources=sources):
+        return ops_torch.merge(probs, lse[0] if lse else None, mixed, partial, query, weight, eps=EPS,
+                               output_scale=1.5, sources=sources, **knobs)
+
+    assert torch.autograd.gradcheck(merged, leaves)
+    for ours, plain in zip(merged(*leaves), merged(*leaves, sources=None), strict=True):
+        torch.testing.assert_close(ours, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("gap", [8.0, 12.0, 16.0])
+@pytest.mark.parametrize("sigmoid", [False, True], ids=["softmax", "sigmoid"])
+def test_a_small_partial_share_keeps_the_digits_of_its_gradient(sigmoid, gap):
+    """A partial sum with a share of `e^-gap` of the softmax mass (or a sigmoid gate near 1): its gradient is that
+    share times the upstream gradient, which `1 - sigmoid(gap)` in fp32 computes with few correct digits (at gap 16,
+    none). The merge given its sources (`_PartialMerge`) in fp32 against the same inputs merged in float64."""
+    generator = torch.Generator().manual_seed(int(gap))
+    n, batch, seq, dim = 3, 2, 3, 16
+    sources = torch.randn(n, batch, seq, dim, generator=generator)
+    probs = torch.randn(batch, seq, n, generator=generator).softmax(-1)
+    mixed = torch.einsum("btn,nbtd->btd", probs, sources)  # (B, T, D)
+    partial = torch.randn(batch, seq, dim, generator=generator)
+    query = torch.randn(dim, generator=generator)
+    logit = (partial @ query) * torch.rsqrt(partial.pow(2).mean(-1) + 1e-5)
+    lse = None if sigmoid else logit + gap
+    if sigmoid:  # a sigmoid gate of 1 - e^-gap: scale the query so that the logit is gap
+        query = query * (gap / logit.abs()).min()
+    grad = torch.randn(batch, seq, dim, generator=generator)
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        leaf = partial.to(dtype).requires_grad_()
+        hidden, _ = ops_torch.merge(probs.to(dtype), None if lse is None else lse.to(dtype), mixed.to(dtype), leaf,
+                                    query.to(dtype), eps=1e-5, sources=sources.to(dtype), return_weights=False)
+        grads.append(torch.autograd.grad(hidden, leaf, grad.to(dtype))[0])
+    assert relative(grads[0], grads[1]) < 1e-4  # measured: under 1e-6
+
+
 def test_the_model_buffer_reads_as_the_tensor():
     """The router's argument, the source buffer with the sources' autograd handles (`SourceBuffer`, read through the
     buffer's autograd Functions), gives the plain tensor's numbers and hands each source its gradient."""

@@ -193,63 +193,6 @@ def test_full_attnres_saves_sources_once_linear_in_depth(monkeypatch):
     assert growth["stacked"][1] > 1.2 * growth["stacked"][0] > first, growth  # the copies per router: quadratic
 
 
-@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("key_norm", [True, False], ids=["key-norm", "no-key-norm"])
-def test_partial_merge_function_passes_gradcheck(score_fn, key_norm, monkeypatch):
-    """`_PartialMerge` (phase 2 with gradients, recomputing the completed sources' weighted sum in backward): its
-    backward is the derivative of its forward, for the merged output and the partial sum's logit, in float64 (the
-    key norm's statistics too: `inverse_rms` computes in fp32 otherwise)."""
-    monkeypatch.setattr(attnres_two_phase, "inverse_rms", lambda x, eps: torch.rsqrt(x.pow(2).mean(-1) + eps))
-    generator = torch.Generator().manual_seed(0)
-    n, batch, seq, dim = 3, 2, 3, 8
-    buffer = torch.randn(n + 2, batch, seq, dim, generator=generator, dtype=torch.float64)  # slot n: not read
-    weights = torch.randn(batch, seq, n, generator=generator, dtype=torch.float64).softmax(-1)
-    mixed = attnres_buffer._mix(buffer[:n], weights.unsqueeze(-2)).squeeze(-2).requires_grad_()
-    partial = torch.randn(batch, seq, dim, generator=generator, dtype=torch.float64, requires_grad=True)
-    query = torch.randn(dim, generator=generator, dtype=torch.float64, requires_grad=True)
-    lse = None if score_fn == "sigmoid" else torch.randn(batch, seq, generator=generator, dtype=torch.float64,
-                                                           requires_grad=True)
-
-    def merge(partial, mixed, query, *lse):
-        return attnres_two_phase._PartialMerge.apply(buffer, n, weights, partial, mixed, query, *(lse or (None,)),
-                                                     1e-5, key_norm)
-
-    inputs = (partial, mixed, query) + (() if lse is None else (lse,))
-    assert torch.autograd.gradcheck(merge, inputs)
-    plain = attnres_two_phase._merge_partial(partial, mixed, query, lse, 1e-5, key_norm)[:2]
-    for ours, theirs in zip(merge(*inputs), plain, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("gap", [8.0, 12.0, 16.0])
-@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
-def test_a_small_partial_share_keeps_the_digits_of_its_gradient(score_fn, gap):
-    """A partial sum with a share of `e^-gap` of the softmax mass (or a sigmoid gate near 1): its gradient is that
-    share times the upstream gradient, which `1 - sigmoid(gap)` in fp32 computes with few correct digits (at gap 16,
-    none). Against the same fp32 inputs merged in float64."""
-    generator = torch.Generator().manual_seed(int(gap))
-    n, batch, seq, dim = 3, 2, 3, 16
-    buffer = torch.randn(n, batch, seq, dim, generator=generator)
-    weights = torch.randn(batch, seq, n, generator=generator).softmax(-1)
-    mixed = attnres_buffer._mix(buffer, weights.unsqueeze(-2)).squeeze(-2)
-    partial = torch.randn(batch, seq, dim, generator=generator)
-    query = torch.randn(dim, generator=generator)
-    logit = (partial @ query) * torch.rsqrt(partial.pow(2).mean(-1) + 1e-5)
-    lse = None if score_fn == "sigmoid" else logit + gap
-    if lse is None:  # a sigmoid gate of 1 - e^-gap: scale the query so that the logit is gap
-        query = query * (gap / logit.abs()).min()
-    grad = torch.randn(batch, seq, dim, generator=generator)
-    grads = []
-    for dtype in (torch.float32, torch.float64):
-        leaf = partial.to(dtype).requires_grad_()
-        args = (buffer.to(dtype), n, weights.to(dtype), leaf, mixed.to(dtype), query.to(dtype),
-                None if lse is None else lse.to(dtype), 1e-5, True)
-        hidden, _ = attnres_two_phase._PartialMerge.apply(*args)
-        grads.append(torch.autograd.grad(hidden, leaf, grad.to(dtype))[0])
-    error = ((grads[0].double() - grads[1]).abs().max() / grads[1].abs().max()).item()
-    assert error < 1e-4, error  # measured: under 1e-6
-
-
 @pytest.mark.parametrize("block_size", [2, 4], ids=["block2", "block4"])
 def test_two_phase_gradients_equal_naive_attnres(block_size, input_ids, monkeypatch):
     """Outputs and every gradient of the two-phase path (phase 1, `_PartialMerge`) against a model whose routers are
