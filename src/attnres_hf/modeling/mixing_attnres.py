@@ -19,18 +19,17 @@ from torch import nn
 
 from transformers import initialization as init
 
-from .attnres_buffer import (SourceBuffer, _SourceGrads, _SourceMix, _SourceScores, _as, _mix, _read_sources,
-                             _scores, _source_inverse_rms, _store)
+from .attnres_buffer import SourceBuffer, _SourceGrads, _as, _source_inverse_rms, _store
 from .attnres_fla import require_fla
 from .attnres_inference import close as close_source, direct as lean_direct, phase1 as lean_phase1
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
-                                _merge_partial, _merged_weights, _BlockRead, _PartialMerge, _two_phase_applies,
-                                rebuilder)
+                                _merged_weights, _BlockRead, _two_phase_applies, rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           routed_sublayers, stacked_norms)
 from .ops import get as ops_get
+from .ops_torch import merge as torch_merge, phase1 as torch_phase1
 from .torch_internals import functorch_active
 
 
@@ -123,8 +122,8 @@ class AttnResState(NamedTuple):
     @autocast_off(lambda self: self.sources[0].device.type)
     def _start_block(self) -> "AttnResState":
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
-        sources, one product for the scores and one for the weighted sums (`Phase1`), with the query bank and
-        epsilon tensors the state made when it started (`_Constants`)."""
+        sources, one product for the scores and one for the weighted sums (`Phase1`; `ops_torch.phase1`, or the
+        Triton kernel), with the query bank and epsilon tensors the state made when it started (`_Constants`)."""
         # (no constants: no model given, or routers wrapped by another library, PEFT's modules_to_save: the direct
         # path, the same numbers)
         constants = self.constants
@@ -145,16 +144,14 @@ class AttnResState(NamedTuple):
             probs, lse, mixed = triton_phase1(self, queries, self.inv_rms if constants.key_norm else None)
             return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2), lse.unbind(-1),
                                                mixed.unbind(-2), bank, eps))
-        logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
-        if constants.key_norm:
-            logits = logits * self.inv_rms.unsqueeze(-2)
-        if constants.sigmoid:
-            probs, lse = torch.sigmoid(logits), None
-        else:
-            probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
-        mixed = _read_sources(_SourceMix, _mix, self, _as(probs, self.buffer.dtype))
+        probs, lse, mixed = torch_phase1(self.source_buffer(), queries, key_norm=constants.key_norm, eps=self.eps,
+                                         sigmoid=constants.sigmoid, inv_rms=self.inv_rms)
         return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
                                            None if lse is None else lse.unbind(-1), mixed.unbind(-2), bank, eps))
+
+    def source_buffer(self) -> SourceBuffer:
+        """The completed sources as the ops read them (`ops.py`): the buffer, the sources and their autograd handles."""
+        return SourceBuffer(self.buffer, self.sources, self.handles, self.grads)
 
     def on_its_buffer(self) -> "AttnResState":
         """The state whose buffer accelerate's device hooks moved (a `device_map` over several devices calls `.to` on
@@ -360,7 +357,7 @@ class AttnResRouter(nn.Module):
         query, weight = self._query_and_weight()
         count = len(state.sources) + (partial is not None)
         read = ops_get(state.implementation, state.buffer.device)
-        return read(SourceBuffer(state.buffer, state.sources, state.handles, state.grads), query, weight,
+        return read(state.source_buffer(), query, weight,
                     partial=partial, key_norm=key_norm, eps=state.eps, sigmoid=self.score_fn == "sigmoid",
                     output_scale=self._rescale(count) if self.rescale_output else 1.0,
                     inv_rms=state.inv_rms if key_norm else None, return_weights=state.keep_weights)
@@ -407,22 +404,20 @@ class AttnResRouter(nn.Module):
                     state.buffer, count, _as(probs, state.buffer.dtype).detach(), mixed)
         else:
             count += 1
-            lse = phase1.lse[j] if phase1.lse is not None else None
-            arguments = (partial, mixed, phase1.queries[j], lse, phase1.eps, self.key_norm is not None)
+            lse, query = phase1.lse[j] if phase1.lse is not None else None, phase1.queries[j]
+            key_norm, scale = self.key_norm is not None, self._rescale(count) if self.rescale_output else 1.0
             if state.implementation == "triton" and lse is not None and triton_serves(state):
-                hidden, logit = triton_merge(state, probs, partial, mixed, phase1.queries[j], lse, state.eps,
-                                             self.key_norm is not None)
-            elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
-                # phase 1's, for backward to recompute `mixed` (detached: their gradient flows through `mixed`, and
-                # compiled autograd fails on the `None` gradient of an input that requires one)
-                mix_weights = _as(probs, state.buffer.dtype).detach()
-                hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
-            elif not state.keep_weights:  # inference: the output alone
-                norm_eps = state.constants.norm_eps if self.key_norm is not None else None
-                hidden = _merge_inference(partial, mixed, phase1.queries[j], lse, norm_eps)
-            else:
-                hidden, logit = _merge_partial(*arguments)[:2]
-            weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
+                hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, key_norm)
+                weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
+            elif state.keep_weights or (torch.is_grad_enabled() and any(
+                    t is not None and t.requires_grad for t in (partial, mixed, query, lse))):
+                # (with gradients `_PartialMerge`, which recomputes `mixed` from the sources in backward)
+                return torch_merge(probs, lse, mixed, partial, query, key_norm=key_norm, eps=phase1.eps,
+                                   output_scale=scale, return_weights=state.keep_weights,
+                                   sources=state.source_buffer())
+            else:  # inference: the output alone
+                hidden, weights = _merge_inference(partial, mixed, query, lse,
+                                                   state.constants.norm_eps if key_norm else None), None
         if self.rescale_output:
             hidden = hidden * self._rescale(count)
         return hidden, weights
