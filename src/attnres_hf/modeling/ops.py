@@ -30,18 +30,19 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 def get(implementation: str, device: torch.device | str) -> Callable:
     """The read of `implementation` for tensors on `device`.
 
-    Meta tensors (shapes only) take the torch implementation whatever was asked.
+    Meta tensors (shapes only) take the torch implementation where the kernels were asked for.
 
     Raises:
         KeyError: on an implementation not in `IMPLEMENTATIONS`.
         ValueError: on one that cannot run on `device` ("triton": CUDA, or any device under Triton's interpreter;
             "fla": CUDA).
-        ImportError: where Triton ("triton", "fla") or fla ("fla") is not installed.
+        ImportError: "triton" off CUDA where Triton is not installed (elsewhere the read raises it when it first
+            runs a kernel, as "fla"'s does where fla is not installed).
     """
     if implementation not in IMPLEMENTATIONS:
         raise KeyError(f"no AttnRes implementation {implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
     device = torch.device(device)
-    if device.type == "meta":
+    if device.type == "meta" and implementation in ("triton", "fla"):
         return torch_attnres
     if implementation == "fla":
         fla_check_device(device)
