@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from attnres_hf import AttnResConfig, AttnResForCausalLM
-from attnres_hf.modeling import attnres_buffer, attnres_fla, torch_internals
+from attnres_hf.modeling import attnres_buffer, attnres_fla, ops, torch_internals
 from attnres_hf.modeling.attnres_reference import attnres_num_sources
 from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState
 from test_two_phase import saved_source_bytes
@@ -146,6 +146,36 @@ def test_fla_on_cpu_tensors_is_refused_at_the_forward(monkeypatch, input_ids):
 # ---------------------------------------------------------------------------------------------------------------
 # (c) Dispatch on CPU, with the stand-in kernel
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_partial", [False, True], ids=["full", "block-partial"])
+def test_the_fla_op_on_tensors_equals_the_reference(stand_in, with_partial):
+    """`ops_fla.attnres` (the registry's "fla" read, one signature) on plain tensors with gradients, fla's autograd
+    run inside `_FusedRead` over a buffer of them: the output and the gradients of the sources, the partial sum, the
+    query and the key-norm weight of `ops_naive.attnres` in float64 (fp32 round-off: measured under 2e-7 of each
+    tensor's largest element, bound 2e-6); with depth weights asked for, the torch read's (fla returns none), without
+    a call of fla."""
+    generator = torch.Generator().manual_seed(3)
+    sources = torch.randn(3, 2, 2, 16, generator=generator) * 2
+    partial = torch.randn(2, 2, 16, generator=generator) if with_partial else None
+    query, weight = torch.randn(16, generator=generator), 1 + 0.3 * torch.randn(16, generator=generator)
+    grad = torch.randn(2, 2, 16, generator=generator)
+    results = {}
+    for name, dtype in (("fla", torch.float32), ("naive", torch.float64)):
+        leaves = [t.to(dtype).requires_grad_() for t in (sources, query, weight, partial) if t is not None]
+        read = ops.get(name, "cpu")  # (`_on_cuda` passed for the stand-in)
+        hidden, weights = read(leaves[0], leaves[1], leaves[2], partial=leaves[3] if with_partial else None,
+                               eps=1e-6, return_weights=name == "naive")
+        assert (weights is None) == (name == "fla")
+        results[name] = (hidden, *torch.autograd.grad(hidden, leaves, grad.to(dtype)))
+    assert len(stand_in) == 1
+    for ours, reference in zip(results["fla"], results["naive"], strict=True):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours.double(), reference, atol=2e-6 * reference.abs().max().item(), rtol=0)
+    stand_in.clear()
+    _, weights = ops.get("fla", "cpu")(sources, query, weight, partial=partial, eps=1e-6)
+    assert not stand_in and weights is not None
+
 
 
 def test_direct_reads_call_fused_attnres_with_the_router_arguments(stand_in, input_ids):

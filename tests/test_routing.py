@@ -113,11 +113,11 @@ def test_naive_attnres_docstring_contract():
 
 def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch):
     """Completed-block key norms come from the state (once per block), never recomputed per router."""
-    from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres
+    from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres, ops_torch, ops_triton
 
     calls, merges, closed = [], [], []
     original, merge, close = mixing_attnres.inverse_rms, attnres_two_phase._merge_inference, mixing_attnres.close_source
-    for module in (attnres_buffer, attnres_two_phase, mixing_attnres):  # every module that calls it
+    for module in (attnres_buffer, attnres_two_phase, mixing_attnres, ops_torch, ops_triton):  # every one calling it
         monkeypatch.setattr(module, "inverse_rms", lambda x, eps: calls.append(x.shape) or original(x, eps))
     # (patched where the router looks them up)
     monkeypatch.setattr(mixing_attnres, "_merge_inference", lambda *a: merges.append(1) or merge(*a))

@@ -1,15 +1,14 @@
 """Two-phase block inference (paper Algorithm 1) and the source buffer: the same numbers as the direct router and
 the stacked (re-concatenating) router, for every knob they serve; gradient checkpointing; cached decode; Full
 AttnRes's saved activations growing linearly in depth. (`test_routing.py` checks the default path, two-phase
-included, against `naive_attnres`.)"""
+included, against `naive_attnres`; tests/test_ops.py compares the reads themselves.)"""
 
 import contextlib
 
 import pytest
 import torch
 
-from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres
-from attnres_hf.modeling.attnres_reference import naive_attnres
+from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres, ops_naive
 from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState
 from utils import TINY, tiny_model
 
@@ -31,6 +30,17 @@ def path(name, monkeypatch):
         elif name == "stacked":
             patch.setattr(mixing_attnres, "_two_phase_applies", lambda config: False)
         yield
+
+
+def reference_router(router, state):
+    """A router's read by the reference (`ops_naive.attnres`, paper Eq. 1-4 with the Table 4 knobs) over the sources
+    the state names (Eq. 6: the completed ones, then the partial sum), through the ops' one signature."""
+    key_norm = router.key_norm is not None
+    count = len(state.sources) + (state.partial is not None)
+    return ops_naive.attnres(list(state.sources), router.query, router.key_norm.weight if key_norm else None,
+                             partial=state.partial, key_norm=key_norm, eps=state.eps,
+                             sigmoid=router.score_fn == "sigmoid",
+                             output_scale=router._rescale(count) if router.rescale_output else 1.0)
 
 
 def run(model, input_ids, projection, **kwargs):
@@ -193,79 +203,17 @@ def test_full_attnres_saves_sources_once_linear_in_depth(monkeypatch):
     assert growth["stacked"][1] > 1.2 * growth["stacked"][0] > first, growth  # the copies per router: quadratic
 
 
-@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("key_norm", [True, False], ids=["key-norm", "no-key-norm"])
-def test_partial_merge_function_passes_gradcheck(score_fn, key_norm, monkeypatch):
-    """`_PartialMerge` (phase 2 with gradients, recomputing the completed sources' weighted sum in backward): its
-    backward is the derivative of its forward, for the merged output and the partial sum's logit, in float64 (the
-    key norm's statistics too: `inverse_rms` computes in fp32 otherwise)."""
-    monkeypatch.setattr(attnres_two_phase, "inverse_rms", lambda x, eps: torch.rsqrt(x.pow(2).mean(-1) + eps))
-    generator = torch.Generator().manual_seed(0)
-    n, batch, seq, dim = 3, 2, 3, 8
-    buffer = torch.randn(n + 2, batch, seq, dim, generator=generator, dtype=torch.float64)  # slot n: not read
-    weights = torch.randn(batch, seq, n, generator=generator, dtype=torch.float64).softmax(-1)
-    mixed = attnres_buffer._mix(buffer[:n], weights.unsqueeze(-2)).squeeze(-2).requires_grad_()
-    partial = torch.randn(batch, seq, dim, generator=generator, dtype=torch.float64, requires_grad=True)
-    query = torch.randn(dim, generator=generator, dtype=torch.float64, requires_grad=True)
-    lse = None if score_fn == "sigmoid" else torch.randn(batch, seq, generator=generator, dtype=torch.float64,
-                                                           requires_grad=True)
-
-    def merge(partial, mixed, query, *lse):
-        return attnres_two_phase._PartialMerge.apply(buffer, n, weights, partial, mixed, query, *(lse or (None,)),
-                                                     1e-5, key_norm)
-
-    inputs = (partial, mixed, query) + (() if lse is None else (lse,))
-    assert torch.autograd.gradcheck(merge, inputs)
-    plain = attnres_two_phase._merge_partial(partial, mixed, query, lse, 1e-5, key_norm)[:2]
-    for ours, theirs in zip(merge(*inputs), plain, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("gap", [8.0, 12.0, 16.0])
-@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
-def test_a_small_partial_share_keeps_the_digits_of_its_gradient(score_fn, gap):
-    """A partial sum with a share of `e^-gap` of the softmax mass (or a sigmoid gate near 1): its gradient is that
-    share times the upstream gradient, which `1 - sigmoid(gap)` in fp32 computes with few correct digits (at gap 16,
-    none). Against the same fp32 inputs merged in float64."""
-    generator = torch.Generator().manual_seed(int(gap))
-    n, batch, seq, dim = 3, 2, 3, 16
-    buffer = torch.randn(n, batch, seq, dim, generator=generator)
-    weights = torch.randn(batch, seq, n, generator=generator).softmax(-1)
-    mixed = attnres_buffer._mix(buffer, weights.unsqueeze(-2)).squeeze(-2)
-    partial = torch.randn(batch, seq, dim, generator=generator)
-    query = torch.randn(dim, generator=generator)
-    logit = (partial @ query) * torch.rsqrt(partial.pow(2).mean(-1) + 1e-5)
-    lse = None if score_fn == "sigmoid" else logit + gap
-    if lse is None:  # a sigmoid gate of 1 - e^-gap: scale the query so that the logit is gap
-        query = query * (gap / logit.abs()).min()
-    grad = torch.randn(batch, seq, dim, generator=generator)
-    grads = []
-    for dtype in (torch.float32, torch.float64):
-        leaf = partial.to(dtype).requires_grad_()
-        args = (buffer.to(dtype), n, weights.to(dtype), leaf, mixed.to(dtype), query.to(dtype),
-                None if lse is None else lse.to(dtype), 1e-5, True)
-        hidden, _ = attnres_two_phase._PartialMerge.apply(*args)
-        grads.append(torch.autograd.grad(hidden, leaf, grad.to(dtype))[0])
-    error = ((grads[0].double() - grads[1]).abs().max() / grads[1].abs().max()).item()
-    assert error < 1e-4, error  # measured: under 1e-6
-
-
 @pytest.mark.parametrize("block_size", [2, 4], ids=["block2", "block4"])
 def test_two_phase_gradients_equal_naive_attnres(block_size, input_ids, monkeypatch):
     """Outputs and every gradient of the two-phase path (phase 1, `_PartialMerge`) against a model whose routers are
-    `naive_attnres` over the explicit list of sources (completed blocks, then the partial sum; plain autograd)."""
+    the reference read (`reference_router`: `ops_naive.attnres` over the completed blocks and the partial sum; plain
+    autograd)."""
     model = tiny_model(attnres_block_size=block_size).train()
     projection = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(4))
     fast_logits, _, fast = run(model, input_ids, projection)
 
-    def naive(router, state):
-        sources = list(state.sources) + ([state.partial] if state.partial is not None else [])
-        hidden, weights = naive_attnres(sources, router.query, router.key_norm.weight, state.eps)
-        return hidden.to(sources[0].dtype), weights
-
-    with path("stacked", monkeypatch):
-        monkeypatch.setattr(AttnResRouter, "forward", naive)
-        naive_logits, _, reference = run(model, input_ids, projection)
+    monkeypatch.setattr(AttnResRouter, "forward", reference_router)
+    naive_logits, _, reference = run(model, input_ids, projection)
     torch.testing.assert_close(fast_logits, naive_logits, atol=1e-5, rtol=1e-5)
     assert fast.keys() == reference.keys()
     for name, grad in fast.items():  # fp32 round-off of two different orders of summation
@@ -448,26 +396,8 @@ def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, inpu
             steps.append(out.logits)
         cached = torch.cat(steps, dim=1).float()
 
-        def naive(router, state):  # naive_attnres (paper Eq. 1-4), with the knob applied where it departs
-            sources = list(state.sources) + ([state.partial] if state.partial is not None else [])
-            if router.key_norm is not None and router.score_fn == "softmax":
-                hidden, weights = naive_attnres(sources, router.query, router.key_norm.weight, state.eps)
-            else:
-                values = torch.stack([s.float() for s in sources], dim=-2)
-                keys = values
-                if router.key_norm is not None:
-                    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + state.eps)
-                    keys = keys * router.key_norm.weight.float()
-                logits = keys @ router.query.float()
-                weights = torch.sigmoid(logits) if router.score_fn == "sigmoid" else torch.softmax(logits, -1)
-                hidden = (weights.unsqueeze(-1) * values).sum(-2)
-            if router.rescale_output:
-                hidden = hidden * (2.0 if router.score_fn == "sigmoid" else len(sources))
-            return hidden.to(sources[0].dtype), weights
-
-        with path("stacked", monkeypatch):
-            monkeypatch.setattr(AttnResRouter, "forward", naive)
-            reference = model(input_ids).logits.float()
+        monkeypatch.setattr(AttnResRouter, "forward", reference_router)
+        reference = model(input_ids).logits.float()
     for name, logits in (("no-grad", fast), ("cached", cached), ("autograd", autograd)):
         torch.testing.assert_close(logits, reference, **tolerance, msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(fast, autograd, **tolerance)

@@ -7,6 +7,8 @@ Travels with checkpoints as remote code (a relative import of `mixing_attnres.py
 siblings `mixing_base.py` and `torch_internals.py`.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -279,6 +281,17 @@ def _per_source(grad_values, ctx, n):
     """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
     grad_values = grad_values.to(ctx.buffer.dtype)
     return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[4:]))
+
+
+class SourceBuffer(NamedTuple):
+    """The completed sources of one forward as the model holds them, for the ops (`ops.py`) to read: the buffer's
+    first `n` slots, read through the autograd Functions above when gradients flow (no saved copy; eager training's
+    in-place sums), the plain products otherwise (`_read_sources`). Duck-typed like `AttnResState` for the readers."""
+
+    buffer: torch.Tensor  # (n_slots, B, T, D): slots < n hold the sources
+    sources: tuple[torch.Tensor, ...]  # the n completed sources, (B, T, D) each, in depth order
+    handles: tuple  # their autograd handles (`_store`)
+    grads: "_SourceGrads | None"  # where the readers sum the sources' gradients (eager training), or None
 
 
 def _read_sources(function, plain, state, other):

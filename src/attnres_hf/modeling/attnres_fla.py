@@ -1,14 +1,10 @@
 """flash-linear-attention's fused AttnRes read (`fla.ops.attnres.fused_attnres`: Triton, forward and backward, one
-read of each source with an online softmax) as the CUDA implementation of the direct router read
-(`AttnResConfig.attnres_implementation="fla"`; arXiv:2603.15031, Eq. 1-4 over the sources of Eq. 6).
+read of each source with an online softmax) over the model's source buffer: the glue under `ops_fla.attnres`, the CUDA
+implementation of the direct router read (`AttnResConfig.attnres_implementation="fla"`; arXiv:2603.15031, Eq. 1-4
+over the sources of Eq. 6), and the config's check.
 
-It serves the reads that the two-phase path does not (Full AttnRes, the final router, a model that gave the state no
-routers) for the paper's router: softmax, key norm, one static pseudo-query, no window, no scalar weights
-(`mixing_base.IMPLEMENTATION_NEEDS["fla"]`; other knobs are refused by the config). The depth weights are the torch
-path's (fla returns none).
-
-Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_two_phase.py` and `mixing_base.py`. fla is an optional dependency, imported lazily inside a `try`
+Travels with checkpoints as remote code (a relative import of `ops_fla.py` and `mixing_attnres.py`): imports only
+torch and its sibling `mixing_base.py`. fla is an optional dependency, imported lazily inside a `try`
 (`_fused_attnres`): transformers' remote-code loader skips imports in `try` blocks, so a checkpoint loads where fla
 is not installed.
 """
@@ -16,7 +12,6 @@ is not installed.
 import torch
 from torch.autograd.function import once_differentiable
 
-from .attnres_two_phase import _global_pre_hooks, _key_norm_reads_directly
 from .mixing_base import check_implementation
 
 
@@ -37,52 +32,40 @@ def require_fla(config) -> None:
     _fused_attnres()
 
 
-def _on_cuda(tensor: torch.Tensor) -> bool:
-    """Whether fla's Triton kernel can read `tensor` (the one device predicate of this path)."""
-    return tensor.is_cuda
+def _on_cuda(device: torch.device) -> bool:
+    """Whether fla's Triton kernel can read tensors on `device` (the one device predicate of this path)."""
+    return device.type == "cuda"
 
 
-def _serves(router, state) -> bool:
-    """Whether this read goes to fla; else the torch path (the same numbers): depth weights asked for (fla returns
-    none), tracing (`torch.compile` fuses the torch path; fla's dispatch is a graph break), a hook between the key
-    norm and its weight (accelerate's offload: read in its own forward, `AttnResRouter._fold_key_norm`), or sources
-    fla's pointer table cannot take (a partial sum in another dtype, addresses not 16-byte aligned)."""
-    buffer, partial = state.buffer, state.partial
-    return (not state.keep_weights and not torch.compiler.is_compiling()
-            and _key_norm_reads_directly(router._modules["key_norm"]) and not _global_pre_hooks()
-            and buffer.data_ptr() % 16 == 0 and buffer.stride(0) * buffer.element_size() % 16 == 0
+def check_device(device: torch.device) -> None:
+    """Raise `ValueError` for a device other than CUDA (fla's `fused_attnres` is Triton on CUDA)."""
+    if not _on_cuda(device):
+        device = device.type
+        raise ValueError(f"attnres_implementation='fla' needs CUDA tensors (fla's fused_attnres is Triton on CUDA), "
+                         f"got {device} tensors; use attnres_implementation='torch' on {device}")
+
+
+def aligned(buffer: torch.Tensor, partial: torch.Tensor | None) -> bool:
+    """Whether fla's pointer table can take these sources: addresses 16-byte aligned, the partial sum in the
+    buffer's dtype."""
+    return (buffer.data_ptr() % 16 == 0 and buffer.stride(0) * buffer.element_size() % 16 == 0
             and (partial is None or (partial.dtype == buffer.dtype and partial.data_ptr() % 16 == 0)))
 
 
-def fla_read(router, state) -> tuple[torch.Tensor, None] | None:
-    """`AttnResRouter._direct` by fla's `fused_attnres` over the completed sources (views of the source buffer) and
-    the partial sum: `h (batch, seq_len, hidden_size)` in the sources' dtype and no depth weights, or `None` where
-    the torch path serves this read (`_serves`).
+def fused_read(sources, query: torch.Tensor, weight: torch.Tensor, partial: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    """fla's `fused_attnres` over the completed sources (`sources`: an `attnres_buffer.SourceBuffer`, read as views
+    of its buffer) and the partial sum: `h (batch, seq_len, hidden_size)` in the sources' dtype.
 
-    Raises:
-        ValueError: on sources that are not CUDA tensors.
-    """
-    buffer, partial, n = state.buffer, state.partial, len(state.sources)
-    if not _on_cuda(buffer):
-        device = buffer.device.type
-        raise ValueError(f"attnres_implementation='fla' needs CUDA tensors (fla's fused_attnres is Triton on CUDA), "
-                         f"got {device} tensors; use attnres_implementation='torch' on {device}")
-    if not _serves(router, state):
-        return None
-    fused, query, weight = _fused_attnres(), router.query, router._modules["key_norm"].weight
-    # AttnRes: the next sub-layer's pre-norm is not folded in (`output_rms_weight`): it is the backbone family's own
-    # module (Gemma's `1 + w`, its own epsilon and casts, hooks), and the final router's output is also the last
-    # hidden state; fla's folded norm is a Llama RMSNorm with the router's epsilon.
-    inputs = state.handles + (query, weight) + (() if partial is None else (partial,))
+    AttnRes: the next sub-layer's pre-norm is not folded in (`output_rms_weight`): it is the backbone family's own
+    module (Gemma's `1 + w`, its own epsilon and casts, hooks), and the final router's output is also the last hidden
+    state; fla's folded norm is a Llama RMSNorm with the router's epsilon."""
+    fused, buffer, n = _fused_attnres(), sources.buffer, len(sources.sources)
+    inputs = sources.handles + (query, weight) + (() if partial is None else (partial,))
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        hidden = _FusedRead.apply(fused, state.buffer, state.grads, n, query, weight, state.eps, partial,
-                                  *state.handles)
-    else:
-        sources = list(buffer[:n].unbind(0))  # (B, T, D) views of the buffer
-        hidden = fused(query, sources if partial is None else [*sources, partial], weight, rms_eps=state.eps)
-    if router.rescale_output:  # softmax: uniform weights times the number of sources give the sum
-        hidden = hidden * float(n + (partial is not None))
-    return hidden, None
+        return _FusedRead.apply(fused, buffer, sources.grads, n, query, weight, eps, partial, *sources.handles)
+    slots = list(buffer[:n].unbind(0))  # (B, T, D) views of the buffer
+    return fused(query, slots if partial is None else [*slots, partial], weight, rms_eps=eps)
 
 
 class _FusedRead(torch.autograd.Function):

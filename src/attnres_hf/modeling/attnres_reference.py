@@ -4,18 +4,20 @@ the completed blocks, and inside a block its partial sum), with the common sourc
 routing tools lay the depth weights out on.
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py` and `depth_mixing.py`): imports only
-torch and its sibling `mixing_base.py`.
+torch and its siblings `mixing_base.py` and `ops_naive.py` (whose `attnres` is the reference read).
 """
 
 import torch
 
 from .mixing_base import RoutingMap, sublayer_name
+from .ops_naive import attnres
 
 
 def naive_attnres(
     sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference AttnRes router (paper Eq. 1-4), written for clarity; the spec the fast path is tested against.
+    """Reference AttnRes router (paper Eq. 1-4), written for clarity; the spec the fast path is tested against:
+    `ops_naive.attnres` over every source given (the partial sum, if any, last) in fp32.
 
     `alpha_i = softmax_i(query . RMSNorm(v_i))` (no `1/sqrt(d)`), `h = sum_i alpha_i v_i`, all in fp32.
 
@@ -28,11 +30,11 @@ def naive_attnres(
     Returns:
         `h` of shape `(batch, seq_len, hidden_size)` (fp32) and the depth weights `alpha` of shape
         `(batch, seq_len, n)` (fp32, rows sum to 1).
+
+    Raises:
+        ValueError: on no sources.
     """
-    values = torch.stack([v.float() for v in sources], dim=-2)  # (B, T, n, D)
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight.float()
-    weights = torch.softmax(keys @ query.float(), dim=-1)  # (B, T, n)
-    return (weights.unsqueeze(-1) * values).sum(-2), weights
+    return attnres([v.float() for v in sources], query.float(), key_norm_weight.float(), eps=eps)
 
 
 # ---------------------------------------------------------------------------------------------------------------

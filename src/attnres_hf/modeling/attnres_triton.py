@@ -42,6 +42,15 @@ def require_triton(config) -> None:
     _kernels()
 
 
+def check_device(device: torch.device) -> None:
+    """Raise `ValueError` for a device the kernels cannot run on: CUDA, or any device under Triton's interpreter
+    (`TRITON_INTERPRET=1` set before the kernels are first imported: `attnres_kernels.INTERPRETED`)."""
+    if not (device.type == "cuda" or _kernels().INTERPRETED):
+        raise ValueError(f"attnres_implementation='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's "
+                         f"interpreter, for tests), got {device.type} tensors; use attnres_implementation='torch' "
+                         f"on {device.type}")
+
+
 def serves(state) -> bool:
     """Whether this read goes to the kernels: not while tracing (`torch.compile` fuses the torch path; a Triton
     launch outside a custom op is a graph break); sources on CUDA, or on any device under Triton's interpreter
@@ -52,11 +61,7 @@ def serves(state) -> bool:
     """
     if torch.compiler.is_compiling() or state.buffer.is_meta:  # (meta tensors: shapes only, the torch path's)
         return False
-    if not (state.buffer.is_cuda or _kernels().INTERPRETED):
-        device = state.buffer.device.type
-        raise ValueError(f"attnres_implementation='triton' needs CUDA tensors (or TRITON_INTERPRET=1, Triton's "
-                         f"interpreter, for tests), got {device} tensors; use attnres_implementation='torch' on "
-                         f"{device}")
+    check_device(state.buffer.device)
     return True
 
 

@@ -2,12 +2,13 @@
 the ablation knobs of its Table 4): its depth state, the router module and the modules that hold the routers (the
 residual baseline's state is `mixing_base.ResidualState`).
 
-The router's pieces are siblings: the plain reference router and the sources of each router (`attnres_reference.py`),
-the source buffer and its autograd Functions (`attnres_buffer.py`), and two-phase block inference
-(`attnres_two_phase.py`, the paper's Algorithm 1), and fla's fused read on CUDA (`attnres_fla.py`).
+The router's pieces are siblings: the read's implementations with one signature and their registry (`ops.py`: the
+reference `ops_naive.py`, `ops_torch.py`, the Triton kernels' `ops_triton.py`, fla's `ops_fla.py`), the sources of
+each router (`attnres_reference.py`), the source buffer and its autograd Functions (`attnres_buffer.py`), and
+two-phase block inference (`attnres_two_phase.py`, the paper's Algorithm 1).
 
 Travels with checkpoints as remote code (a relative import of `depth_mixing.py`): imports only torch, transformers and
-its siblings `attnres_*.py`, `mixing_base.py` and `torch_internals.py`.
+its siblings `attnres_*.py`, `mixing_base.py`, `ops.py` and `torch_internals.py`.
 """
 
 from itertools import islice
@@ -18,17 +19,17 @@ from torch import nn
 
 from transformers import initialization as init
 
-from .attnres_buffer import (_SourceGrads, _SourceMix, _SourceScores, _as, _mix, _read_sources, _scores,
-                             _source_inverse_rms, _store)
-from .attnres_fla import fla_read, require_fla
+from .attnres_buffer import SourceBuffer, _SourceGrads, _as, _source_inverse_rms, _store
+from .attnres_fla import require_fla
 from .attnres_inference import close as close_source, direct as lean_direct, phase1 as lean_phase1
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
-                                _merge_partial, _merged_weights, _BlockRead, _PartialMerge, _two_phase_applies,
-                                rebuilder)
+                                _merged_weights, _BlockRead, _two_phase_applies, rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
                           routed_sublayers, stacked_norms)
+from .ops import get as ops_get
+from .ops_torch import merge as torch_merge, phase1 as torch_phase1
 from .torch_internals import functorch_active
 
 
@@ -84,7 +85,7 @@ class AttnResState(NamedTuple):
     handles: tuple = ()  # the autograd handles of the completed sources, read by the buffer's readers (`_store`)
     grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
     constants: _Constants | None = None  # made once per forward when every router is a plain `AttnResRouter`
-    implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`attnres_fla.py`)
+    implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`ops.get`)
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -121,8 +122,8 @@ class AttnResState(NamedTuple):
     @autocast_off(lambda self: self.sources[0].device.type)
     def _start_block(self) -> "AttnResState":
         """Phase 1 for the block starting at `self.sublayer`: every router of the block against the completed
-        sources, one product for the scores and one for the weighted sums (`Phase1`), with the query bank and
-        epsilon tensors the state made when it started (`_Constants`)."""
+        sources, one product for the scores and one for the weighted sums (`Phase1`; `ops_torch.phase1`, or the
+        Triton kernel), with the query bank and epsilon tensors the state made when it started (`_Constants`)."""
         # (no constants: no model given, or routers wrapped by another library, PEFT's modules_to_save: the direct
         # path, the same numbers)
         constants = self.constants
@@ -143,16 +144,14 @@ class AttnResState(NamedTuple):
             probs, lse, mixed = triton_phase1(self, queries, self.inv_rms if constants.key_norm else None)
             return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2), lse.unbind(-1),
                                                mixed.unbind(-2), bank, eps))
-        logits = _read_sources(_SourceScores, _scores, self, queries)  # (B, T, S, n)
-        if constants.key_norm:
-            logits = logits * self.inv_rms.unsqueeze(-2)
-        if constants.sigmoid:
-            probs, lse = torch.sigmoid(logits), None
-        else:
-            probs, lse = torch.softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
-        mixed = _read_sources(_SourceMix, _mix, self, _as(probs, self.buffer.dtype))
+        probs, lse, mixed = torch_phase1(self.source_buffer(), queries, key_norm=constants.key_norm, eps=self.eps,
+                                         sigmoid=constants.sigmoid, inv_rms=self.inv_rms)
         return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2),
                                            None if lse is None else lse.unbind(-1), mixed.unbind(-2), bank, eps))
+
+    def source_buffer(self) -> SourceBuffer:
+        """The completed sources as the ops read them (`ops.py`): the buffer, the sources and their autograd handles."""
+        return SourceBuffer(self.buffer, self.sources, self.handles, self.grads)
 
     def on_its_buffer(self) -> "AttnResState":
         """The state whose buffer accelerate's device hooks moved (a `device_map` over several devices calls `.to` on
@@ -320,6 +319,14 @@ class AttnResRouter(nn.Module):
         query = _as(self.query, torch.float32)
         return query if self._modules.get("key_norm") is None else self._fold_key_norm(query)
 
+    def _query_and_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pseudo-query and the key norm's weight as the ops take them (`ops.py`): the parameters themselves, or,
+        when a hook intercepts the key norm (`_fold_key_norm`), the query with the weight folded in and `None`."""
+        key_norm = self._modules.get("key_norm")
+        if key_norm is None or (_key_norm_reads_directly(key_norm) and not _global_pre_hooks()):
+            return self.query, None if key_norm is None else key_norm._parameters["weight"]
+        return key_norm(_as(self.query, torch.float32), normalize=False), None
+
     def _fold_key_norm(self, query: torch.Tensor) -> torch.Tensor:
         """`query * g`, fp32 `(..., D)`, `g` the key norm's weight: read in the key norm's forward
         (`AttnResRMSNorm.forward(normalize=False)`) when a hook intercepts it (accelerate's offload loads a module's
@@ -340,50 +347,20 @@ class AttnResRouter(nn.Module):
         weights = torch.sigmoid(logits) if self.score_fn == "sigmoid" else torch.softmax(logits, dim=-1)
         return weights, _as(weights * self._rescale(logits.shape[-1]) if self.rescale_output else weights, dtype)
 
-    def _partial_logit(self, partial: torch.Tensor, query: torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
-        """The partial block sum's logit `(B, T)` fp32 (`eps`: a float or a 0-dim tensor, see `inverse_rms`)."""
-        logit = _as(partial, torch.float32) @ query
-        return logit * inverse_rms(partial, eps) if self.key_norm is not None else logit
-
-    def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One router over the source buffer (views of it, no stacking) and the partial sum; fla's fused read on CUDA
-        with `attnres_implementation="fla"` (`attnres_fla.fla_read`)."""
-        if state.implementation == "fla" and (read := fla_read(self, state)) is not None:
-            return read
-        if state.implementation == "triton" and triton_serves(state):
-            return self._triton_direct(state)
+    def _direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One router over the source buffer (views of it, no stacking) and the partial sum: one call of the read of
+        `attnres_implementation` (`ops.get`; the torch one, the Triton kernels, fla's fused kernel), or the
+        fewest-calls read without autograd and depth weights (`_direct_lean`)."""
         if state.constants is not None and state.constants.layout is not None:
             return self._direct_lean(state)
-        partial, buffer, n = state.partial, state.buffer, len(state.sources)
-        query = self._folded_query()
-        logits = _read_sources(_SourceScores, _scores, state, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
-        if self.key_norm is not None:
-            logits = logits * state.inv_rms
-        if partial is not None:
-            logits = torch.cat([logits, self._partial_logit(partial, query, state.eps).unsqueeze(-1)], dim=-1)
-        weights, mix = self._weights(logits, buffer.dtype)
-        completed = mix if partial is None else mix.narrow(-1, 0, n)
-        hidden = _read_sources(_SourceMix, _mix, state, completed.unsqueeze(-2)).squeeze(-2)
-        if partial is not None:
-            hidden = hidden + mix.narrow(-1, n, 1) * partial
-        return hidden, weights
-
-    def _triton_direct(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_direct` by the two-phase kernels with one query (`attnres_implementation="triton"`): phase 1 over the
-        completed sources, then the merge of the partial sum."""
-        partial, count = state.partial, len(state.sources)
-        query = self._folded_query()
-        inv_rms = state.inv_rms if self.key_norm is not None else None
-        probs, lse, mixed = (t.squeeze(2) for t in triton_phase1(state, query.unsqueeze(0), inv_rms))
-        if partial is None:
-            hidden, weights = mixed, probs
-        else:
-            count += 1
-            hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, inv_rms is not None)
-            weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
-        if self.rescale_output:
-            hidden = hidden * self._rescale(count)
-        return hidden, weights
+        partial, key_norm = state.partial, self.key_norm is not None
+        query, weight = self._query_and_weight()
+        count = len(state.sources) + (partial is not None)
+        read = ops_get(state.implementation, state.buffer.device)
+        return read(state.source_buffer(), query, weight,
+                    partial=partial, key_norm=key_norm, eps=state.eps, sigmoid=self.score_fn == "sigmoid",
+                    output_scale=self._rescale(count) if self.rescale_output else 1.0,
+                    inv_rms=state.inv_rms if key_norm else None, return_weights=state.keep_weights)
 
     def _direct_lean(self, state: AttnResState) -> tuple[torch.Tensor, None]:
         """`_direct` in the fewest operator calls (`attnres_inference.direct`; no autograd, no depth weights): the
@@ -427,22 +404,20 @@ class AttnResRouter(nn.Module):
                     state.buffer, count, _as(probs, state.buffer.dtype).detach(), mixed)
         else:
             count += 1
-            lse = phase1.lse[j] if phase1.lse is not None else None
-            arguments = (partial, mixed, phase1.queries[j], lse, phase1.eps, self.key_norm is not None)
+            lse, query = phase1.lse[j] if phase1.lse is not None else None, phase1.queries[j]
+            key_norm, scale = self.key_norm is not None, self._rescale(count) if self.rescale_output else 1.0
             if state.implementation == "triton" and lse is not None and triton_serves(state):
-                hidden, logit = triton_merge(state, probs, partial, mixed, phase1.queries[j], lse, state.eps,
-                                             self.key_norm is not None)
-            elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments[:4]):
-                # phase 1's, for backward to recompute `mixed` (detached: their gradient flows through `mixed`, and
-                # compiled autograd fails on the `None` gradient of an input that requires one)
-                mix_weights = _as(probs, state.buffer.dtype).detach()
-                hidden, logit = _PartialMerge.apply(state.buffer, len(state.sources), mix_weights, *arguments)
-            elif not state.keep_weights:  # inference: the output alone
-                norm_eps = state.constants.norm_eps if self.key_norm is not None else None
-                hidden = _merge_inference(partial, mixed, phase1.queries[j], lse, norm_eps)
-            else:
-                hidden, logit = _merge_partial(*arguments)[:2]
-            weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
+                hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, key_norm)
+                weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
+            elif state.keep_weights or (torch.is_grad_enabled() and any(
+                    t is not None and t.requires_grad for t in (partial, mixed, query, lse))):
+                # (with gradients `_PartialMerge`, which recomputes `mixed` from the sources in backward)
+                return torch_merge(probs, lse, mixed, partial, query, key_norm=key_norm, eps=phase1.eps,
+                                   output_scale=scale, return_weights=state.keep_weights,
+                                   sources=state.source_buffer())
+            else:  # inference: the output alone
+                hidden, weights = _merge_inference(partial, mixed, query, lse,
+                                                   state.constants.norm_eps if key_norm else None), None
         if self.rescale_output:
             hidden = hidden * self._rescale(count)
         return hidden, weights
