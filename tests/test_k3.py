@@ -438,7 +438,7 @@ def test_a_fine_tuned_mxfp4_expert_is_refused_by_name_or_exported_unquantized(k3
 
 @pytest.mark.parametrize("declared, match", [
     ({"quant_method": "fp8", "fmt": "e4m3"}, "is not compressed-tensors' mxfp4-pack-quantized"),
-    ("group_size 16", "group_size 16"), ([1], "must be an object")])
+    ("group_size 16", "group_size 16"), ([1], "must be an object"), ("groups [1]", "config_groups must be an object")])
 def test_a_recorded_quantization_config_that_is_not_k3s_mxfp4_is_refused_before_writing(k3_mxfp4_converted, tmp_path,
                                                                                          declared, match):
     """conversion_report.json's recorded quantization_config (edited: another format, MXFP4 in other blocks than
@@ -451,6 +451,8 @@ def test_a_recorded_quantization_config_that_is_not_k3s_mxfp4_is_refused_before_
     if declared == "group_size 16":
         declared = copy.deepcopy(recorded["source"]["k3_quantization_config"])
         declared["config_groups"]["group_0"]["weights"]["group_size"] = 16
+    elif declared == "groups [1]":
+        declared = recorded["source"]["k3_quantization_config"] | {"config_groups": [1]}
     recorded["source"]["k3_quantization_config"] = recorded["source"]["k3_text_config"]["quantization_config"] = declared
     (tmp_path / "model" / "conversion_report.json").write_text(json.dumps(recorded))
     for stream in (False, True):

@@ -93,8 +93,11 @@ def check_mxfp4_quantization(declared, where) -> dict:
     line naming `where` (the file it came from)."""
     if not isinstance(declared, dict):
         raise UnsupportedSourceError(f"{where}: quantization_config must be an object, got {type(declared).__name__}")
-    groups = declared.get("config_groups")
-    groups = [group for group in (groups.values() if isinstance(groups, dict) else []) if isinstance(group, dict)]
+    groups = declared.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(group, dict) for group in groups.values()):
+        raise UnsupportedSourceError(f"{where}: quantization_config's config_groups must be an object of objects, got "
+                                     f"{json.dumps(groups)[:80]}")
+    groups = list(groups.values())
     formats = {declared.get("format")} | {group.get("format") for group in groups}
     if declared.get("quant_method") != "compressed-tensors" or formats - {None} != {MXFP4_FORMAT}:
         raise UnsupportedSourceError(f"{where}: quantization_config is not compressed-tensors' "
