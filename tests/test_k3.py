@@ -1047,6 +1047,19 @@ def test_a_fine_tuned_k3_model_exports_the_original_text_config(k3_converted, tm
     assert report["k3_text_config_source"].startswith("the K3 checkpoint's own")
 
 
+def test_an_edited_recorded_text_config_k3_cannot_read_is_not_the_export_config(k3_converted, tmp_path):
+    """A recorded K3 text config (conversion_report.json) whose block size K3 cannot read (edited) does not describe
+    the model: the export derives the config from the model's, as for any other architecture, instead of refusing
+    the model for the record's value."""
+    _, _, out, _ = k3_converted
+    shutil.copytree(out, tmp_path / "model")
+    recorded = json.loads((out / "conversion_report.json").read_text())
+    recorded["source"]["k3_text_config"]["attn_res_block_size"] = "x"
+    (tmp_path / "model" / "conversion_report.json").write_text(json.dumps(recorded))
+    report = export(tmp_path / "model", tmp_path / "k3", to="k3-layout")
+    assert report["k3_text_config_source"].startswith("derived") and report["k3_text_config"]["attn_res_block_size"] == 2
+
+
 def test_k3s_fp32_tensors_stay_fp32_in_a_bf16_model(k3_converted):
     """Loaded in bfloat16, the tensors K3 keeps in fp32 inside its bf16 checkpoint (KDA's convolutions, `A_log`,
     `dt_bias`, the gated output norm, the experts' score-correction bias) stay fp32, as do the depth routers; the

@@ -244,7 +244,10 @@ def _k3_text_config(model_dir: Path, fields: dict) -> dict:
         return backbone_from_k3({k: v for k, v in text.items() if k != "use_cache"})[0], k3_block_size(
             text.get("attn_res_block_size"))
 
-    same = architecture(original) == architecture(fields)
+    try:
+        same = architecture(original) == architecture(fields)
+    except (ValueError, TypeError):  # a record K3 cannot read (edited) does not describe this model
+        return fields
     return {k: v for k, v in original.items() if k != "quantization_config"} if same else fields
 
 
