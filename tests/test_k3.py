@@ -436,6 +436,32 @@ def test_a_fine_tuned_mxfp4_expert_is_refused_by_name_or_exported_unquantized(k3
         export(out, tmp_path / "x", to="k3-layout", experts="bf16")
 
 
+@pytest.mark.parametrize("declared, match", [
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "is not compressed-tensors' mxfp4-pack-quantized"),
+    ("group_size 16", "group_size 16"), ([1], "must be an object"), ("groups [1]", "config_groups must be an object")])
+def test_a_recorded_quantization_config_that_is_not_k3s_mxfp4_is_refused_before_writing(k3_mxfp4_converted, tmp_path,
+                                                                                         declared, match):
+    """conversion_report.json's recorded quantization_config (edited: another format, MXFP4 in other blocks than
+    the 32 the experts are encoded in, not an object) is refused in one line naming that file before anything is
+    encoded or written: not written under it (a config that misdescribes the experts) nor refused from the staging
+    folder's name."""
+    folder, out = k3_mxfp4_converted
+    shutil.copytree(out, tmp_path / "model")
+    recorded = json.loads((out / "conversion_report.json").read_text())
+    if declared == "group_size 16":
+        declared = copy.deepcopy(recorded["source"]["k3_quantization_config"])
+        declared["config_groups"]["group_0"]["weights"]["group_size"] = 16
+    elif declared == "groups [1]":
+        declared = recorded["source"]["k3_quantization_config"] | {"config_groups": [1]}
+    recorded["source"]["k3_quantization_config"] = recorded["source"]["k3_text_config"]["quantization_config"] = declared
+    (tmp_path / "model" / "conversion_report.json").write_text(json.dumps(recorded))
+    for stream in (False, True):
+        with pytest.raises(ValueError, match=f"^{tmp_path / 'model' / 'conversion_report.json'}: .*{match}") as error:
+            export(tmp_path / "model", tmp_path / "out", to="k3-layout", stream=stream)
+        assert "\n" not in str(error.value) and ".tmp-" not in str(error.value)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
 def test_mxfp4_blocks_values_cannot_tell_decode_to_the_same_values():
     """`encode_mxfp4` of decoded MXFP4: compressed-tensors' own blocks (made from bf16 weights, -0 codes included)
     come back byte for byte; a block whose scale is larger than compressed-tensors picks for its values (all zero
@@ -622,10 +648,15 @@ def test_a_non_zero_a_log_padding_is_refused_before_the_model_is_built(tmp_path,
      "no quantization_config declares them"),
     (lambda f: _edit_config(f, text={"quantization_config": DELETE}, top={"quantization_config": {
         "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}), "nvfp4-pack-quantized"),
-], ids=["packed-without-scale", "undeclared", "nvfp4"])
+    (lambda f: _edit_config(f, text={"quantization_config": DELETE}, top={"quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {
+            "format": "mxfp4-pack-quantized", "weights": {"group_size": 16, "num_bits": 4, "type": "float"}}}}}),
+     "MXFP4 other than K3's experts' (group_size 16;"),
+], ids=["packed-without-scale", "undeclared", "nvfp4", "mxfp4-group-16"])
 def test_bad_mxfp4_checkpoints_are_refused(tmp_path, capsys, no_loading, damage, match):
     """An MXFP4 packed tensor without its scale, packed tensors no quantization_config declares, or another
-    compressed-tensors format: one line before loading, nothing written."""
+    compressed-tensors format, or MXFP4 in other blocks than K3's 32-input ones: one line before loading, nothing
+    written."""
     write_k3_checkpoint(tmp_path / "k3", tiny_k3_text_config(**MXFP4_OVERRIDES), seed=0, mxfp4_experts=True)
     damage(tmp_path / "k3")
     no_loading()
@@ -1014,6 +1045,19 @@ def test_a_fine_tuned_k3_model_exports_the_original_text_config(k3_converted, tm
     assert written == text_config_of(folder) | {"dtype": "float32"}
     report = json.loads((tmp_path / "k3" / "export_report.json").read_text())
     assert report["k3_text_config_source"].startswith("the K3 checkpoint's own")
+
+
+def test_an_edited_recorded_text_config_k3_cannot_read_is_not_the_export_config(k3_converted, tmp_path):
+    """A recorded K3 text config (conversion_report.json) whose block size K3 cannot read (edited) does not describe
+    the model: the export derives the config from the model's, as for any other architecture, instead of refusing
+    the model for the record's value."""
+    _, _, out, _ = k3_converted
+    shutil.copytree(out, tmp_path / "model")
+    recorded = json.loads((out / "conversion_report.json").read_text())
+    recorded["source"]["k3_text_config"]["attn_res_block_size"] = "x"
+    (tmp_path / "model" / "conversion_report.json").write_text(json.dumps(recorded))
+    report = export(tmp_path / "model", tmp_path / "k3", to="k3-layout")
+    assert report["k3_text_config_source"].startswith("derived") and report["k3_text_config"]["attn_res_block_size"] == 2
 
 
 def test_k3s_fp32_tensors_stay_fp32_in_a_bf16_model(k3_converted):

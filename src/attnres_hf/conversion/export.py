@@ -244,7 +244,10 @@ def _k3_text_config(model_dir: Path, fields: dict) -> dict:
         return backbone_from_k3({k: v for k, v in text.items() if k != "use_cache"})[0], k3_block_size(
             text.get("attn_res_block_size"))
 
-    same = architecture(original) == architecture(fields)
+    try:
+        same = architecture(original) == architecture(fields)
+    except (ValueError, TypeError):  # a record K3 cannot read (edited) does not describe this model
+        return fields
     return {k: v for k, v in original.items() if k != "quantization_config"} if same else fields
 
 
@@ -253,7 +256,8 @@ def _k3_experts(model_dir: Path, experts: str | None) -> tuple[dict | None, dict
     them under (the K3 checkpoint's own, from `conversion_report.json`; `None`: unquantised), and the report's record.
 
     Raises:
-        ValueError: `experts="mxfp4"` for a folder whose experts were not imported from MXFP4 (no config to write).
+        ValueError: `experts="mxfp4"` for a folder whose experts were not imported from MXFP4 (no config to write);
+            a recorded `quantization_config` that is not K3's MXFP4 (`k3_source.check_mxfp4_quantization`: edited).
         ImportError: MXFP4 experts without compressed-tensors.
     """
     try:
@@ -265,7 +269,11 @@ def _k3_experts(model_dir: Path, experts: str | None) -> tuple[dict | None, dict
         mxfp4, declared = False, None
     if experts == "unquantized":
         return None, {"format": "unquantized", "why": "requested (experts='unquantized'): .weight, values unchanged"}
-    if not isinstance(declared, dict):
+    if declared is not None:  # as the import checked it (an edited record is refused before anything is written)
+        from .k3_source import check_mxfp4_quantization
+
+        check_mxfp4_quantization(declared, model_dir / "conversion_report.json")
+    else:
         why = ("imported from MXFP4 experts, but conversion_report.json records no quantization_config (converted "
                "before attnres-hf recorded it: convert the K3 checkpoint again to export MXFP4)" if mxfp4 else
                "not imported from MXFP4 experts (conversion_report.json)")

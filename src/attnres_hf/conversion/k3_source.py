@@ -39,6 +39,8 @@ K3_ONLY_FIELDS = ("attn_res_block_size", "activation_situ_beta", "activation_sit
 """Text-config fields K3 has and Kimi Linear's does not: a `kimi_linear` config with one of them is K3's."""
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
+MXFP4_ARGS = {"group_size": 32, "num_bits": 4, "type": "float"}
+"""The MXFP4 weight arguments K3's experts are read and written with (`mxfp4.GROUP_SIZE`-input blocks)."""
 _PACKED, _SCALE = ".weight_packed", ".weight_scale"
 
 
@@ -85,23 +87,37 @@ def is_k3_folder(source) -> bool:
         or isinstance(linear, dict) and bool({"use_full_rank_gate", "gate_lower_bound"} & set(linear)))
 
 
+def check_mxfp4_quantization(declared, where) -> dict:
+    """`declared` (a `quantization_config`) when it is compressed-tensors' `mxfp4-pack-quantized` in the blocks K3's
+    experts are read and written in (`group_size` 32, 4-bit floats, where it says); else `UnsupportedSourceError`, one
+    line naming `where` (the file it came from)."""
+    if not isinstance(declared, dict):
+        raise UnsupportedSourceError(f"{where}: quantization_config must be an object, got {type(declared).__name__}")
+    groups = declared.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(group, dict) for group in groups.values()):
+        raise UnsupportedSourceError(f"{where}: quantization_config's config_groups must be an object of objects, got "
+                                     f"{json.dumps(groups)[:80]}")
+    groups = list(groups.values())
+    formats = {declared.get("format")} | {group.get("format") for group in groups}
+    if declared.get("quant_method") != "compressed-tensors" or formats - {None} != {MXFP4_FORMAT}:
+        raise UnsupportedSourceError(f"{where}: quantization_config is not compressed-tensors' "
+                                     f"{MXFP4_FORMAT} (K3's MXFP4 experts), the only quantization read here: "
+                                     f"quant_method {declared.get('quant_method')!r}, format {sorted(map(str, formats))}")
+    weights = [group["weights"] for group in groups if isinstance(group.get("weights"), dict)]
+    other = sorted({f"{key} {args[key]!r}" for args in weights for key, value in MXFP4_ARGS.items()
+                    if key in args and args[key] != value})
+    if other:
+        raise UnsupportedSourceError(f"{where}: quantization_config declares MXFP4 other than K3's experts' "
+                                     f"({', '.join(other)}; read and written here: "
+                                     f"{', '.join(f'{k} {v!r}' for k, v in MXFP4_ARGS.items())})")
+    return declared
+
+
 def _quantization(source_fields: dict, text: dict, folder: Path) -> dict | None:
     """The config's `quantization_config` when it declares MXFP4 experts, else `None`; raises
     `UnsupportedSourceError` for any other quantization."""
     declared = text.get("quantization_config") or source_fields.get("quantization_config")
-    if declared is None:
-        return None
-    if not isinstance(declared, dict):
-        raise UnsupportedSourceError(f"{folder / 'config.json'}: quantization_config must be an object, got "
-                                     f"{type(declared).__name__}")
-    groups = declared.get("config_groups", {})
-    formats = {declared.get("format")} | {group.get("format") for group in (groups or {}).values()
-                                          if isinstance(group, dict)}
-    if declared.get("quant_method") != "compressed-tensors" or formats - {None} != {MXFP4_FORMAT}:
-        raise UnsupportedSourceError(f"{folder / 'config.json'}: quantization_config is not compressed-tensors' "
-                                     f"{MXFP4_FORMAT} (K3's MXFP4 experts), the only quantization read here: "
-                                     f"quant_method {declared.get('quant_method')!r}, format {sorted(map(str, formats))}")
-    return declared
+    return None if declared is None else check_mxfp4_quantization(declared, folder / "config.json")
 
 
 def k3_source(folder: str | os.PathLike) -> K3Source:
@@ -406,6 +422,6 @@ class K3StreamSource(Source):
         return {name: kept for name, kept in stored.items() if kept == torch.float32}
 
 
-__all__ = ["K3Model", "K3Source", "K3StreamSource", "K3_ONLY_FIELDS", "MXFP4_FORMAT", "PREFIXES",
-           "check_compressed_tensors", "check_k3_tensors", "is_family_folder", "is_k3_folder", "k3_source",
-           "read_k3_tensors", "verify_k3_tensors"]
+__all__ = ["K3Model", "K3Source", "K3StreamSource", "K3_ONLY_FIELDS", "MXFP4_ARGS", "MXFP4_FORMAT", "PREFIXES",
+           "check_compressed_tensors", "check_k3_tensors", "check_mxfp4_quantization", "is_family_folder",
+           "is_k3_folder", "k3_source", "read_k3_tensors", "verify_k3_tensors"]
