@@ -260,34 +260,3 @@ def test_transformers_serve_with_remote_code_alone_still_fails(chat_model_dir, t
         pytest.fail("transformers serve started with remote code alone: the README's upstream limit is gone")
     assert result.returncode != 0
     assert "has no attribute AttnResForCausalLM" in result.stderr + result.stdout
-
-
-def test_stopping_the_server_stops_continuous_batching_mid_request():
-    """Once the server has stopped (a forced quit included: a second Ctrl+C with a request still generating),
-    `_stop_generation_workers` stops the continuous-batching worker at once: what it still generates has no one to
-    answer. transformers' own shutdown flushes first (finishes every pending request), gives up joining after 2 s,
-    and the worker is a non-daemon thread, so the process outlived the server until the request was done."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.cli.serving.utils import GenerationState
-
-    from attnres_hf.serving import _stop_generation_workers
-
-    # a small paged cache: the default one takes ~15 s to allocate on a CPU
-    state = GenerationState(continuous_batching=True, cb_config=ContinuousBatchingConfig(num_blocks=16,
-                                                                                         max_batch_tokens=64))
-    manager = state.get_manager("tiny", use_cb=True)
-    manager.init_cb(tiny_model(seed=3), GenerationConfig(max_new_tokens=100_000, eos_token_id=None, do_sample=False))
-    worker = manager._cb
-    worker.add_request([1, 2, 3], request_id="long", max_new_tokens=100_000)
-    thread = worker._generation_thread
-    try:
-        deadline = time.monotonic() + 10
-        while getattr(worker, "current_batch", 0) < 2:  # generating
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.01)
-        started = time.monotonic()
-        _stop_generation_workers()
-        thread.join(timeout=10)
-        assert not thread.is_alive() and time.monotonic() - started < 1.0  # not shutdown's 2 s join timeout
-    finally:
-        worker.stop(block=True, timeout=10, hard_stop=True)  # a failure leaves no worker running

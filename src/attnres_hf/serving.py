@@ -91,17 +91,9 @@ def _stop_generation_workers() -> None:
     import gc
 
     from transformers.cli.serving.utils import GenerationState
-    from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus
 
     # (`type(obj) is`, not `isinstance`: that reads `__class__`, which makes lazy proxies such as openai's import)
     for state in [obj for obj in gc.get_objects() if type(obj) is GenerationState]:
-        # The server has stopped, so what the worker still generates (requests a forced quit, a second Ctrl+C, left)
-        # has no one to answer: stopped at once. `shutdown` alone flushes (finishes every pending request), gives up
-        # joining after 2 s, and the non-daemon worker kept the process alive until the last request was done.
-        worker = getattr(getattr(state, "_cb_manager", None), "_cb", None)
-        if worker is not None:
-            worker.background_thread_status.request_stop(BackgroundThreadStatus.HARD_STOP,
-                                                         worker.distributed_helper.global_rank)
         state.shutdown()
 
 
