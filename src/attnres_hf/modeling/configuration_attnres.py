@@ -15,6 +15,7 @@ that family's config from them.
 Travels with checkpoints as remote code (`auto_map`): imports only `transformers` and its siblings.
 """
 
+import contextlib
 import functools
 import math
 import re
@@ -48,140 +49,29 @@ def default_attnres_block_size(num_hidden_layers: int, num_blocks: int = 8) -> i
     return max(2, 2 * round(num_hidden_layers / num_blocks))
 
 
-def _raise_value_errors(method):
+@contextlib.contextmanager
+def _one_line_value_errors():
     """Re-raise `@strict`'s validation errors as one-line `ValueError`s naming the field and the rule (the type users
     and the tests rely on), e.g. `attnres_num_heads must be greater or equal to 1, got 0.`"""
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except StrictDataclassError as error:
-            cause = error.__cause__ if error.__cause__ is not None else error
-            field = re.match(r"Validation error for field '(\w+)'", str(error))
-            message = str(cause)
-            union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
-            if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
-                types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
-                message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
-            elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
-                message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
-                message = message.replace("must be must be", "must be")
-            raise ValueError(" ".join(message.split())) from None
-
-    return wrapper
+    try:
+        yield
+    except StrictDataclassError as error:
+        cause = error.__cause__ if error.__cause__ is not None else error
+        field = re.match(r"Validation error for field '(\w+)'", str(error))
+        message = str(cause)
+        union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
+        if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
+            types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
+            message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
+        elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
+            message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
+            message = message.replace("must be must be", "must be")
+        raise ValueError(" ".join(message.split())) from None
 
 
-def _value_errors(cls):
-    """Class decorator (outside `@strict`): `__init__` and `__setattr__` raise `@strict`'s validation errors as
-    one-line `ValueError`s (`_raise_value_errors`), so assignments after construction are reported as the
-    constructor's are."""
-    cls.__init__ = _raise_value_errors(cls.__init__)
-    cls.__setattr__ = _raise_value_errors(cls.__setattr__)
-    return cls
-
-
-@_value_errors
 @strict
-class AttnResConfig(PreTrainedConfig):
-    r"""
-    Configuration of [`AttnResModel`] and [`AttnResForCausalLM`]: a pre-norm decoder of a transformers family
-    (Llama, Mistral, Qwen2/3, SmolLM3, Granite, Phi-3, Gemma2/3, ...; `backbones.BACKBONES`) with Attention Residuals
-    (Kimi Team, "Attention Residuals", arXiv:2603.15031, 2026) or another depth-mixing method.
-
-    Args:
-        backbone (`PreTrainedConfig`, `dict` or `str`, *optional*):
-            The backbone family's own config (`LlamaConfig(...)`), its dict (with `model_type`), or a `model_type`
-            whose config is built from the flat backbone keyword arguments (`backbone="gemma2", hidden_size=...`).
-            `None`: a flat (pre-backbone) AttnRes config, see the module docstring. Its fields read through this
-            config (`config.hidden_size`), and assignments to them go to it.
-        depth_mixing (`str`, defaults to `"attnres"`):
-            How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
-            to the backbone family's model), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6); the rest of the
-            family: `"delta_attnres"` (Delta AttnRes: the residual stream kept, AttnRes's read added to each
-            sub-layer input through a zero-initialised gate; Full or Block by `attnres_block_size`, AttnRes's
-            default knobs only), `"denseformer"` (Depth-Weighted Averages), `"muddformer"` (multiway dynamic dense connections),
-            `"dca"` (DeepCrossAttention, GRN-v3 on the q/k/v inputs) and `"mhc"` (manifold-constrained
-            hyper-connections). Each starts (at initialisation and after `retrofit`) as the residual model; see the
-            `mixing_*.py` modules for the equations.
-        attnres_block_size (`int`, *optional*):
-            Sub-layers per block (the paper's `S`; also Delta AttnRes's). `1` is Full AttnRes (every sub-layer output is a source);
-            otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
-            (see `default_attnres_block_size`). The last block may be partial.
-        attnres_rescale_output (`bool`, defaults to `False`):
-            Multiply each router's output by its number of sources. Every reader of the routed state is an
-            RMSNorm, which is scale-invariant up to `rms_norm_eps`, so this changes only the `eps` effect; with
-            zero pseudo-queries it makes the router output equal the residual *sum*, so a model retrofitted from
-            its source family reproduces its logits to float noise. `False` is the paper's formulation (the mean). With
-            `attnres_score_fn="sigmoid"` the factor is 2 (`sigmoid(0) = 1/2`), which has the same effect.
-
-        attnres_score_fn (`str`, defaults to `"softmax"`):
-            The first of the AttnRes ablation knobs (the paper's Table 4; `depth_mixing="attnres"` only; every default
-            is the paper's AttnRes). `"softmax"` over depth (Eq. 2) or `"sigmoid"`: each source weighted by
-            `sigmoid(w . k_i)`, unnormalised.
-        attnres_key_norm (`bool`, defaults to `True`):
-            RMSNorm the keys (Eq. 3). `False` scores the raw sources, `w . v_i`; the router then has no `key_norm`.
-        attnres_window (`int`, *optional*):
-            Sliding window over depth: each router, the final one before the head included, sees the embedding plus
-            only the `W` most recent other sources (completed sources and the current block's partial sum; with
-            Full AttnRes the `W` most recent sub-layer outputs). Drops sources, so no initialisation reproduces
-            the residual model and `retrofit` refuses it. The windowed final router is what makes the variant train
-            behind the baseline at small scale (docs/science.md, `benchmarks/sliding_window.py`).
-        attnres_query (`str`, defaults to `"static"`):
-            `"static"`: the learned pseudo-query `w_l`. `"input_dependent"`: `w_l + W_l RMSNorm(v_last)`, a projection
-            of the most recent source (a `(hidden_size, hidden_size)` parameter `query_proj`, zero-initialised).
-        attnres_num_heads (`int`, defaults to 1):
-            Per-head depth weights: the hidden axis is split into `H` slices, each with its own slice of the query and
-            its own softmax over depth (keys RMS-normalised over the whole vector). Must divide `hidden_size`.
-        attnres_scalar_weights (`bool`, defaults to `False`):
-            Input-independent weights: the score of source `i` is a learned scalar `s_{i->l}` (parameter `logits`,
-            zero-initialised) instead of `w_l . RMSNorm(v_i)`. No query and no key norm.
-        attnres_implementation (`str`, defaults to `"torch"`):
-            Who computes the router reads: `"torch"`; `"fla"`, flash-linear-attention's fused Triton kernel for the
-            direct reads (Full AttnRes, the final router; `pip install "attnres-hf[fla]"`), the default knobs only
-            (softmax, key norm, static query, one head, no window, no scalar weights), reads that return depth
-            weights and the two-phase Block reads staying on torch; or `"triton"`, this library's fused kernels of
-            two-phase inference (phase 1 and the merge, forward and backward; `attnres_triton.py`) for every read,
-            with or without the key norm (softmax, static query, one head, no window, no scalar weights; `pip
-            install "attnres-hf[triton]"`). Both kernels need CUDA tensors (others raise at the forward; Triton's
-            interpreter, `TRITON_INTERPRET=1`, runs `"triton"` on CPU for tests), compute the torch path's numbers up
-            to rounding, and leave reads under `torch.compile` to torch. Settable like `attn_implementation`:
-            `from_pretrained(path, attnres_implementation="triton")`.
-
-        denseformer_dilation (`int`, defaults to 1):
-            DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024): the DWA after layer `i`
-            averages only the states `j` with `j = i + 1 (mod k)` (the paper's `k`).
-        denseformer_period (`int`, defaults to 1):
-            A DWA module after every `p`-th layer only (the paper's `p`); the other layers pass their output on.
-
-        mhc_num_streams (`int`, defaults to 4):
-            mHC (`depth_mixing="mhc"`; Xie et al., DeepSeek-AI, arXiv 2512.24880): the number `n >= 2` of parallel
-            residual streams (the expansion rate).
-        mhc_sinkhorn_iterations (`int`, defaults to 20):
-            Sinkhorn-Knopp iterations that make the stream-mixing matrix doubly stochastic (the paper's `t_max`).
-
-    Raises:
-        ValueError: on an unknown `depth_mixing`, a knob set for another method (e.g. `mhc_num_streams` with
-            `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys;
-            `attnres_implementation="fla"` and `"triton"` compute only the knobs they name), an invalid knob value, a block size that
-            is neither 1 nor a positive even number, an unsupported backbone family (or a setting of it an adapter
-            refuses, naming why), a flat config no family expresses, and on backbone rules: more key/value heads than
-            attention heads or heads that do not divide, a `head_dim`-less config whose `hidden_size` is not a
-            multiple of the head count, an odd or non-positive `head_dim`, an unknown activation or `rope_type`, a
-            non-positive `sliding_window`, or `layer_types` of the wrong length.
-
-    Example:
-
-    ```python
-    >>> from transformers import Qwen3Config
-    >>> from attnres_hf import AttnResConfig, AttnResForCausalLM
-    >>> backbone = Qwen3Config(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-    ...                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    >>> model = AttnResForCausalLM(AttnResConfig(backbone=backbone, attnres_block_size=2))
-    >>> flat = AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-    ...                      num_attention_heads=4, num_key_value_heads=2)  # a Llama backbone
-    ```
-    """
+class _AttnResConfigFields(PreTrainedConfig):
+    """`AttnResConfig`'s fields, checked by `@strict`, and its rules (documented there)."""
 
     model_type = "attnres"
     keys_to_ignore_at_inference = ["cache"]
@@ -299,6 +189,117 @@ class AttnResConfig(PreTrainedConfig):
         """Number of blocks `N` of Block AttnRes (the last one may be partial); `2 L` for Full AttnRes."""
         return -(-self.num_sublayers // self.attnres_block_size)
 
+
+
+class AttnResConfig(_AttnResConfigFields):
+    r"""
+    Configuration of [`AttnResModel`] and [`AttnResForCausalLM`]: a pre-norm decoder of a transformers family
+    (Llama, Mistral, Qwen2/3, SmolLM3, Granite, Phi-3, Gemma2/3, ...; `backbones.BACKBONES`) with Attention Residuals
+    (Kimi Team, "Attention Residuals", arXiv:2603.15031, 2026) or another depth-mixing method.
+
+    Args:
+        backbone (`PreTrainedConfig`, `dict` or `str`, *optional*):
+            The backbone family's own config (`LlamaConfig(...)`), its dict (with `model_type`), or a `model_type`
+            whose config is built from the flat backbone keyword arguments (`backbone="gemma2", hidden_size=...`).
+            `None`: a flat (pre-backbone) AttnRes config, see the module docstring. Its fields read through this
+            config (`config.hidden_size`), and assignments to them go to it.
+        depth_mixing (`str`, defaults to `"attnres"`):
+            How sub-layers read the depth stream: `"residual"` is the standard residual (the baseline, identical
+            to the backbone family's model), `"attnres"` is Full or Block Attention Residuals (paper Eq. 1-4 and 6); the rest of the
+            family: `"delta_attnres"` (Delta AttnRes: the residual stream kept, AttnRes's read added to each
+            sub-layer input through a zero-initialised gate; Full or Block by `attnres_block_size`, AttnRes's
+            default knobs only), `"denseformer"` (Depth-Weighted Averages), `"muddformer"` (multiway dynamic dense connections),
+            `"dca"` (DeepCrossAttention, GRN-v3 on the q/k/v inputs) and `"mhc"` (manifold-constrained
+            hyper-connections). Each starts (at initialisation and after `retrofit`) as the residual model; see the
+            `mixing_*.py` modules for the equations.
+        attnres_block_size (`int`, *optional*):
+            Sub-layers per block (the paper's `S`; also Delta AttnRes's). `1` is Full AttnRes (every sub-layer output is a source);
+            otherwise an even number so that blocks start at an attention sub-layer. Defaults to about 8 blocks
+            (see `default_attnres_block_size`). The last block may be partial.
+        attnres_rescale_output (`bool`, defaults to `False`):
+            Multiply each router's output by its number of sources. Every reader of the routed state is an
+            RMSNorm, which is scale-invariant up to `rms_norm_eps`, so this changes only the `eps` effect; with
+            zero pseudo-queries it makes the router output equal the residual *sum*, so a model retrofitted from
+            its source family reproduces its logits to float noise. `False` is the paper's formulation (the mean). With
+            `attnres_score_fn="sigmoid"` the factor is 2 (`sigmoid(0) = 1/2`), which has the same effect.
+
+        attnres_score_fn (`str`, defaults to `"softmax"`):
+            The first of the AttnRes ablation knobs (the paper's Table 4; `depth_mixing="attnres"` only; every default
+            is the paper's AttnRes). `"softmax"` over depth (Eq. 2) or `"sigmoid"`: each source weighted by
+            `sigmoid(w . k_i)`, unnormalised.
+        attnres_key_norm (`bool`, defaults to `True`):
+            RMSNorm the keys (Eq. 3). `False` scores the raw sources, `w . v_i`; the router then has no `key_norm`.
+        attnres_window (`int`, *optional*):
+            Sliding window over depth: each router, the final one before the head included, sees the embedding plus
+            only the `W` most recent other sources (completed sources and the current block's partial sum; with
+            Full AttnRes the `W` most recent sub-layer outputs). Drops sources, so no initialisation reproduces
+            the residual model and `retrofit` refuses it. The windowed final router is what makes the variant train
+            behind the baseline at small scale (docs/science.md, `benchmarks/sliding_window.py`).
+        attnres_query (`str`, defaults to `"static"`):
+            `"static"`: the learned pseudo-query `w_l`. `"input_dependent"`: `w_l + W_l RMSNorm(v_last)`, a projection
+            of the most recent source (a `(hidden_size, hidden_size)` parameter `query_proj`, zero-initialised).
+        attnres_num_heads (`int`, defaults to 1):
+            Per-head depth weights: the hidden axis is split into `H` slices, each with its own slice of the query and
+            its own softmax over depth (keys RMS-normalised over the whole vector). Must divide `hidden_size`.
+        attnres_scalar_weights (`bool`, defaults to `False`):
+            Input-independent weights: the score of source `i` is a learned scalar `s_{i->l}` (parameter `logits`,
+            zero-initialised) instead of `w_l . RMSNorm(v_i)`. No query and no key norm.
+        attnres_implementation (`str`, defaults to `"torch"`):
+            Who computes the router reads: `"torch"`; `"fla"`, flash-linear-attention's fused Triton kernel for the
+            direct reads (Full AttnRes, the final router; `pip install "attnres-hf[fla]"`), the default knobs only
+            (softmax, key norm, static query, one head, no window, no scalar weights), reads that return depth
+            weights and the two-phase Block reads staying on torch; or `"triton"`, this library's fused kernels of
+            two-phase inference (phase 1 and the merge, forward and backward; `attnres_triton.py`) for every read,
+            with or without the key norm (softmax, static query, one head, no window, no scalar weights; `pip
+            install "attnres-hf[triton]"`). Both kernels need CUDA tensors (others raise at the forward; Triton's
+            interpreter, `TRITON_INTERPRET=1`, runs `"triton"` on CPU for tests), compute the torch path's numbers up
+            to rounding, and leave reads under `torch.compile` to torch. Settable like `attn_implementation`:
+            `from_pretrained(path, attnres_implementation="triton")`.
+
+        denseformer_dilation (`int`, defaults to 1):
+            DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024): the DWA after layer `i`
+            averages only the states `j` with `j = i + 1 (mod k)` (the paper's `k`).
+        denseformer_period (`int`, defaults to 1):
+            A DWA module after every `p`-th layer only (the paper's `p`); the other layers pass their output on.
+
+        mhc_num_streams (`int`, defaults to 4):
+            mHC (`depth_mixing="mhc"`; Xie et al., DeepSeek-AI, arXiv 2512.24880): the number `n >= 2` of parallel
+            residual streams (the expansion rate).
+        mhc_sinkhorn_iterations (`int`, defaults to 20):
+            Sinkhorn-Knopp iterations that make the stream-mixing matrix doubly stochastic (the paper's `t_max`).
+
+    Raises:
+        ValueError: on an unknown `depth_mixing`, a knob set for another method (e.g. `mhc_num_streams` with
+            `depth_mixing="attnres"`), contradictory AttnRes knobs (scalar weights have no query and no keys;
+            `attnres_implementation="fla"` and `"triton"` compute only the knobs they name), an invalid knob value, a block size that
+            is neither 1 nor a positive even number, an unsupported backbone family (or a setting of it an adapter
+            refuses, naming why), a flat config no family expresses, and on backbone rules: more key/value heads than
+            attention heads or heads that do not divide, a `head_dim`-less config whose `hidden_size` is not a
+            multiple of the head count, an odd or non-positive `head_dim`, an unknown activation or `rope_type`, a
+            non-positive `sliding_window`, or `layer_types` of the wrong length.
+
+    Example:
+
+    ```python
+    >>> from transformers import Qwen3Config
+    >>> from attnres_hf import AttnResConfig, AttnResForCausalLM
+    >>> backbone = Qwen3Config(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    ...                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    >>> model = AttnResForCausalLM(AttnResConfig(backbone=backbone, attnres_block_size=2))
+    >>> flat = AttnResConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    ...                      num_attention_heads=4, num_key_value_heads=2)  # a Llama backbone
+    ```
+    """
+
+    @functools.wraps(_AttnResConfigFields.__init__)
+    def __init__(self, *args, **kwargs):
+        with _one_line_value_errors():
+            super().__init__(*args, **kwargs)
+
+    def __setattr__(self, name, value):
+        # (outside `@strict`'s check of the fields, which `_AttnResConfigFields` has: its errors as one line)
+        with _one_line_value_errors():
+            super().__setattr__(name, value)
 
 _LEGACY_DEFAULTS = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
