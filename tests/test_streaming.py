@@ -159,11 +159,29 @@ with Llama's permuted q/k rows and biases, GGUF's stacked expert halves and 1-D 
 streamed check, Llama's model read through fla's names, was measured the same way: 9e-8 of max |logits|.)"""
 
 
+
+def test_a_streamed_fla_import_compares_logits_where_fla_is_installed_and_says_why_not(tmp_path, monkeypatch, capsys):
+    """`attnres convert --stream` of an fla AttnRes checkpoint prints its logits against fla's own model (offloaded);
+    without flash-linear-attention the written tensors are still checked, and the report and the CLI say why the
+    logits are not."""
+    _fla_folder(tmp_path / "src", 2)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "with"), "--stream"]) == 0
+    printed = capsys.readouterr().out
+    assert "vs fla TransformerForCausalLM" in printed and "offloaded to disk" in printed
+    assert "logits not compared" not in printed
+    monkeypatch.setattr(sys.modules["attnres_hf.conversion.convert"], "_fla_installed", lambda: False)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "without"), "--stream"]) == 0
+    check = json.loads((tmp_path / "without" / "conversion_report.json").read_text())["verification"]
+    assert check["tensors_identical"] and "compared_with" not in check and check["greedy_new_tokens"] > 0
+    assert "flash-linear-attention is not installed" in check["logits_compared"]
+    assert "logits not compared (the written tensors are compared" in capsys.readouterr().out
+
 @pytest.mark.parametrize("case", list(SOURCES))
 def test_fla_k3_and_gguf_sources_stream_to_the_in_memory_conversions_folder(case, tmp_path):
     """Streamed, an fla or K3 folder or a GGUF file gives the in-memory conversion's folder tensor for tensor; its check
     compares a retrofit's logits with the source's backbone model read through the same `Source` (offloaded), an
-    imported model's written tensors with the checkpoint's (no fla or K3 code runs in a streamed check), and every
+    imported model's written tensors with the checkpoint's, and an fla one's logits with fla's own model (offloaded
+    too; no K3 code runs here), and every
     weight written from a GGUF file with the file's dequantised tensor. An imported model exported back streamed
     (`attnres export --stream`) is the in-memory export's folder."""
     write, options = SOURCES[case]
@@ -172,7 +190,14 @@ def test_fla_k3_and_gguf_sources_stream_to_the_in_memory_conversions_folder(case
     check = streamed["verification"]
     if streamed["source"].get("imported_routers"):
         assert check["tensors_identical"] and check["tensors_checked"] > 0 and check["max_abs_tensor_delta"] == 0
-        assert check["logits_compared"].startswith("no") and check["greedy_new_tokens"] == STREAMED_NEW_TOKENS
+        assert check["greedy_new_tokens"] == STREAMED_NEW_TOKENS
+        if case.startswith("fla"):  # and fla's own model, offloaded too: the same numbers as the in-memory check's
+            assert check["logits_compared"] == "yes" and check["exact"] and check["greedy_match"]
+            assert check["compared_with"]["device"] == "cpu, offloaded to disk"
+            assert check["relative_max_abs_logit_delta"] <= 1e-5  # (measured: about 1e-6, fp32)
+            assert resident["verification"]["exact"]
+        else:  # (no K3 code runs here)
+            assert check["logits_compared"].startswith("no")
         # and back to its own layout, streamed (`attnres export --stream`): the checkpoint's every tensor, value and
         # dtype (as the in-memory export gives it: tests/test_fla.py, tests/test_k3.py), its read-back check passed
         to = {"fla": "fla", "k3": "k3-layout"}[streamed["source"]["format"]]

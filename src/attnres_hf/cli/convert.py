@@ -69,7 +69,8 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     check = report["verification"]
     if "compared_with" in check:  # an fla source: compared with fla's own model
-        print(f"max |delta logits| vs {check['compared_with']['model']} (cpu, reference kernels): "
+        print(f"max |delta logits| vs {check['compared_with']['model']} ({check['compared_with']['device']}, "
+              "reference kernels): "
               f"{check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} tokens, "
               f"{check['relative_max_abs_logit_delta']:.2g} of max |logits|; exact: {check['exact']}"
               + ("" if check["exact"] else " (see conversion_report.json)"))
@@ -80,8 +81,10 @@ def run_convert(args: argparse.Namespace) -> int:
               "tensors)" + ("; logits not compared (no Kimi K3 runtime runs here)" if "logits_compared" in check
                             else ""))
     elif "tensors_identical" in check:  # streamed, an fla or K3 AttnRes source: the written tensors against its own
+        compared = check.get("logits_compared", "no")
         print(f"tensors written identical to the checkpoint's: {check['tensors_identical']} "
-              f"({check['tensors_checked']} tensors); logits not compared (a streamed check)")
+              f"({check['tensors_checked']} tensors)"
+              + ("" if compared == "yes" else f"; logits not compared ({compared.removeprefix('no: ')})"))
     if "greedy_match" in check:
         print(f"{check['greedy_new_tokens']}-token greedy continuation identical: {check['greedy_match']}")
     if "gguf_tensors_checked" in check:

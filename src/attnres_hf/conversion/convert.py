@@ -6,6 +6,7 @@ files, the tokenizer with its chat template, `generation_config.json`, a model c
 run never leaves a half-written `output_dir`.
 """
 
+import importlib.util
 import json
 import os
 import time
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
-from .fla_source import FlaStreamSource, fla_source, is_fla_folder
+from .fla_source import FlaStreamSource, fla_source, is_fla_folder, verify_against_fla
 from .gguf_stream import GGUFSource
 from .gguf_tokenizer import load_gguf_tokenizer
 from .k3_source import K3StreamSource, is_k3_folder, k3_source
@@ -333,8 +334,9 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
     """`convert` of a folder read through a `sources.Source`, streamed (`streaming`): the weights written shard by
     shard into the staging folder, then checked with every module offloaded to disk (`offloaded`): a retrofit's
     logits against the source's backbone model read through the same `Source`; a source with trained routers (an fla
-    or K3 AttnRes model: no model of the source's own code runs here) every written tensor against the source's, and
-    the converted model's greedy continuation. The report's `conversion.seconds`: each phase's wall time."""
+    or K3 AttnRes model) every written tensor against the source's, and fla's the written folder's logits against
+    fla's own model of the source folder (`verify_against_fla`, offloaded too), K3's the converted model's greedy
+    continuation (no model of K3's own code runs here). The report's `conversion.seconds`: each phase's wall time."""
     from ..modeling import AttnResForCausalLM
     from .offloaded import offloaded
     from .streaming import write_folder_files, write_streamed
@@ -349,7 +351,11 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         written = time.perf_counter()
-        if plan.source.imported_routers:
+        if plan.source.kind == "fla" and plan.source.imported_routers and _fla_installed():
+            print(f"Checking every tensor written against the checkpoint's, and the written folder's logits on "
+                  f"{input_ids.shape[1]} probe tokens and {STREAMED_NEW_TOKENS} greedy tokens against fla's own model, "
+                  "both offloaded to disk ...", flush=True)
+        elif plan.source.imported_routers:
             print(f"Checking every tensor written against the checkpoint's, and a {STREAMED_NEW_TOKENS}-token greedy "
                   "continuation of the written folder offloaded to disk ...", flush=True)
         else:
@@ -357,7 +363,10 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
                   f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...",
                   flush=True)
         with offloaded(staging, AttnResForCausalLM) as model:
-            if plan.source.imported_routers:
+            if plan.source.kind == "fla" and plan.source.imported_routers and _fla_installed():  # fla's own model too
+                verification = _written_tensors_check(plan, staging) | verify_against_fla(
+                    plan.source.path, model, input_ids, new_tokens=STREAMED_NEW_TOKENS) | {"logits_compared": "yes"}
+            elif plan.source.imported_routers:
                 verification = _written_tensors_check(plan, staging) | _continuation(
                     model, input_ids, STREAMED_NEW_TOKENS)
             else:
@@ -396,11 +405,16 @@ def _written_tensors_check(plan, folder: Path) -> dict:
 
     written = identity_reads(stored_tensors(safetensors_files(folder)))
     delta = max_read_delta(plan.sources, written, {name: plan.targets[name].dtype for name in plan.sources})
-    kind = {"fla": "flash-linear-attention's", "k3": "Kimi K3's"}.get(plan.source.kind, "the source's")
+    why = {"fla": "flash-linear-attention is not installed (pip install \"attnres-hf[fla]\"), whose own model the "
+                  "logits are compared with",
+           "k3": "Kimi K3's own model does not run here"}.get(plan.source.kind, "the source's own model does not run")
     return {"tensors_checked": len(plan.sources), "max_abs_tensor_delta": delta, "tensors_identical": delta == 0.0,
-            "logits_compared": f"no: streamed, the written tensors are compared with the checkpoint's; {kind} own "
-                               "model does not run in a streamed check (convert with stream=False to compare logits "
-                               "where it runs here)"}
+            "logits_compared": f"no: the written tensors are compared with the checkpoint's; {why}"}
+
+
+def _fla_installed() -> bool:
+    """Whether flash-linear-attention is importable (a streamed fla import then compares logits with its model)."""
+    return importlib.util.find_spec("fla") is not None
 
 
 def _probe_ids(tokenizer, probe_text: str, vocab_size: int) -> torch.Tensor:

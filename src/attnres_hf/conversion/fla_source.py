@@ -240,29 +240,44 @@ class FlaStreamSource(Source):
 
 
 @torch.no_grad()
-def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, input_ids: torch.Tensor) -> dict:
+def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, input_ids: torch.Tensor,
+                       new_tokens: int | None = None) -> dict:
     """Compare `model` (fp32) with fla's own `TransformerForCausalLM` loaded from `folder` in fp32 on the CPU, its
     CUDA-only kernels replaced by fla's reference functions (`fla_cpu.fla_reference_kernels`): `verify_conversion`'s
     numbers, plus `compared_with`, `relative_max_abs_logit_delta` (over max |logits|) and `exact`
-    (`EXACT_TOLERANCE`)."""
+    (`EXACT_TOLERANCE`).
+
+    `new_tokens` given (a streamed conversion): both models offloaded to disk instead, `model` an `offloaded.offloaded`
+    model of the written folder and fla's read from `folder`'s own files the same way (one module's weights resident
+    at a time), compared in `verify_offloaded_conversion`'s forwards with `new_tokens` greedy tokens."""
     from .fla_cpu import fla_reference_kernels
+    from .offloaded import offloaded
+    from .verify import verify_offloaded_conversion
 
     version = check_fla_installed()
     with fla_reference_kernels() as replaced, _quiet_transformers(), warnings.catch_warnings():
         # fla 0.6 under transformers 5.x: deprecation notices about `past_key_values` on every generate
         warnings.simplefilter("ignore", FutureWarning)
         importlib.import_module("fla.models")  # registers fla's config and model classes with the Auto classes
-        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         # fla 0.6's cached generate is wrong under transformers 5.24, even without AttnRes: generate hands the cache
         # over as `cache=`, which fla's forward ignores, so each step sees its new token alone. Its uncached
         # continuation equals a greedy loop of full forwards (measured), and is the reference here.
-        result = verify_conversion(reference, model, input_ids, source_use_cache=False)
+        if new_tokens is None:
+            reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            result = verify_conversion(reference, model, input_ids, source_use_cache=False)
+        else:
+            fla_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(folder))]
+            # (its decoder layer reads its routers' weights without calling them: loaded whole at its forward)
+            with offloaded(folder, fla_class, preload=list(fla_class._no_split_modules or ())) as reference:
+                result = verify_offloaded_conversion(reference, model, input_ids, new_tokens, source_use_cache=False)
     relative = result["max_abs_logit_delta"] / max(result["source_max_abs_logit"], 1e-12)
     result |= {
         "compared_with": {"model": f"fla {type(reference).__name__} (flash-linear-attention {version})",
-                          "device": "cpu", "dtype": "float32", "kernels_replaced": replaced,
-                          "continuation": "fla's generate without a KV cache (its cached one ignores the cache "
-                                          "under transformers 5.x); the converted model's with one"},
+                          "device": "cpu" if new_tokens is None else "cpu, offloaded to disk", "dtype": "float32",
+                          "kernels_replaced": replaced,
+                          "continuation": "fla's greedy tokens without a KV cache (its cached generate ignores the "
+                                          "cache under transformers 5.x); the converted model's "
+                                          + ("with one" if new_tokens is None else "teacher-forced (greedy_check)")},
         "relative_max_abs_logit_delta": relative,
         "exact": bool(relative <= EXACT_TOLERANCE and result["argmax_agreement"] == 1.0),
     }

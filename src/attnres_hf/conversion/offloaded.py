@@ -29,29 +29,41 @@ Llama-3-8B's bf16 decoder layers)."""
 
 
 def offload_map(model: torch.nn.Module) -> dict[str, str]:
-    """A `device_map` for `model` (on the meta device) putting every module that holds weights on disk (accelerate's
-    hooks read them from the safetensors files for each forward) and the rest (rotary frequencies, the
-    `RowStreamedEmbedding` and `RowStreamedLinear`, which read their own) on the CPU: the top-level modules, each
-    decoder layer on its own."""
-    return {name: "disk" if any(True for _ in child.parameters()) else "cpu" for name, child in _leaf_blocks(model)}
+    """A `device_map` for `model` (on the meta device) putting every decoder layer, and every other module that holds
+    more than `RESIDENT_BYTES` of weights, on disk (accelerate's hooks read them from the safetensors files for each
+    forward), and the rest on the CPU: the top-level modules, each decoder layer on its own. The CPU ones are the
+    rotary frequencies, the `RowStreamedEmbedding` and `RowStreamedLinear` (which read their own) and small
+    top-level modules (final norms and routers), which `offloaded` loads once: a model may read their weights
+    without calling them (fla's reads its final router's), which an offload hook would not see."""
+    device_map = {}
+    for name, child, is_layer in _leaf_blocks(model):
+        size = sum(param.numel() * 4 for param in child.parameters())  # (read in fp32)
+        device_map[name] = "disk" if size and (is_layer or size > RESIDENT_BYTES) else "cpu"
+    return device_map
+
+
+RESIDENT_BYTES = 2**26
+"""The most fp32 weight bytes a top-level module other than a decoder layer may hold to stay resident (`offload_map`):
+64 MiB, a final norm or router of any model (a Llama-3-8B's norm: 16 KiB)."""
 
 
 def _leaf_blocks(model: torch.nn.Module, prefix: str = ""):
-    """The modules a `device_map` assigns: the model's top-level children, and each decoder layer of a
-    `layers` list."""
+    """`(name, module, is_layer)` of the modules a `device_map` assigns: the model's top-level children, and each
+    decoder layer of a `layers` list (`is_layer`)."""
     for name, child in model.named_children():
         full = f"{prefix}{name}"
         if isinstance(child, torch.nn.ModuleList):
             for index, layer in enumerate(child):
-                yield f"{full}.{index}", layer
+                yield f"{full}.{index}", layer, True
         elif any(isinstance(grandchild, torch.nn.ModuleList) for grandchild in child.children()):
             yield from _leaf_blocks(child, f"{full}.")
         else:
-            yield full, child
+            yield full, child, False
 
 
 @contextlib.contextmanager
-def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to: dict | None = None):
+def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to: dict | None = None,
+              preload: list[str] | None = None):
     """The model saved in `folder` (safetensors), or the backbone model of a `Source` (an fla or K3 folder read
     through its name map and transforms: `Source.reads`), in fp32 with every weight-holding module offloaded to disk
     (`offload_map`), as a context: built on the meta device and dispatched by accelerate (`dispatch_model`) with the
@@ -60,7 +72,9 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
     needs (`_stream_vocabulary_modules`). `model_class`: the class to load (`None`: the family's causal LM, as
     `AutoModelForCausalLM` maps it; a family transformers lacks, such as `kimi_k3`, too). `rounded_to`: `{weight name:
     dtype}` of weights read rounded to that dtype first (then fp32): a source compared with a conversion that wrote
-    its weights in another dtype, as the in-memory check compares before the output is cast.
+    its weights in another dtype, as the in-memory check compares before the output is cast. `preload`: class names
+    of modules whose forward reads their submodules' weights directly (fla's decoder layer reads its routers'):
+    each loads all its weights at its own forward (accelerate's `preload_module_classes`), not each submodule at its.
 
     transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
     (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns), and its index-based
@@ -71,6 +85,7 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
         ValueError: a weight of the model that no tensor of the folder holds (one line naming it).
     """
     from accelerate import dispatch_model
+    from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig
 
     from ..modeling import backbones
@@ -131,10 +146,15 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
         quiet = logging.getLogger("accelerate.big_modeling")  # its "parameters on the meta device" is the point
         level = quiet.level
         quiet.setLevel(logging.ERROR)
+        device_map = offload_map(model)
+        for name, where in device_map.items():
+            for leaf, _ in model.get_submodule(name).named_parameters(prefix=name) if where == "cpu" else ():
+                set_module_tensor_to_device(model, leaf, "cpu", value=source[leaf])  # (small: resident)
         try:
-            model = dispatch_model(model, device_map=offload_map(model), main_device="cpu",
+            model = dispatch_model(model, device_map=device_map, main_device="cpu",
                                    state_dict=source, offload_dir=scratch, offload_index={},
-                                   skip_keys=getattr(model, "_skip_keys_device_placement", None))
+                                   skip_keys=getattr(model, "_skip_keys_device_placement", None),
+                                   preload_module_classes=preload)
         finally:
             quiet.setLevel(level)
         yield model.eval()
