@@ -18,9 +18,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "pseudo-queries); k3-layout: Kimi K3's text checkpoint (a kimi_k3 model)")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="--stream writes the export tensor by tensor and checks it by reading it back as attnres "
-                             "convert does, every tensor against the folder's (no model loaded: fla's logits are not "
-                             "compared); --no-stream in memory, fla's logits compared. Default: streamed above 1 GiB "
-                             "of fp32 tensors; export_report.json says which ran")
+                             "convert does, every tensor against the folder's, then fla's logits with both models "
+                             "offloaded to disk; --no-stream in memory, fla's logits compared. Default: streamed above "
+                             "1 GiB of fp32 tensors; export_report.json says which ran")
     parser.add_argument("--experts", metavar="FORMAT", default=None,
                         help="k3-layout: how routed experts are written: mxfp4 (compressed-tensors' MXFP4, as K3's "
                              "release stores them; refused by name for an expert whose values are not MXFP4 values, "
@@ -46,11 +46,10 @@ def run_export(args: argparse.Namespace) -> int:
             print(f"K3's own code loads it with trust_remote_code=True once its {', '.join(report['k3_remote_code_files'])} "
                   "(Moonshot's, in the K3 release; not shipped by attnres-hf) are copied into the folder")
         return 0
-    if "max_abs_logit_delta" in check:
-        print(f"max |delta logits| vs fla's model: {check['max_abs_logit_delta']:.3g} on {check['num_probe_tokens']} "
-              f"tokens ({check['relative_max_abs_logit_delta']:.2g} of max |logits|; exact: {check['exact']})")
-    else:  # streamed: read back tensor by tensor
-        print(f"read back by attnres convert: every tensor identical ({check['tensors_identical']}); logits not "
-              "compared (a streamed export)")
+    if "tensors_identical" in check:  # streamed: read back tensor by tensor, then the logits offloaded
+        print(f"read back by attnres convert: every tensor identical ({check['tensors_identical']})")
+    print(f"max |delta logits| vs fla's model ({check['compared_with']['device']}): {check['max_abs_logit_delta']:.3g} "
+          f"on {check['num_probe_tokens']} tokens ({check['relative_max_abs_logit_delta']:.2g} of max |logits|; "
+          f"exact: {check['exact']})")
     print(f"wrote {args.output_dir} ({report['tensors']} tensors, {report['dtype']})")
     return 0

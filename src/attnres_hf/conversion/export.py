@@ -205,17 +205,25 @@ def export(
         else:
             save_torch_state_dict(state, staging, max_shard_size=max_shard_size, safe_serialization=True)
         tokenizer = _copy_generation_config_and_tokenizer(model_dir, staging, trust_remote_code)
-        if mode["mode"] == "streamed":  # read back as `attnres convert` reads it: every tensor the folder's
+        if tokenizer is not None:
+            input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
+        else:
+            input_ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        if mode["mode"] == "streamed":  # read back as `attnres convert` reads it: every tensor the folder's; then
+            # the logits of both, offloaded to disk (one module's weights resident at a time)
+            from .convert import STREAMED_NEW_TOKENS
             from .fla_source import FlaStreamSource, check_fla_tensors, fla_source
+            from .offloaded import offloaded
 
             written = fla_source(staging)
             check_fla_tensors(written, config)
             verification = _read_back(_folder_reads(files), FlaStreamSource(written).reads(), "flash-linear-attention")
+            print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model, both offloaded to disk ...",
+                  flush=True)
+            with offloaded(model_dir, AttnResForCausalLM) as model:
+                verification |= verify_against_fla(staging, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
+            verification["logits_compared"] = "yes"
         else:
-            if tokenizer is not None:
-                input_ids = tokenizer(probe_text, return_tensors="pt").input_ids
-            else:
-                input_ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
             model = AttnResForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model ...", flush=True)
             verification = verify_against_fla(staging, model, input_ids)
@@ -456,5 +464,4 @@ def _read_back(folder: dict[str, TensorRead], back: dict[str, TensorRead], layou
     delta = max_read_delta(folder, back)
     return {"read_back_by_attnres_convert": True, "tensors_checked": len(folder), "max_abs_tensor_delta": delta,
             "tensors_identical": delta == 0.0 and set(back) == set(folder),
-            "logits_compared": f"no: a streamed export reads the {layout} folder back tensor by tensor (export with "
-                               "stream=False to compare the logits with fla's model where it runs here)"}
+            "logits_compared": f"no: a streamed export reads the {layout} folder back tensor by tensor"}
