@@ -162,10 +162,10 @@ class SdpaLayout(NamedTuple):
 
     `buffer`: `(K, B, T, n_slots, D + pad)`, `K` 2 with the key norm (values, keys), else 1 (the keys are the
     values); token-major, so that each token's sources are one `(n_slots, D + pad)` matrix; fp32 for bf16 and fp16
-    streams: attention takes one dtype for the query, keys and values, and bf16 keys and queries
-    moved the logits by 2^-9 of their size, up to 5% of a tiny model's logits' scale after generation's reads, where
-    the fp32-logit reads moved them by 0.5% (tests/test_inference_sdpa.py); the outputs are cast to the stream dtype
-    (`dtype`), one call per read, and the partial sums add up in fp32 (more exact than the stream's sum). The pad
+    streams: attention takes one dtype for the query, keys and values, and bf16 keys and queries moved the logits by
+    2^-9 of their size (a read's output by up to 1.4% of its scale where the fp32-logit reads' moved by 0.35%,
+    tests/test_inference_sdpa.py); the outputs are cast to the stream dtype (`dtype`), one call per read, and the
+    partial sums add up in fp32 (more exact than the stream's bf16 sum, which the other paths keep). The pad
     (1 to 8 columns, `D + pad` a multiple of 8, which GPU attention kernels align to) holds `sqrt(D eps)` in its
     first value column and zeros elsewhere: a key's `||v_i||` over the padded row is `hypot(sqrt(D eps), ||v_i||)`
     in one call, and the queries' pad is zero, so the pad adds nothing to a logit (its share of an output is
@@ -238,13 +238,12 @@ def write(layout: SdpaLayout, slot: int, partial: torch.Tensor | None, output: t
 
 def close_key(layout: SdpaLayout, slot: int, source: torch.Tensor) -> None:
     """Slot `slot`'s key from its value (`source (B, T, D)`, copied there first unless it is the slot's view: the
-    embedding, or a state a device hook moved), two calls: its padded row's fp32 norm and the quotient."""
+    embedding, or a state a device hook moved), two calls: its padded row's norm and the quotient."""
     if source is not layout.values[slot]:
         layout.values[slot].copy_(source)
     if layout.keys:
         row = layout.rows[slot]
-        torch.div(row, torch.linalg.vector_norm(row, dim=-1, keepdim=True, dtype=torch.float32),
-                  out=layout.keys[slot])
+        torch.div(row, torch.linalg.vector_norm(row, dim=-1, keepdim=True), out=layout.keys[slot])
 
 
 def read(layout: SdpaLayout, count: int, query: torch.Tensor, partial_slot: int | None) -> torch.Tensor:
