@@ -113,8 +113,11 @@ def test_naive_attnres_docstring_contract():
 
 def test_key_norm_statistics_are_computed_once_per_block(input_ids, monkeypatch):
     """Completed-block key norms come from the state (once per block), never recomputed per router."""
-    from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres, ops_torch, ops_triton
+    from attnres_hf.modeling import attnres_buffer, attnres_inference, attnres_two_phase, mixing_attnres, ops_torch, \
+        ops_triton
 
+    # (the two-phase reads; the attention reads of few tokens, `SdpaLayout`, write each completed source's key once)
+    monkeypatch.setattr(attnres_inference, "SDPA_TOKENS", 0)
     calls, merges, closed = [], [], []
     original, merge, close = mixing_attnres.inverse_rms, attnres_two_phase._merge_inference, mixing_attnres.close_source
     for module in (attnres_buffer, attnres_two_phase, mixing_attnres, ops_torch, ops_triton):  # every one calling it

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from attnres_hf.modeling import attnres_buffer, attnres_two_phase, mixing_attnres, ops_naive
+from attnres_hf.modeling import attnres_buffer, attnres_inference, attnres_two_phase, mixing_attnres, ops_naive
 from attnres_hf.modeling.mixing_attnres import AttnResRouter, AttnResState
 from utils import TINY, tiny_model
 
@@ -363,14 +363,20 @@ def test_second_order_gradients_are_refused_not_wrong(block_size, input_ids):
         sum(g.square().sum() for g in grads).backward()
 
 
-@pytest.mark.parametrize("knobs,dtype", [(knobs, torch.float32) for knobs in KNOBS] + [
-    (knobs, torch.bfloat16) for knobs in ("default", "sigmoid-rescale")], ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("knobs,dtype,sdpa", [(knobs, torch.float32, False) for knobs in KNOBS] + [
+    (knobs, torch.bfloat16, False) for knobs in ("default", "sigmoid-rescale")] + [
+    (knobs, dtype, True) for knobs in ("default", "rescale", "no-key-norm") for dtype in (torch.float32,
+                                                                                         torch.bfloat16)],
+    ids=lambda v: {True: "sdpa", False: "two-phase"}.get(v, str(v).replace("torch.", "")))
 @pytest.mark.parametrize("block_size", [1, 2, 4], ids=["full", "block2", "block4-partial-last"])
-def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, input_ids, monkeypatch):
+def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, sdpa, input_ids, monkeypatch):
     """Without gradients and depth weights, the merges (`_merge_inference`), phase 1 and the direct reads
     (`AttnResRouter._direct_lean`, `attnres_inference.py`) take their own shorter forms: the same logits as the
     autograd paths (a forward with gradients) and as `naive_attnres`, with and without the KV cache (prefill, then
-    one token at a time)."""
+    one token at a time). `sdpa`: every read one attention call (`SdpaLayout`; softmax scores, few tokens), else the
+    two-phase ones (`attnres_inference.SDPA_TOKENS` 0)."""
+    if not sdpa:
+        monkeypatch.setattr(attnres_inference, "SDPA_TOKENS", 0)
     model = tiny_model(attnres_block_size=block_size, **KNOBS[knobs]).to(dtype)
     config = model.config
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
@@ -387,8 +393,9 @@ def test_inference_paths_match_the_autograd_paths(block_size, knobs, dtype, inpu
         # every router with a partial sum merges it (block size > 1; the final router's direct read too), the
         # others read the buffer directly
         routers, blocks = config.num_sublayers + 1, -(-config.num_sublayers // block_size)
-        merges = 0 if block_size == 1 else config.num_sublayers - blocks
-        assert calls == {"merge": merges + 1, "direct": routers - merges - (0 if block_size == 1 else blocks)}
+        merges = 0 if block_size == 1 or sdpa else config.num_sublayers - blocks
+        blocks = 0 if sdpa else blocks  # (no phase 1: each read a direct one, its partial sum included)
+        assert calls == {"merge": merges + (not sdpa), "direct": routers - merges - (0 if block_size == 1 else blocks)}
         out = model(input_ids[:, :5], use_cache=True)
         steps = [out.logits]
         for position in range(5, input_ids.shape[1]):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .attnres_buffer import _as, _mix
-from .attnres_inference import InferenceLayout
+from .attnres_inference import InferenceLayout, SdpaLayout, sdpa_serves
 from .mixing_base import AttnResRMSNorm, inverse_rms
 from .torch_internals import forward_pre_hooks, global_pre_hooks
 
@@ -113,16 +113,18 @@ class _Constants(NamedTuple):
     `eps`, the key norm's epsilon as a 0-dim fp32 tensor (see `inverse_rms`); `norm_eps`, `sqrt(D eps)` as one (see
     `_merge_inference`); `key_norm` and `sigmoid`: whether the routers have a key norm and sigmoid scores (the
     config's, so that phase 1 needs no router); `layout`: the views and constants of the fewest-calls reads
-    (`attnres_inference.InferenceLayout`; no-grad forwards without depth weights that the torch implementation
-    computes, else `None`), with `rows`, the bank's rows. Tensors and flags only: the state that holds them crosses
-    accelerate's device hooks, which move what has a `.to`."""
+    (`attnres_inference.InferenceLayout`, or `SdpaLayout` for softmax scores over few tokens, `sdpa_serves`; no-grad
+    forwards without depth weights that the torch implementation computes, else `None`), with `rows`, the bank's
+    rows (`eps` and `norm_eps` are `None` and `rows` empty with an `SdpaLayout`, whose reads take none of them).
+    Tensors and flags only: the state that holds them crosses accelerate's device hooks, which move what has a
+    `.to`."""
 
     bank: torch.Tensor | None
-    eps: torch.Tensor
-    norm_eps: torch.Tensor
+    eps: torch.Tensor | None
+    norm_eps: torch.Tensor | None
     key_norm: bool
     sigmoid: bool
-    layout: InferenceLayout | None = None
+    layout: InferenceLayout | SdpaLayout | None = None
     rows: tuple[torch.Tensor, ...] = ()
 
     @classmethod
@@ -131,6 +133,10 @@ class _Constants(NamedTuple):
         fewest-calls path (`attnres_inference.py`)."""
         eps = config.rms_norm_eps
         bank = _query_bank(layers, routers) if config.attnres_block_size > 1 or lean else None
+        if lean and sdpa_serves(math.prod(buffer.shape[1:-1]), config.attnres_score_fn == "sigmoid", bank):
+            # (its reads need neither epsilon tensor nor the bank's rows)
+            return cls(bank, None, None, config.attnres_key_norm, False,
+                       SdpaLayout.build(buffer, bank, config.attnres_key_norm, eps))
         layout = InferenceLayout.build(buffer, bank, config.attnres_key_norm, config.attnres_block_size) if lean else None
         return cls(bank, torch.full((), eps, device=buffer.device),
                    torch.full((), math.sqrt(buffer.shape[-1] * eps), device=buffer.device), config.attnres_key_norm,

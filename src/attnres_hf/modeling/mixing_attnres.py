@@ -21,7 +21,8 @@ from transformers import initialization as init
 
 from .attnres_buffer import SourceBuffer, _SourceGrads, _as, _source_inverse_rms, _store
 from .attnres_fla import require_fla
-from .attnres_inference import close as close_source, direct as lean_direct, phase1 as lean_phase1
+from .attnres_inference import (SdpaLayout, close as close_source, direct as lean_direct, phase1 as lean_phase1,
+                                read as sdpa_read, write as sdpa_write)
 from .attnres_reference import attnres_num_sources
 from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
@@ -111,7 +112,7 @@ class AttnResState(NamedTuple):
                 constants = _Constants.build(config, layers, routers, buffer, lean)
         if constants is not None and constants.layout is not None:
             close_source(constants.layout, 0, embeddings, constants.norm_eps)
-            handle, statistics = embeddings, None
+            handle, statistics, buffer = embeddings, None, constants.layout.buffer
         else:
             handle = _store(buffer, grads, 0, embeddings)
             statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
@@ -133,7 +134,7 @@ class AttnResState(NamedTuple):
             return self if self.phase1 is None else self._replace(phase1=None)
         stop, eps = min(start + self.block_size, len(bank)), constants.eps
         if constants.layout is not None:  # no autograd, no depth weights (`attnres_inference.phase1`)
-            if self.block_size == 1:  # Full AttnRes: each read is a direct one (`_direct`)
+            if self.block_size == 1 or type(constants.layout) is SdpaLayout:  # each read a direct one (`_direct`)
                 return self
             lse, mixed = lean_phase1(constants.layout, len(self.sources), start // self.block_size,
                                      constants.sigmoid, self.sources[0].shape)
@@ -191,7 +192,11 @@ class AttnResState(NamedTuple):
 
     def _add(self, output: torch.Tensor) -> DepthWrite:
         output = _as(output, self.sources[0].dtype)  # (under autocast the stream keeps its dtype, as Llama's residual)
-        partial = output if self.partial is None else self.partial + output
+        layout = self.constants.layout if self.constants is not None else None
+        if type(layout) is SdpaLayout:  # (the sum in its slot of the buffer: `attnres_inference.write`)
+            partial = sdpa_write(layout, len(self.sources), self.partial, output)
+        else:
+            partial = output if self.partial is None else self.partial + output
         return DepthWrite(self._replace(partial=partial, sublayer=self.sublayer + 1))
 
     def _route(self, router) -> DepthRead:
@@ -364,9 +369,15 @@ class AttnResRouter(nn.Module):
 
     def _direct_lean(self, state: AttnResState) -> tuple[torch.Tensor, None]:
         """`_direct` in the fewest operator calls (`attnres_inference.direct`; no autograd, no depth weights): the
-        query from the bank's transpose when this router has a row there, the partial sum merged as in phase 2."""
+        query from the bank's transpose when this router has a row there, the partial sum merged as in phase 2; or,
+        over an `SdpaLayout` (softmax, few tokens), one attention call over the sources, the partial sum included."""
         constants, partial, count = state.constants, state.partial, len(state.sources)
         layout, sublayer = constants.layout, state.sublayer
+        if type(layout) is SdpaLayout:  # (softmax scores, few tokens: single-query attention, `attnres_inference.read`)
+            query = layout.queries[sublayer] if sublayer < len(layout.queries) else layout.query(self._folded_query())
+            hidden = sdpa_read(layout, count + (partial is not None), query, None if partial is None else count)
+            count += partial is not None
+            return (hidden * self._rescale(count) if self.rescale_output and count > 1 else hidden), None
         if sublayer < len(layout.columns) and partial is None:  # (Full AttnRes: every router but the final one)
             query = layout.columns[sublayer]
         else:
