@@ -143,10 +143,14 @@ thread: even at 8 tokens, slower above); above it, the two-phase path scores eac
 not once per read."""
 
 
-def sdpa_serves(tokens: int, sigmoid: bool, bank: torch.Tensor | None) -> bool:
-    """Whether a lean forward over `tokens` tokens reads through `SdpaLayout`: softmax scores (a sigmoid is no
-    attention), a query bank (each router's query padded once), at most `SDPA_TOKENS` tokens."""
-    return not sigmoid and bank is not None and tokens <= SDPA_TOKENS
+def sdpa_serves(tokens: int, sigmoid: bool, bank: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether a lean forward over `tokens` tokens of a `dtype` stream reads through `SdpaLayout`: softmax scores (a
+    sigmoid is no attention), a query bank (each router's query padded once), at most `SDPA_TOKENS` tokens, and fp32
+    or wider. A bf16 or fp16 stream keeps the other reads, whose partial block sums are rounded to the stream's
+    dtype at each sub-layer as the autograd paths' are: `SdpaLayout`'s, in fp32, moved a bf16 model's logits by up to
+    2.2% of their scale from the depth-weights path's (tests/test_inference_sdpa.py), where the other reads' stay
+    within 0.5%."""
+    return not sigmoid and bank is not None and tokens <= SDPA_TOKENS and dtype.itemsize >= 4
 
 
 class SdpaLayout(NamedTuple):
@@ -165,7 +169,8 @@ class SdpaLayout(NamedTuple):
     streams: attention takes one dtype for the query, keys and values, and bf16 keys and queries moved the logits by
     2^-9 of their size (a read's output by up to 1.4% of its scale where the fp32-logit reads' moved by 0.35%,
     tests/test_inference_sdpa.py); the outputs are cast to the stream dtype (`dtype`), one call per read, and the
-    partial sums add up in fp32 (more exact than the stream's bf16 sum, which the other paths keep). The pad
+    partial sums add up in fp32 (more exact than the stream's bf16 sum, which the other paths keep, so the models
+    read through this layout in fp32 and wider only: `sdpa_serves`). The pad
     (1 to 8 columns, `D + pad` a multiple of 8, which GPU attention kernels align to) holds `sqrt(D eps)` in its
     first value column and zeros elsewhere: a key's `||v_i||` over the padded row is `hypot(sqrt(D eps), ||v_i||)`
     in one call, and the queries' pad is zero, so the pad adds nothing to a logit (its share of an output is

@@ -133,7 +133,8 @@ class _Constants(NamedTuple):
         fewest-calls path (`attnres_inference.py`)."""
         eps = config.rms_norm_eps
         bank = _query_bank(layers, routers) if config.attnres_block_size > 1 or lean else None
-        if lean and sdpa_serves(math.prod(buffer.shape[1:-1]), config.attnres_score_fn == "sigmoid", bank):
+        if lean and sdpa_serves(math.prod(buffer.shape[1:-1]), config.attnres_score_fn == "sigmoid", bank,
+                                buffer.dtype):
             # (its reads need neither epsilon tensor nor the bank's rows)
             return cls(bank, None, None, config.attnres_key_norm, False,
                        SdpaLayout.build(buffer, bank, config.attnres_key_norm, eps))
