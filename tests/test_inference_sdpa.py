@@ -98,3 +98,13 @@ def test_generate_gives_the_tokens_and_logits_of_the_depth_weights_path(block_si
         steps = differ.index(True) + 1 if True in differ else len(differ)
         scale = expected.abs().max().item()
         torch.testing.assert_close(logits[:steps], expected[:steps], atol=0.05 * scale, rtol=0)
+
+
+def test_hidden_states_are_contiguous_as_the_familys(input_ids):
+    """A read's output over an `SdpaLayout` is a strided view (the pad dropped); `output_hidden_states` returns each
+    contiguous, as Llama's are (code that `.view()`s them keeps working)."""
+    model = tiny_model(attnres_block_size=2).eval()
+    assert layouts(model, input_ids) == [SdpaLayout]
+    with torch.no_grad():
+        hidden = model(input_ids, output_hidden_states=True).hidden_states
+    assert all(h.is_contiguous() for h in hidden) and hidden[1].view(-1, hidden[1].shape[-1]).shape[0] == input_ids.numel()

@@ -395,7 +395,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
-            hidden_states.append(layer_input)
+            hidden_states.append(layer_input.contiguous() if output_hidden_states else layer_input)  # (a read: a view)
             depth_weights += layer_depth_weights
 
         final = state.read_final(registered_modules(self, self._mixing_type))
