@@ -15,6 +15,12 @@ Full AttnRes (`S = 1`). Workloads:
 - prefill: the forward of 1 x 32 tokens, no grad;
 - train:   forward + backward of a causal-LM loss on 1 x 32 tokens (`model.train()`, no KV cache).
 
+Kernel launches (`--launches`, also in `--results`): a decoded token's launches as a GPU's profiler would count them,
+counted on the CPU: each aten call that computes (views and allocations launch nothing, `CountLaunches`) and one per
+Triton kernel launch, for Llama, Block and Full AttnRes with the torch reads and with `attnres_implementation=
+"triton"` (the two-phase kernels, run by Triton's interpreter, `TRITON_INTERPRET=1`, their inner operations not
+counted). Target (`LAUNCH_TARGETS`): Block with the Triton kernels, decode, at most 1.05x Llama's launches.
+
 The counts do not depend on the hidden size, the vocabulary or the batch (`--smoke` counts at a tiny width to show
 it; tests/test_op_count.py holds the counts at that width), only on the layer count, the block size and the code
 paths. Targets (`TARGETS`): the ratio to Llama's count, PASS when at or below it (one count, no interval).
@@ -22,6 +28,7 @@ paths. Targets (`TARGETS`): the ratio to Llama's count, PASS when at or below it
     python benchmarks/op_count.py                                   # the table, a few seconds
     python benchmarks/op_count.py --results docs/results/op_count.md   # the table in docs/speed.md
     python benchmarks/op_count.py --ops                              # plus the operators AttnRes adds, per workload
+    python benchmarks/op_count.py --launches                         # plus the kernel launches of a decoded token
 """
 
 import argparse
@@ -29,9 +36,13 @@ import collections
 import os
 import sys
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache
+# the launch count runs the Triton kernels on the CPU in Triton's interpreter, which must be chosen before Triton is
+# first imported (torch or transformers may import it); set it to 0 to count on a GPU
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import Run, results_path  # noqa: E402  (the results fragments, benchmarks/_results.py)
@@ -43,6 +54,11 @@ TARGETS = {  # model -> {workload: largest ratio of aten calls to Llama's}
     "block": dict(decode=1.10, prefill=1.10, train=1.20),
     "full": dict(decode=1.20, train=1.50),
 }
+
+
+LAUNCH_TARGETS = {"block+triton": 1.05}  # model -> largest ratio of a decoded token's kernel launches to Llama's
+NO_KERNEL = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+"""Aten operators that allocate without launching a kernel (views launch none either: `OpOverload.is_view`)."""
 
 
 class CountCalls(TorchDispatchMode):
@@ -61,11 +77,42 @@ class CountCalls(TorchDispatchMode):
         return sum(self.calls.values())
 
 
-def count(model, workload: str, vocab_size: int) -> collections.Counter:
+class CountLaunches(CountCalls):
+    """Counts the kernel launches of a run, by operator or kernel name: every aten call that computes (not a view,
+    `OpOverload.is_view`, nor an allocation, `NO_KERNEL`), and one per Triton kernel launch (`triton:<kernel>`), whose
+    own operations are not counted (under Triton's interpreter they are torch and numpy calls on the CPU)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view or func.overloadpacket.__name__ in NO_KERNEL:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def __enter__(self):
+        # (Triton has no launch hook under its interpreter: its launchers' `run` is wrapped while counting)
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self._launchers = [(cls, cls.run) for cls in (InterpretedFunction, JITFunction)]
+        for cls, launch in self._launchers:
+            def run(kernel, *args, _launch=launch, **kwargs):
+                self.calls[f"triton:{kernel.fn.__name__}"] += 1
+                with _disable_current_modes():
+                    return _launch(kernel, *args, **kwargs)
+            cls.run = run
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, launch in self._launchers:
+            cls.run = launch
+        return super().__exit__(*exc)
+
+
+def count(model, workload: str, vocab_size: int, counter: CountCalls | None = None) -> collections.Counter:
     """The aten calls of one `workload` of `model` (see the module docstring), by operator name."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (1, max(PROMPT_LEN, PREFILL_LEN, TRAIN_LEN)), generator=generator)
-    counter = CountCalls()
+    counter = counter if counter is not None else CountCalls()
     if workload == "train":
         model.train()
         model.zero_grad(set_to_none=True)
@@ -98,6 +145,32 @@ def count_all(shape: dict, models: tuple[str, ...] = ("llama", "block", "full"))
     built = build_models(torch.device("cpu"), "sdpa", [], shape)
     return {name: {workload: count(built[name], workload, shape["vocab_size"]) for workload in WORKLOADS}
             for name in models}
+
+
+def count_launches(shape: dict) -> dict:
+    """`{model: Counter}` of a decoded token's kernel launches (`CountLaunches`) at `shape`: Llama, Block and Full
+    AttnRes with the torch reads and with the Triton kernels, on the CPU: Triton's interpreter runs the kernels
+    (`TRITON_INTERPRET=1`, set when this module is imported)."""
+    shape = dict(shape, **SMOKE)  # (the same counts at any width; the interpreter's time grows with it)
+    built = build_models(torch.device("cpu"), "sdpa", [], shape, triton=True)
+    return {name: count(model, "decode", shape["vocab_size"], CountLaunches()) for name, model in built.items()}
+
+
+def launch_report(launches: dict) -> str:
+    """The Markdown table of `count_launches`: launches per decoded token, the ratio to Llama's and the verdict."""
+    base = sum(launches["llama"].values())
+    lines = ["Kernel launches of one decoded token (each aten call that computes, views and allocations not counted, "
+             "plus one per Triton kernel launch; the Triton kernels run by Triton's interpreter on the CPU, at hidden "
+             f"{SMOKE['hidden_size']}: the counts do not depend on the width):", "",
+             "| model | launches | of them Triton kernels | added to Llama's | ratio to Llama | target |",
+             "|---|---|---|---|---|---|"]
+    for name, calls in launches.items():
+        total = sum(calls.values())
+        kernels = sum(n for op, n in calls.items() if op.startswith("triton:"))
+        added = f"{total - base:+,}" if name != "llama" else ""
+        lines.append(f"| {name} | {total:,} | {kernels} | {added} | {total / base:.3f}x | "
+                     f"{verdict(total / base, LAUNCH_TARGETS.get(name))} |")
+    return "\n".join(lines)
 
 
 def verdict(ratio: float, target: float | None) -> str:
@@ -139,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="count at a tiny width (the same counts, in seconds)")
     parser.add_argument("--ops", action="store_true", help="also print the operators AttnRes adds, per workload")
+    parser.add_argument("--launches", action="store_true",
+                        help="also count a decoded token's kernel launches, the Triton kernels' included (needs triton; "
+                             "always with --results)")
     parser.add_argument("--results", metavar="PATH", type=results_path,
                         help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
     args = parser.parse_args(argv)
@@ -146,11 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(SMOLLM2_135M, **SMOKE) if args.smoke else SMOLLM2_135M
     counts = count_all(shape)
     text = report(counts, shape)
+    if args.launches or args.results:
+        launches = count_launches(shape)
+        text += "\n\n" + launch_report(launches)
     print(text)
     if args.ops:
         for name in ("block", "full"):
             for workload in WORKLOADS:
                 print(added_operators(counts, name, workload))
+        if args.launches or args.results:
+            base = launches["llama"]
+            for name in ("block+triton", "full+triton"):
+                print(added_operators({"llama": {"decode": base}, name: {"decode": launches[name]}}, name, "decode"))
     if args.results:
         measured.write(args.results, text)
     return 0
