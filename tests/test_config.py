@@ -174,3 +174,19 @@ def test_usual_rope_theta_values_are_accepted():
     assert tiny_config(rope_theta=10000).rope_parameters["rope_theta"] == 10000
     assert tiny_config(rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
     assert tiny_config().rope_parameters["rope_theta"] > 0
+
+
+def test_validate_and_save_after_a_bad_assignment_and_positional_arguments_raise_one_line_value_errors(tmp_path):
+    """A cross-field rule broken by an assignment is reported by `validate()` and `save_pretrained` as the one-line
+    `ValueError` of construction (was huggingface_hub's multi-line StrictDataclassClassValidationError, no
+    ValueError); positional arguments name `AttnResConfig`, not the private fields class it subclasses."""
+    config = tiny_config()
+    config.attnres_block_size = 3
+    rule = "attnres_block_size must be 1 (Full AttnRes) or a positive even number"
+    for check in (config.validate, lambda: config.save_pretrained(tmp_path)):
+        with pytest.raises(ValueError) as error:
+            check()
+        assert str(error.value).startswith(rule) and "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"^AttnResConfig accepts only keyword arguments"):
+        AttnResConfig(tiny_config().backbone)
+    assert AttnResConfig.__init__.__qualname__ == "AttnResConfig.__init__"
