@@ -3,7 +3,7 @@ import re
 import pytest
 
 from attnres_hf import AttnResConfig, default_attnres_block_size
-from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS
+from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS, _AttnResConfigFields
 from utils import tiny_config
 
 
@@ -190,3 +190,4 @@ def test_validate_and_save_after_a_bad_assignment_and_positional_arguments_raise
     with pytest.raises(ValueError, match=r"^AttnResConfig accepts only keyword arguments"):
         AttnResConfig(tiny_config().backbone)
     assert AttnResConfig.__init__.__qualname__ == "AttnResConfig.__init__"
+    assert AttnResConfig.__init__.__annotations__ == _AttnResConfigFields.__init__.__annotations__

@@ -291,7 +291,8 @@ class AttnResConfig(_AttnResConfigFields):
     ```
     """
 
-    @functools.wraps(_AttnResConfigFields.__init__, assigned=("__module__", "__doc__"))  # the fields' signature
+    @functools.wraps(_AttnResConfigFields.__init__,  # the fields' signature; its own qualified name
+                     assigned=[name for name in functools.WRAPPER_ASSIGNMENTS if name != "__qualname__"])
     def __init__(self, *args, **kwargs):
         if args:  # (`@strict` refuses them too, but names the private fields class)
             raise ValueError(f"{type(self).__name__} accepts only keyword arguments, but found `{len(args)}` "
