@@ -330,6 +330,21 @@ def test_an_fla_import_into_a_narrower_dtype_compares_the_conversion_not_the_rou
     assert check["source_weights_rounded_to"] == ["bfloat16"]
     assert check["relative_max_abs_logit_delta"] <= 1e-5 and check["exact"], check
 
+
+def test_a_folder_saved_for_gpu_kernels_exports_with_its_logits_checked_on_the_cpu(tmp_path):
+    """An AttnRes folder whose config names the GPU's router kernels (`attnres_implementation="fla"`; "triton" too
+    outside the tests' TRITON_INTERPRET=1, as saved by a GPU run) exports to fla, streamed and in memory: the CPU
+    check computes the same arithmetic in torch (both raised "needs CUDA tensors"; the streamed one since it compares
+    logits)."""
+    implementation = "fla"
+    _fla_folder(tmp_path / "src", 2)
+    convert(tmp_path / "src", tmp_path / "attnres", stream=True)
+    path = tmp_path / "attnres" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"attnres_implementation": implementation}))
+    for stream in (True, False):
+        check = export(tmp_path / "attnres", tmp_path / f"fla-{stream}", to="fla", stream=stream)["verification"]
+        assert check["exact"] and check["greedy_match"], (stream, check)
+
 def test_what_cannot_stream_says_why(tmp_path, monkeypatch):
     """A tensor of a dtype the streamed reader does not read, and `.bin` weights in torch's legacy format (which
     cannot be memory-mapped): `stream=True` is one line naming them, before anything is written; `auto` converts in
