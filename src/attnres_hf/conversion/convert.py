@@ -231,7 +231,10 @@ def convert(
     if plan is not None:
         return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, source_fields, max_shard_size)
 
-    loaded = opened.load_model(overrides, target_dtype)
+    # verified here on the CPU in torch; the kernels the output is for (`attnres_implementation`) named in its config
+    implementation = overrides.get("attnres_implementation", "torch")
+    loaded = opened.load_model(overrides | {"attnres_implementation": "torch"} if implementation != "torch"
+                               else overrides, target_dtype)
     model, target_dtype = loaded.model, loaded.dtype
     for key, tensor in model.state_dict().items():  # an outlier beyond a float16 output's range: refused, not inf
         check_representable(key, tensor, loaded.kept.get(key, target_dtype), name)
@@ -246,6 +249,7 @@ def convert(
             if key in loaded.kept}  # K3's fp32 tensors of a bf16 checkpoint
     model = model.to(target_dtype)
     model.config.backbone.dtype = target_dtype  # the written dtype, not the fp32 the source was verified in
+    model.config.attnres_implementation = implementation
     for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
         if key in kept:
             tensor.data = kept[key]
