@@ -100,6 +100,7 @@ def test_declared_field_rules_hold_at_construction_assignment_and_loading(name, 
     ("eos_token_id", "2", "eos_token_id must be one of the types (int, list[int], None), got '2'"),
     ("rms_norm_eps", "1e-5", "rms_norm_eps must be float, got str (value: '1e-5')"),
     ("attention_dropout", True, "attention_dropout must be one of the types (int, float, None), got True"),
+    ("backbone", [1], "backbone must be one of the types (dict, PreTrainedConfig, str, None), got [1]"),
 ])
 def test_wrong_type_for_an_optional_or_union_field_names_the_types(name, value, rule):
     """A field declared as a union (`int | None`, ...) reports the accepted types in one short line, not

@@ -61,7 +61,7 @@ def _one_line_value_errors():
         message = str(cause)
         union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
         if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
-            types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
+            types = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
             message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
         elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
             message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
