@@ -3,7 +3,7 @@ import re
 import pytest
 
 from attnres_hf import AttnResConfig, default_attnres_block_size
-from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS
+from attnres_hf.modeling.configuration_attnres import DEPTH_MIXING_METHODS, _AttnResConfigFields
 from utils import tiny_config
 
 
@@ -100,6 +100,7 @@ def test_declared_field_rules_hold_at_construction_assignment_and_loading(name, 
     ("eos_token_id", "2", "eos_token_id must be one of the types (int, list[int], None), got '2'"),
     ("rms_norm_eps", "1e-5", "rms_norm_eps must be float, got str (value: '1e-5')"),
     ("attention_dropout", True, "attention_dropout must be one of the types (int, float, None), got True"),
+    ("backbone", [1], "backbone must be one of the types (dict, PreTrainedConfig, str, None), got [1]"),
 ])
 def test_wrong_type_for_an_optional_or_union_field_names_the_types(name, value, rule):
     """A field declared as a union (`int | None`, ...) reports the accepted types in one short line, not
@@ -174,3 +175,20 @@ def test_usual_rope_theta_values_are_accepted():
     assert tiny_config(rope_theta=10000).rope_parameters["rope_theta"] == 10000
     assert tiny_config(rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
     assert tiny_config().rope_parameters["rope_theta"] > 0
+
+
+def test_validate_and_save_after_a_bad_assignment_and_positional_arguments_raise_one_line_value_errors(tmp_path):
+    """A cross-field rule broken by an assignment is reported by `validate()` and `save_pretrained` as the one-line
+    `ValueError` of construction (was huggingface_hub's multi-line StrictDataclassClassValidationError, no
+    ValueError); positional arguments name `AttnResConfig`, not the private fields class it subclasses."""
+    config = tiny_config()
+    config.attnres_block_size = 3
+    rule = "attnres_block_size must be 1 (Full AttnRes) or a positive even number"
+    for check in (config.validate, lambda: config.save_pretrained(tmp_path)):
+        with pytest.raises(ValueError) as error:
+            check()
+        assert str(error.value).startswith(rule) and "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"^AttnResConfig accepts only keyword arguments"):
+        AttnResConfig(tiny_config().backbone)
+    assert AttnResConfig.__init__.__qualname__ == "AttnResConfig.__init__"
+    assert AttnResConfig.__init__.__annotations__ == _AttnResConfigFields.__init__.__annotations__

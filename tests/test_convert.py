@@ -618,3 +618,16 @@ def test_a_damaged_pytorch_bin_source_is_refused_before_loading(damage, sharded,
     error = _bad_input_error(capsys, tmp_path / "source", tmp_path / "out")
     assert f"{named} {says}" in error, error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # no output (or staging) folder
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_conversion_for_gpu_kernels_is_verified_on_the_cpu_in_torch(stream, tmp_path):
+    """`attnres_implementation="fla"` (the output is for fla's fused kernel on a GPU): the CPU check computes the same
+    arithmetic in torch and the written config names the kernel (in memory it raised "needs CUDA tensors")."""
+    from attnres_hf.conversion import convert
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path / "src")
+    check = convert(tmp_path / "src", tmp_path / "out", stream=stream, attnres_implementation="fla")["verification"]
+    assert check["greedy_match"] and check["max_abs_logit_delta"] <= 1e-5, check
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["attnres_implementation"] == "fla"

@@ -319,6 +319,32 @@ def test_a_conversion_into_another_dtype_checks_the_retrofit_not_the_rounding(tm
     assert check["max_abs_logit_delta"] <= 1e-5 * max(1.0, check["source_max_abs_logit"]), check
 
 
+
+def test_an_fla_import_into_a_narrower_dtype_compares_the_conversion_not_the_rounding(tmp_path):
+    """An fp32 fla checkpoint converted streamed into bf16: fla's own model reads its weights rounded to bf16 (fla's
+    names) as the written folder holds them, so the logits agree to fp32 noise as in memory (the check reported
+    bf16's rounding before: 1e-2, 2% of max |logits|, `exact` False) and the report names the rounding."""
+    _fla_folder(tmp_path / "src", 1)
+    check = convert(tmp_path / "src", tmp_path / "out", stream=True, dtype="bfloat16")["verification"]
+    assert check["logits_compared"] == "yes" and check["tensors_identical"] and check["greedy_match"]
+    assert check["source_weights_rounded_to"] == ["bfloat16"]
+    assert check["relative_max_abs_logit_delta"] <= 1e-5 and check["exact"], check
+
+
+def test_a_folder_saved_for_gpu_kernels_exports_with_its_logits_checked_on_the_cpu(tmp_path):
+    """An AttnRes folder whose config names the GPU's router kernels (`attnres_implementation="fla"`; "triton" too
+    outside the tests' TRITON_INTERPRET=1, as saved by a GPU run) exports to fla, streamed and in memory: the CPU
+    check computes the same arithmetic in torch (both raised "needs CUDA tensors"; the streamed one since it compares
+    logits)."""
+    implementation = "fla"
+    _fla_folder(tmp_path / "src", 2)
+    convert(tmp_path / "src", tmp_path / "attnres", stream=True)
+    path = tmp_path / "attnres" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"attnres_implementation": implementation}))
+    for stream in (True, False):
+        check = export(tmp_path / "attnres", tmp_path / f"fla-{stream}", to="fla", stream=stream)["verification"]
+        assert check["exact"] and check["greedy_match"], (stream, check)
+
 def test_what_cannot_stream_says_why(tmp_path, monkeypatch):
     """A tensor of a dtype the streamed reader does not read, and `.bin` weights in torch's legacy format (which
     cannot be memory-mapped): `stream=True` is one line naming them, before anything is written; `auto` converts in

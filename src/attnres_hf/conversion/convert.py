@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import __version__
 from .._io import staged_folder
+from .fla_layout import to_attnres_name
 from .fla_source import FlaStreamSource, fla_source, is_fla_folder, verify_against_fla
 from .gguf_stream import GGUFSource
 from .gguf_tokenizer import load_gguf_tokenizer
@@ -230,7 +231,10 @@ def convert(
     if plan is not None:
         return _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, source_fields, max_shard_size)
 
-    loaded = opened.load_model(overrides, target_dtype)
+    # verified here on the CPU in torch; the kernels the output is for (`attnres_implementation`) named in its config
+    implementation = overrides.get("attnres_implementation", "torch")
+    loaded = opened.load_model(overrides | {"attnres_implementation": "torch"} if implementation != "torch"
+                               else overrides, target_dtype)
     model, target_dtype = loaded.model, loaded.dtype
     for key, tensor in model.state_dict().items():  # an outlier beyond a float16 output's range: refused, not inf
         check_representable(key, tensor, loaded.kept.get(key, target_dtype), name)
@@ -245,6 +249,7 @@ def convert(
             if key in loaded.kept}  # K3's fp32 tensors of a bf16 checkpoint
     model = model.to(target_dtype)
     model.config.backbone.dtype = target_dtype  # the written dtype, not the fp32 the source was verified in
+    model.config.attnres_implementation = implementation
     for key, tensor in model.state_dict(keep_vars=True).items():  # parameters and buffers
         if key in kept:
             tensor.data = kept[key]
@@ -362,18 +367,22 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
             print(f"Verifying on {input_ids.shape[1]} probe tokens, the source and the written folder offloaded to "
                   f"disk (one module's weights resident at a time; {STREAMED_NEW_TOKENS} greedy tokens) ...",
                   flush=True)
+        # the source's weights as they were written (a conversion into another dtype compares the conversion, not
+        # the rounding, as the in-memory check does before the output is cast)
+        rounded = {name: plan.targets[name].dtype for name, read in plan.sources.items()
+                   if plan.targets[name].dtype != read.dtype and plan.targets[name].dtype != torch.float32}
         with offloaded(staging, AttnResForCausalLM) as model:
             if plan.source.kind == "fla" and plan.source.imported_routers and _fla_installed():  # fla's own model too
+                fla_rounded = {name: rounded[ours] for name in plan.source.stored()
+                               if (ours := to_attnres_name(name)) in rounded}  # (fla's names)
                 verification = _written_tensors_check(plan, staging) | verify_against_fla(
-                    plan.source.path, model, input_ids, new_tokens=STREAMED_NEW_TOKENS) | {"logits_compared": "yes"}
+                    plan.source.path, model, input_ids, new_tokens=STREAMED_NEW_TOKENS, rounded_to=fla_rounded) | {
+                    "logits_compared": "yes", "source_weights_rounded_to": sorted(
+                        {str(d).removeprefix("torch.") for d in fla_rounded.values()})}
             elif plan.source.imported_routers:
                 verification = _written_tensors_check(plan, staging) | _continuation(
                     model, input_ids, STREAMED_NEW_TOKENS)
             else:
-                # the source's weights as they were written (a conversion into another dtype compares the
-                # retrofit, not the rounding, as the in-memory check does before the output is cast)
-                rounded = {name: plan.targets[name].dtype for name, read in plan.sources.items()
-                           if plan.targets[name].dtype != read.dtype and plan.targets[name].dtype != torch.float32}
                 with offloaded(plan.source, rounded_to=rounded) as source_model:
                     verification = verify_offloaded_conversion(source_model, model, input_ids,
                                                                new_tokens=STREAMED_NEW_TOKENS)

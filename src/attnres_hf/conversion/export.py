@@ -224,7 +224,8 @@ def export(
                 verification |= verify_against_fla(staging, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
             verification["logits_compared"] = "yes"
         else:
-            model = AttnResForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            model = AttnResForCausalLM.from_pretrained(  # (checked on the CPU: torch's arithmetic, whatever kernels
+                model_dir, dtype=torch.float32, attnres_implementation="torch").eval()  # the folder was saved for)
             print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model ...", flush=True)
             verification = verify_against_fla(staging, model, input_ids)
         report = {

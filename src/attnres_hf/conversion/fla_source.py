@@ -241,7 +241,7 @@ class FlaStreamSource(Source):
 
 @torch.no_grad()
 def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, input_ids: torch.Tensor,
-                       new_tokens: int | None = None) -> dict:
+                       new_tokens: int | None = None, rounded_to: dict | None = None) -> dict:
     """Compare `model` (fp32) with fla's own `TransformerForCausalLM` loaded from `folder` in fp32 on the CPU, its
     CUDA-only kernels replaced by fla's reference functions (`fla_cpu.fla_reference_kernels`): `verify_conversion`'s
     numbers, plus `compared_with`, `relative_max_abs_logit_delta` (over max |logits|) and `exact`
@@ -249,7 +249,9 @@ def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, inp
 
     `new_tokens` given (a streamed conversion): both models offloaded to disk instead, `model` an `offloaded.offloaded`
     model of the written folder and fla's read from `folder`'s own files the same way (one module's weights resident
-    at a time), compared in `verify_offloaded_conversion`'s forwards with `new_tokens` greedy tokens."""
+    at a time), compared in `verify_offloaded_conversion`'s forwards with `new_tokens` greedy tokens; `rounded_to`:
+    `{fla tensor name: dtype}` of fla's weights read rounded to the dtype the conversion wrote them in (`offloaded`),
+    so that a conversion into a narrower dtype compares the conversion, not the rounding, as the in-memory check does."""
     from .fla_cpu import fla_reference_kernels
     from .offloaded import offloaded
     from .verify import verify_offloaded_conversion
@@ -268,7 +270,8 @@ def verify_against_fla(folder: str | os.PathLike, model: AttnResForCausalLM, inp
         else:
             fla_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(folder))]
             # (its decoder layer reads its routers' weights without calling them: loaded whole at its forward)
-            with offloaded(folder, fla_class, preload=list(fla_class._no_split_modules or ())) as reference:
+            with offloaded(folder, fla_class, rounded_to=rounded_to,
+                           preload=list(fla_class._no_split_modules or ())) as reference:
                 result = verify_offloaded_conversion(reference, model, input_ids, new_tokens, source_use_cache=False)
     relative = result["max_abs_logit_delta"] / max(result["source_max_abs_logit"], 1e-12)
     result |= {

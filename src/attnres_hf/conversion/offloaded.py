@@ -103,6 +103,9 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
             config = model_class.config_class.from_pretrained(folder)
         reads = identity_reads(stored_tensors(safetensors_files(Path(folder))))
         generation_config = generation_config_of(folder, config)
+    if getattr(config, "attnres_implementation", "torch") != "torch":  # a folder saved for the GPU's kernels:
+        config = copy.deepcopy(config)  # checked on the CPU with the same arithmetic in torch
+        config.attnres_implementation = "torch"
     with torch.device("meta"):
         model = model_class._from_config(copy.deepcopy(config), dtype=torch.float32)
     model.generation_config = generation_config

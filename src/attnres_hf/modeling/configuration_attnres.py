@@ -61,7 +61,7 @@ def _one_line_value_errors():
         message = str(cause)
         union = re.match(r"Field '(\w+)' with value (.*) doesn't match any type in \((.*)\)\. Errors:", message, re.S)
         if union is not None:  # "Field 'x' with value v doesn't match any type in (<class 'int'>, ...). Errors: ..."
-            types = re.sub(r"<class '(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
+            types = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", union.group(3)).replace("NoneType", "None")
             message = f"{union.group(1)} must be one of the types ({types}), got {union.group(2)}"
         elif field is not None:  # "Value must be ..." / "Field 'x' expected ..." -> "x must be ..." / "x expected ..."
             message = re.sub(r"^(Value|Field '\w+')( expected)?", rf"{field.group(1)} must be", message)
@@ -291,15 +291,25 @@ class AttnResConfig(_AttnResConfigFields):
     ```
     """
 
-    @functools.wraps(_AttnResConfigFields.__init__)
+    @functools.wraps(_AttnResConfigFields.__init__,  # the fields' signature; its own qualified name
+                     assigned=[name for name in functools.WRAPPER_ASSIGNMENTS if name != "__qualname__"])
     def __init__(self, *args, **kwargs):
+        if args:  # (`@strict` refuses them too, but names the private fields class)
+            raise ValueError(f"{type(self).__name__} accepts only keyword arguments, but found `{len(args)}` "
+                             "positional args.")
         with _one_line_value_errors():
-            super().__init__(*args, **kwargs)
+            super().__init__(**kwargs)
 
     def __setattr__(self, name, value):
         # (outside `@strict`'s check of the fields, which `_AttnResConfigFields` has: its errors as one line)
         with _one_line_value_errors():
             super().__setattr__(name, value)
+
+    def validate(self):
+        """Check the fields and the rules across them (`validate_architecture`), e.g. after assignments; also run
+        by `save_pretrained`. Raises a one-line `ValueError` naming the rule that is broken."""
+        with _one_line_value_errors():
+            super().validate()
 
 _LEGACY_DEFAULTS = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
