@@ -311,6 +311,7 @@ class AttnResConfig(_AttnResConfigFields):
         with _one_line_value_errors():
             super().validate()
 
+
 _LEGACY_DEFAULTS = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
     hidden_act="silu", max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
