@@ -65,6 +65,9 @@ def test_the_attention_reads_serve_softmax_forwards_of_few_tokens(input_ids, mon
     for dtype in (torch.bfloat16, torch.float16):  # (their partial sums rounded as in training: `sdpa_serves`)
         assert layouts(tiny_model(attnres_block_size=2).to(dtype), input_ids) != [SdpaLayout]
     assert layouts(tiny_model(attnres_block_size=2).double(), input_ids) == [SdpaLayout]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # (traced: inductor fuses the other reads)
+    assert layouts(tiny_model(attnres_block_size=2), input_ids) != [SdpaLayout]
+    monkeypatch.undo()
     monkeypatch.setattr(attnres_inference, "SDPA_TOKENS", input_ids.numel() - 1)
     assert layouts(tiny_model(attnres_block_size=2), input_ids) != [SdpaLayout]
 
