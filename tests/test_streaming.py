@@ -169,7 +169,7 @@ def test_a_streamed_fla_import_compares_logits_where_fla_is_installed_and_says_w
     printed = capsys.readouterr().out
     assert "vs fla TransformerForCausalLM" in printed and "offloaded to disk" in printed
     assert "logits not compared" not in printed
-    monkeypatch.setattr(sys.modules["attnres_hf.conversion.convert"], "_fla_installed", lambda: False)
+    monkeypatch.setattr(sys.modules["attnres_hf.conversion.convert"], "fla_installed", lambda: False)
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "without"), "--stream"]) == 0
     check = json.loads((tmp_path / "without" / "conversion_report.json").read_text())["verification"]
     assert check["tensors_identical"] and "compared_with" not in check and check["greedy_new_tokens"] > 0

@@ -6,7 +6,6 @@ files, the tokenizer with its chat template, `generation_config.json`, a model c
 run never leaves a half-written `output_dir`.
 """
 
-import importlib.util
 import json
 import os
 import time
@@ -18,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from .. import __version__
 from .._io import staged_folder
 from .fla_layout import to_attnres_name
-from .fla_source import FlaStreamSource, fla_source, is_fla_folder, verify_against_fla
+from .fla_source import FlaStreamSource, fla_installed, fla_source, is_fla_folder, verify_against_fla
 from .gguf_stream import GGUFSource
 from .gguf_tokenizer import load_gguf_tokenizer
 from .k3_source import K3StreamSource, is_k3_folder, k3_source
@@ -356,7 +355,8 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         written = time.perf_counter()
-        if plan.source.kind == "fla" and plan.source.imported_routers and _fla_installed():
+        against_fla = plan.source.kind == "fla" and plan.source.imported_routers and fla_installed()
+        if against_fla:
             print(f"Checking every tensor written against the checkpoint's, and the written folder's logits on "
                   f"{input_ids.shape[1]} probe tokens and {STREAMED_NEW_TOKENS} greedy tokens against fla's own model, "
                   "both offloaded to disk ...", flush=True)
@@ -372,7 +372,7 @@ def _convert_streamed(plan, output_dir, tokenizer, probe_text, force, mode, sour
         rounded = {name: plan.targets[name].dtype for name, read in plan.sources.items()
                    if plan.targets[name].dtype != read.dtype and plan.targets[name].dtype != torch.float32}
         with offloaded(staging, AttnResForCausalLM) as model:
-            if plan.source.kind == "fla" and plan.source.imported_routers and _fla_installed():  # fla's own model too
+            if against_fla:  # fla's own model too
                 fla_rounded = {name: rounded[ours] for name in plan.source.stored()
                                if (ours := to_attnres_name(name)) in rounded}  # (fla's names)
                 verification = _written_tensors_check(plan, staging) | verify_against_fla(
@@ -420,10 +420,6 @@ def _written_tensors_check(plan, folder: Path) -> dict:
     return {"tensors_checked": len(plan.sources), "max_abs_tensor_delta": delta, "tensors_identical": delta == 0.0,
             "logits_compared": f"no: the written tensors are compared with the checkpoint's; {why}"}
 
-
-def _fla_installed() -> bool:
-    """Whether flash-linear-attention is importable (a streamed fla import then compares logits with its model)."""
-    return importlib.util.find_spec("fla") is not None
 
 
 def _probe_ids(tokenizer, probe_text: str, vocab_size: int) -> torch.Tensor:

@@ -217,12 +217,12 @@ def export(
 
             written = fla_source(staging)
             check_fla_tensors(written, config)
-            verification = _read_back(_folder_reads(files), FlaStreamSource(written).reads(), "flash-linear-attention")
+            verification = _read_back(_folder_reads(files), FlaStreamSource(written).reads())
             print(f"Verifying on {input_ids.shape[1]} probe tokens against fla's model, both offloaded to disk ...",
                   flush=True)
             with offloaded(model_dir, AttnResForCausalLM) as model:
-                verification |= verify_against_fla(staging, model, input_ids, new_tokens=STREAMED_NEW_TOKENS)
-            verification["logits_compared"] = "yes"
+                verification |= verify_against_fla(staging, model, input_ids, new_tokens=STREAMED_NEW_TOKENS) | {
+                    "logits_compared": "yes"}
         else:
             model = AttnResForCausalLM.from_pretrained(  # (checked on the CPU: torch's arithmetic, whatever kernels
                 model_dir, dtype=torch.float32, attnres_implementation="torch").eval()  # the folder was saved for)
@@ -369,7 +369,7 @@ def _export_k3(model_dir: Path, output_dir: Path, config: AttnResConfig, files: 
         written = k3_source(staging)  # the written folder, read as `attnres convert` reads it
         check_k3_tensors(written, AttnResConfig.from_dict(config.to_dict()))
         if streamed:  # every tensor read back (attnres-hf names) against the folder's, row chunks at a time
-            identical = _read_back(_folder_reads(files), K3StreamSource(written).reads(), "K3")["tensors_identical"]
+            identical = _read_back(_folder_reads(files), K3StreamSource(written).reads())["tensors_identical"]
         else:
             back = read_k3_tensors(written)  # MXFP4 experts decoded (bf16), compared in the model's dtype
             encoded = set(values) - set(state)
@@ -459,10 +459,9 @@ def _write_streamed(reads: dict[str, TensorRead], folder: Path, max_shard_size: 
     write_streamed(StreamPlan(config=None, model=None, targets=targets, sources=reads), folder, max_shard_size)
 
 
-def _read_back(folder: dict[str, TensorRead], back: dict[str, TensorRead], layout: str) -> dict:
+def _read_back(folder: dict[str, TensorRead], back: dict[str, TensorRead]) -> dict:
     """The streamed export's check: the written folder read back as `attnres convert` reads it (`back`, attnres-hf
     names) against the AttnRes folder's tensors (`folder`), every one, in row chunks (`sources.max_read_delta`)."""
     delta = max_read_delta(folder, back)
     return {"read_back_by_attnres_convert": True, "tensors_checked": len(folder), "max_abs_tensor_delta": delta,
-            "tensors_identical": delta == 0.0 and set(back) == set(folder),
-            "logits_compared": f"no: a streamed export reads the {layout} folder back tensor by tensor"}
+            "tensors_identical": delta == 0.0 and set(back) == set(folder)}

@@ -53,13 +53,18 @@ def is_fla_folder(source) -> bool:
         return False
 
 
+def fla_installed() -> bool:
+    """Whether flash-linear-attention is importable (its own model then checks conversions and exports)."""
+    return importlib.util.find_spec("fla") is not None
+
+
 def check_fla_installed() -> str:
     """fla's version; it is needed to check a conversion against fla's own model.
 
     Raises:
         ImportError: flash-linear-attention (or the Triton it imports) is missing.
     """
-    if importlib.util.find_spec("fla") is None:
+    if not fla_installed():
         raise ImportError('reading an fla checkpoint checks it against fla\'s own model, which needs '
                           'flash-linear-attention: pip install "attnres-hf[fla]"')
     from importlib.metadata import PackageNotFoundError, version
