@@ -10,7 +10,8 @@ implementations below, on a 2-core AMD EPYC), about 2-5x the worst: fp32 outputs
 1e-6), gradients within 1.4e-5 (the query's and key-norm weight's, sums over tokens; bound 5e-5); bf16 sources (fp32
 arithmetic, bf16 outputs and gradients; bf16 keeps 8 bits) outputs within 7.7e-3 (bound 2e-2), gradients within
 3.1e-2 (the two-phase read's, rescaled: its output is rounded to bf16 before the scale; bound 6e-2); the depth
-weights, fp32 whatever the sources, within 1.9e-7 (bound 1e-6).
+weights, fp32 whatever the sources, within 1.9e-7 (bound 1e-6). A model takes the reference for every read with
+`attnres_implementation="naive"` (the tests at the end; test_two_phase.py holds the model's paths against it).
 """
 
 import pytest
@@ -18,6 +19,8 @@ import torch
 
 from attnres_hf.modeling import ops, ops_naive, ops_torch
 from attnres_hf.modeling.attnres_buffer import SourceBuffer
+from attnres_hf.modeling.modeling_attnres import AttnResForCausalLM
+from utils import TINY, tiny_config, tiny_model
 
 EPS = 1e-6
 TOLERANCE = {  # (sources' dtype, result) -> bound on the relative error (module docstring)
@@ -270,3 +273,38 @@ def test_the_registry_chooses_and_refuses():
         ops_torch.attnres([], torch.zeros(8))
     with pytest.raises(ValueError, match="at least one source"):
         ops_naive.attnres([], torch.zeros(8))
+
+
+@pytest.mark.parametrize("knob", [dict(attnres_num_heads=2), dict(attnres_window=2),
+                                  dict(attnres_query="input_dependent"), dict(attnres_scalar_weights=True)],
+                         ids=["heads", "window", "input-dependent", "scalar-weights"])
+def test_a_model_refuses_the_reference_for_knobs_it_does_not_compute(knob):
+    """`attnres_implementation="naive"` computes the paper's router (static query, one head, no window; softmax or
+    sigmoid, with or without the key norm): other knobs are refused naming the field, when the config is built and
+    when the implementation is set later."""
+    field = next(iter(knob))
+    with pytest.raises(ValueError, match=f"attnres_implementation='naive' needs {field}="):
+        tiny_config(**knob, attnres_implementation="naive")
+    config = tiny_config(**knob)
+    with pytest.raises(ValueError, match=f"attnres_implementation='naive' needs {field}="):
+        config.attnres_implementation = "naive"
+    assert config.attnres_implementation == "torch"
+
+
+@pytest.mark.parametrize("block_size", [1, 2], ids=["full", "block2"])
+def test_a_model_with_the_reference_reads_saves_loads_and_generates_as_the_torch_one(block_size, tmp_path):
+    """A model whose reads are the reference's (`attnres_implementation="naive"`, as `attn_implementation="eager"`)
+    keeps it through `save_pretrained`, is chosen by `from_pretrained(..., attnres_implementation="naive")`, and
+    decodes with the KV cache the torch reads' tokens, logits within fp32 round-off (test_two_phase.py compares the
+    training paths)."""
+    model = tiny_model(attnres_block_size=block_size)
+    model.save_pretrained(tmp_path / "torch")
+    naive = AttnResForCausalLM.from_pretrained(tmp_path / "torch", attnres_implementation="naive")
+    assert naive.config.attnres_implementation == "naive"
+    naive.save_pretrained(tmp_path / "naive")
+    assert AttnResForCausalLM.from_pretrained(tmp_path / "naive").config.attnres_implementation == "naive"
+    prompt = torch.randint(3, TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    ours, reference = model.generate(prompt, **kwargs), naive.generate(prompt, **kwargs)
+    assert torch.equal(ours.sequences, reference.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), atol=1e-5, rtol=1e-5)

@@ -89,7 +89,7 @@ class _AttnResConfigFields(PreTrainedConfig):
     attnres_query: Literal["static", "input_dependent"] = "static"
     attnres_num_heads: int = interval(min=1)(default=1)
     attnres_scalar_weights: bool = False
-    attnres_implementation: Literal["torch", "fla", "triton"] = "torch"  # checked against the knobs when set (`__setattr__`)
+    attnres_implementation: Literal["torch", "fla", "triton", "naive"] = "torch"  # checked when set (`__setattr__`)
     denseformer_dilation: int = interval(min=1)(default=1)
     denseformer_period: int = interval(min=1)(default=1)
     mhc_num_streams: int = interval(min=2)(default=4)  # one stream cannot hold a doubly-stochastic mix of anything
@@ -253,8 +253,10 @@ class AttnResConfig(_AttnResConfigFields):
             with or without the key norm (softmax, static query, one head, no window, no scalar weights; `pip
             install "attnres-hf[triton]"`). Both kernels need CUDA tensors (others raise at the forward; Triton's
             interpreter, `TRITON_INTERPRET=1`, runs `"triton"` on CPU for tests), compute the torch path's numbers up
-            to rounding, and leave reads under `torch.compile` to torch. Settable like `attn_implementation`:
-            `from_pretrained(path, attnres_implementation="triton")`.
+            to rounding, and leave reads under `torch.compile` to torch. `"naive"`: every read by the reference
+            (`ops_naive.attnres`: each router stacks and scores every source; no buffer, no two phases), as
+            `attn_implementation="eager"` for attention (static query, one head, no window, no scalar weights).
+            Settable like `attn_implementation`: `from_pretrained(path, attnres_implementation="triton")`.
 
         denseformer_dilation (`int`, defaults to 1):
             DenseFormer (`depth_mixing="denseformer"`; Pagliardini et al., NeurIPS 2024): the DWA after layer `i`

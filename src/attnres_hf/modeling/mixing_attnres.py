@@ -94,11 +94,13 @@ class AttnResState(NamedTuple):
         per-block query bank (`_query_bank`; without it, or when hooks manage the routers' weights, every router takes
         the direct path: same numbers). The state keeps no reference to them."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
-        # (a `torch.func` transform takes neither the buffer's in-place writes nor its autograd Functions: stacked)
-        if not _two_phase_applies(config) or functorch_active(embeddings):
+        # (a `torch.func` transform takes neither the buffer's in-place writes nor its autograd Functions, and the
+        # reference reads its sources as they are: stacked)
+        implementation = config.attnres_implementation
+        if not _two_phase_applies(config) or implementation == "naive" or functorch_active(embeddings):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
             return cls((embeddings,), statistics, None, eps, size, 0, None, embeddings.unsqueeze(-2), None,
-                       keep_weights)
+                       keep_weights, implementation=implementation)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
         grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
@@ -308,7 +310,8 @@ class AttnResRouter(nn.Module):
         whose phase 1 the state computed), the direct read of the source buffer (Full AttnRes, the final router, a
         model that gave the state no routers; fla's fused kernel with `attnres_implementation="fla"`), and the
         stacked path for the knobs the buffer does not serve (`attnres_num_heads > 1`, `attnres_window`,
-        `attnres_query="input_dependent"`, `attnres_scalar_weights`).
+        `attnres_query="input_dependent"`, `attnres_scalar_weights`), which also holds the reference's reads
+        (`attnres_implementation="naive"`).
         """
         if state.buffer is None:
             return self._stacked_forward(state)
@@ -434,8 +437,15 @@ class AttnResRouter(nn.Module):
         return hidden, weights
 
     def _stacked_forward(self, state: AttnResState) -> tuple[torch.Tensor, torch.Tensor]:
-        """The direct router over stacked sources `(B, T, n, D)`, for every knob (see `forward`)."""
+        """The direct router over stacked sources `(B, T, n, D)`, for every knob (see `forward`), or the reference's
+        read (`attnres_implementation="naive"`: `ops_naive.attnres` over the sources as the state holds them)."""
         sources, inv_rms, partial = state.stacked, state.inv_rms, state.partial
+        if state.implementation == "naive":
+            query, weight = self._query_and_weight()
+            count = len(state.sources) + (partial is not None)
+            return ops_get("naive", sources.device)(
+                state.sources, query, weight, partial=partial, key_norm=self.key_norm is not None, eps=state.eps,
+                sigmoid=self.score_fn == "sigmoid", output_scale=self._rescale(count) if self.rescale_output else 1.0)
         if self.window is not None:  # Table 4 "sliding window": the embedding and the W most recent sources
             keep = self.window - (partial is not None)
             if sources.shape[-2] - 1 > keep:

@@ -238,11 +238,14 @@ IMPLEMENTATION_NEEDS: dict[str, tuple[dict, str]] = {
     "fla": ({**_PAPER_ROUTER, "attnres_key_norm": True},
             "fla's fused_attnres is the paper's softmax router with a key norm and one static query"),
     "triton": (_PAPER_ROUTER, "the kernels compute the paper's softmax router with one static query"),
+    "naive": ({key: value for key, value in _PAPER_ROUTER.items() if key != "attnres_score_fn"},
+              "the reference reads the paper's router with one static query, softmax or sigmoid scores"),
 }
 """`attnres_implementation` -> (the config values it computes, what it computes) for the implementations that
 compute only some configs: fla's `fused_attnres` (`attnres_fla.py`: `softmax_i(w . RMSNorm(v_i))` with one static
 query) and the Triton kernels (`attnres_triton.py`: a softmax over the sources of one static pseudo-query per router,
-with or without the key norm). `"torch"` computes every config."""
+with or without the key norm), and the reference (`ops_naive.attnres`: softmax or sigmoid scores of one static
+pseudo-query, with or without the key norm). `"torch"` computes every config."""
 
 
 def check_implementation(config, implementation: str) -> None:
