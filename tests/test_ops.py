@@ -17,7 +17,7 @@ weights, fp32 whatever the sources, within 1.9e-7 (bound 1e-6). A model takes th
 import pytest
 import torch
 
-from attnres_hf.modeling import ops, ops_naive, ops_torch
+from attnres_hf.modeling import attnres_buffer, ops, ops_naive, ops_torch
 from attnres_hf.modeling.attnres_buffer import SourceBuffer
 from attnres_hf.modeling.modeling_attnres import AttnResForCausalLM
 from utils import TINY, tiny_config, tiny_model
@@ -241,6 +241,32 @@ def test_the_model_buffer_reads_as_the_tensor():
     torch.testing.assert_close(torch.stack(grads[:len(handles)]), plain["d_sources"], atol=1e-6, rtol=1e-5)
     for grad, name in zip(grads[len(handles):], ("d_partial", "d_query", "d_weight")):
         torch.testing.assert_close(grad, plain[name], atol=1e-6, rtol=1e-5)
+
+
+def through_buffer(in_place: bool):
+    """`ops_torch.attnres` over the model's source buffer: each source written into its slot by `_store`, whose
+    handle hands it the slot's gradient, summed in place by `_SourceGrads` (`in_place`, as eager training does) or
+    one per reader (as where a backward pass has no id), with the read's signature."""
+    def op(sources, query, key_norm_weight, **knobs):
+        slots = sources.unbind(0)
+        buffer = torch.empty(len(slots) + 1, *sources.shape[1:], dtype=sources.dtype)  # (one slot not written)
+        grads = attnres_buffer._SourceGrads(buffer) if in_place else None
+        handles = tuple(attnres_buffer._store(buffer, grads, slot, source) for slot, source in enumerate(slots))
+        return ops_torch.attnres(SourceBuffer(buffer, slots, handles, grads), query, key_norm_weight, **knobs)
+    return op
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["summed-in-place", "per-source"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("router", list(ROUTERS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_reads_of_the_model_buffer_equal_the_reference(shape, router, dtype, in_place):
+    """The torch read over the model's source buffer (without a partial sum one autograd Function for the whole read,
+    `attnres_buffer._SourceRead`; with one, the scores and sums Functions) against `ops_naive` in float64: output,
+    depth weights and every gradient, the sources' summed in place or handed per source."""
+    reference = reference_read(SHAPES[shape], dtype, router)
+    ours = read(through_buffer(in_place), *inputs(SHAPES[shape], dtype, router), **ROUTERS[router])
+    assert_matches_reference(ours, reference, dtype)
 
 
 def test_sources_may_be_a_list_and_weights_may_be_left_out():

@@ -248,6 +248,83 @@ class _SourceMix(torch.autograd.Function):
         return None, None, None, grad_weights, *_per_source(grad_values.view(n, batch, seq, dim), ctx, n)
 
 
+class _SourceRead(torch.autograd.Function):
+    """One router's whole read of the buffer's first `n` slots without a partial sum (Full AttnRes; a Block model's
+    direct reads of completed sources): the scores `w . v_i` (times the sources' `1/RMS` `inv` with the key norm),
+    their softmax (or sigmoid) over the sources and the weighted sum, in one Function whose backward reads the buffer
+    (see `_SourceScores`) in few operator calls: the weights' gradient in one batched product, the softmax's backward
+    in three calls, the query's in one product, and the sources' terms added to their sums in place (`_SourceGrads`;
+    in fp32 models directly, else through `add_scores`, which sums the score terms in fp32), or returned per source
+    where the pass cannot sum in place.
+
+    Inputs: `query (D,)` fp32 (float64 for a float64 buffer; the key-norm weight folded in), `inv (B, T, n)` in the
+    query's dtype or `None` (no key norm), `sigmoid`, `scale` (`output_scale`), then the slots' handles. Returns
+    `h (B, T, D)` in the buffer's dtype and the depth weights slot-major, `(n, B T)` in the query's dtype, both
+    differentiable (the weights' gradient joins the output's)."""
+
+    @staticmethod
+    def forward(ctx, buffer, grads, n, query, inv, sigmoid, scale, *handles):
+        _, batch, seq, dim = buffer.shape
+        rows = buffer[:n].view(-1, dim)  # (n B T, D)
+        raw = torch.mv(_as(rows, query.dtype), query).view(n, -1)  # (n, B T)
+        inv_t = None if inv is None else inv.view(-1, n).T  # (n, B T), a view
+        logits = raw if inv_t is None else raw * inv_t
+        weights = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=0)
+        mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype)
+        hidden = torch.bmm(mix.T.unsqueeze(1), rows.view(n, -1, dim).transpose(0, 1)).view(batch, seq, dim)
+        fp32_sums = grads is not None and buffer.dtype == query.dtype  # (else the score terms go to `add_scores`)
+        ctx.column = None if grads is None or fp32_sums else grads.register(1)
+        ctx.buffer, ctx.grads, ctx.n, ctx.sigmoid, ctx.scale = buffer, grads, n, sigmoid, scale
+        ctx.save_for_backward(query, weights, None if inv is None else raw, inv_t)
+        ctx.set_materialize_grads(False)
+        return hidden, weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_hidden, grad_weights):
+        query, weights, raw, inv_t = ctx.saved_tensors  # weights (n, B T)
+        n, buffer, scale = ctx.n, ctx.buffer, ctx.scale
+        _, batch, seq, dim = buffer.shape
+        rows = buffer[:n].view(-1, dim)
+        grad = None if grad_hidden is None else _as(grad_hidden, buffer.dtype).reshape(-1, 1, dim)  # (B T, 1, D)
+        grad_w = None if grad_weights is None else _as(grad_weights, weights.dtype)
+        if grad is not None:  # d h / d weight_i = scale v_i: one (B T, 1, D) @ (B T, D, n) product
+            from_hidden = torch.bmm(grad, rows.view(n, -1, dim).permute(1, 2, 0)).view(-1, n).T
+            from_hidden = _as(from_hidden, weights.dtype) if scale == 1.0 else _as(from_hidden, weights.dtype) * scale
+            grad_w = from_hidden if grad_w is None else grad_w + from_hidden
+        if ctx.sigmoid:  # d sigmoid(x) = s (1 - s)
+            grad_logits = grad_w * weights * (1 - weights)
+        else:  # softmax: w * (g - sum_i w_i g_i)
+            product = weights * grad_w
+            grad_logits = torch.addcmul(product, weights, product.sum(0, keepdim=True), value=-1)
+        coefficients = grad_logits if inv_t is None else grad_logits * inv_t  # d L / d (w . v_i), (n, B T)
+        grad_query = grad_inv = None
+        if ctx.needs_input_grad[3]:
+            grad_query = torch.mv(_as(rows, query.dtype).T, coefficients.reshape(-1))
+        if inv_t is not None and ctx.needs_input_grad[4]:
+            grad_inv = (grad_logits * raw).T.view(batch, seq, n)
+        needs = ctx.needs_input_grad[7:]
+        if not any(needs):
+            return None, None, None, grad_query, grad_inv, None, None, *_nones(needs)
+        mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype).unsqueeze(-1)  # (n, B T, 1)
+        grads = ctx.grads.open() if ctx.grads is not None else None
+        if grads is not None:  # slot i += mix_i grad + coefficient_i query, in place, from the first slot needed
+            lo = needs.index(True)
+            slots = grads.sums()[lo:n].view(n - lo, -1, dim)
+            if grad is not None:
+                slots.addcmul_(mix[lo:], grad.view(-1, dim))
+            if ctx.column is None:
+                slots.addcmul_(coefficients[lo:].unsqueeze(-1), query)
+            else:
+                grads.add_scores(coefficients.T.view(batch, seq, 1, n), query.unsqueeze(0), ctx.column)
+            return None, None, None, grad_query, grad_inv, None, None, *_nones(needs)
+        grad_values = coefficients.unsqueeze(-1) * query
+        if grad is not None:
+            grad_values = torch.addcmul(grad_values, mix, grad.view(-1, dim))
+        return (None, None, None, grad_query, grad_inv, None, None,
+                *_per_source(grad_values.view(n, batch, seq, dim), ctx, n, first=7))
+
+
 def _nones(needs) -> tuple:
     """`None` gradients for the handles."""
     return (None,) * len(needs)
@@ -277,10 +354,11 @@ class _SourceInverseRMS(torch.autograd.Function):
         return None, None, None, None, (coefficient * value.float()).to(ctx.buffer.dtype)
 
 
-def _per_source(grad_values, ctx, n):
-    """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed."""
+def _per_source(grad_values, ctx, n, first: int = 4):
+    """One gradient per source tensor (views of `grad_values (n, B, T, D)`), `None` where none is needed; the
+    handles are the Function's inputs from `first` on."""
     grad_values = grad_values.to(ctx.buffer.dtype)
-    return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[4:]))
+    return tuple(g if need else None for g, need in zip(grad_values.unbind(0), ctx.needs_input_grad[first:]))
 
 
 class SourceBuffer(NamedTuple):

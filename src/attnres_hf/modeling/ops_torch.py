@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .attnres_buffer import SourceBuffer, _as, _mix, _read_sources, _scores, _SourceMix, _SourceScores
+from .attnres_buffer import SourceBuffer, _as, _mix, _read_sources, _scores, _SourceMix, _SourceRead, _SourceScores
 from .attnres_two_phase import _merge_partial, _merged_weights, _PartialMerge
 from .mixing_base import inverse_rms
 
@@ -120,6 +120,12 @@ def attnres(
     read, n, dtype = _prepared(sources)
     compute = _compute_dtype(dtype)
     query = _folded(query, key_norm_weight, compute)
+    if partial is None and isinstance(read, SourceBuffer) and torch.is_grad_enabled() and (
+            query.requires_grad or any(h.requires_grad for h in read.handles)):  # the whole read in one Function
+        inv = (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute)) if key_norm else None
+        hidden, weights = _SourceRead.apply(read.buffer, read.grads, n, query, inv, sigmoid, output_scale,
+                                            *read.handles)
+        return hidden, weights.T.view(*hidden.shape[:-1], n) if return_weights else None
     logits = _read_scores(read, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
     if key_norm:
         logits = logits * (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute))
