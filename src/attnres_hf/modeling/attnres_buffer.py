@@ -258,12 +258,12 @@ class _SourceRead(torch.autograd.Function):
     where the pass cannot sum in place.
 
     Inputs: `query (D,)` fp32 (float64 for a float64 buffer; the key-norm weight folded in), `inv (B, T, n)` in the
-    query's dtype or `None` (no key norm), `sigmoid`, `scale` (`output_scale`), then the slots' handles. Returns
-    `h (B, T, D)` in the buffer's dtype and the depth weights slot-major, `(n, B T)` in the query's dtype, both
-    differentiable (the weights' gradient joins the output's)."""
+    query's dtype or `None` (no key norm), `sigmoid`, `scale` (`output_scale`), `return_weights`, then the slots'
+    handles. Returns `h (B, T, D)` in the buffer's dtype and, with `return_weights`, the depth weights slot-major,
+    `(n, B T)` in the query's dtype (differentiable: their gradient joins the output's), else `None`."""
 
     @staticmethod
-    def forward(ctx, buffer, grads, n, query, inv, sigmoid, scale, *handles):
+    def forward(ctx, buffer, grads, n, query, inv, sigmoid, scale, return_weights, *handles):
         _, batch, seq, dim = buffer.shape
         rows = buffer[:n].view(-1, dim)  # (n B T, D)
         raw = torch.mv(_as(rows, query.dtype), query).view(n, -1)  # (n, B T)
@@ -277,7 +277,7 @@ class _SourceRead(torch.autograd.Function):
         ctx.buffer, ctx.grads, ctx.n, ctx.sigmoid, ctx.scale = buffer, grads, n, sigmoid, scale
         ctx.save_for_backward(query, weights, None if inv is None else raw, inv_t)
         ctx.set_materialize_grads(False)
-        return hidden, weights
+        return hidden, weights if return_weights else None  # (saving an output costs two aliases: only if asked)
 
     @staticmethod
     @once_differentiable
@@ -303,9 +303,9 @@ class _SourceRead(torch.autograd.Function):
             grad_query = torch.mv(_as(rows, query.dtype).T, coefficients.reshape(-1))
         if inv_t is not None and ctx.needs_input_grad[4]:
             grad_inv = (grad_logits * raw).T.view(batch, seq, n)
-        needs = ctx.needs_input_grad[7:]
+        needs = ctx.needs_input_grad[8:]
         if not any(needs):
-            return None, None, None, grad_query, grad_inv, None, None, *_nones(needs)
+            return None, None, None, grad_query, grad_inv, None, None, None, *_nones(needs)
         mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype).unsqueeze(-1)  # (n, B T, 1)
         grads = ctx.grads.open() if ctx.grads is not None else None
         if grads is not None:  # slot i += mix_i grad + coefficient_i query, in place, from the first slot needed
@@ -317,12 +317,12 @@ class _SourceRead(torch.autograd.Function):
                 slots.addcmul_(coefficients[lo:].unsqueeze(-1), query)
             else:
                 grads.add_scores(coefficients.T.view(batch, seq, 1, n), query.unsqueeze(0), ctx.column)
-            return None, None, None, grad_query, grad_inv, None, None, *_nones(needs)
+            return None, None, None, grad_query, grad_inv, None, None, None, *_nones(needs)
         grad_values = coefficients.unsqueeze(-1) * query
         if grad is not None:
             grad_values = torch.addcmul(grad_values, mix, grad.view(-1, dim))
-        return (None, None, None, grad_query, grad_inv, None, None,
-                *_per_source(grad_values.view(n, batch, seq, dim), ctx, n, first=7))
+        return (None, None, None, grad_query, grad_inv, None, None, None,
+                *_per_source(grad_values.view(n, batch, seq, dim), ctx, n, first=8))
 
 
 def _nones(needs) -> tuple:
@@ -338,20 +338,20 @@ class _SourceInverseRMS(torch.autograd.Function):
     def forward(ctx, buffer, grads, slot, eps, handle):
         ctx.buffer, ctx.grads, ctx.slot = buffer, grads, slot
         inv = inverse_rms(buffer[slot], eps)
-        ctx.save_for_backward(inv)
+        ctx.save_for_backward(inv.pow(3).mul_(-1 / buffer.shape[-1]))  # (not the output: saving it costs two aliases)
         return inv
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # d/dx (mean(x^2) + eps)^(-1/2) = -inv^3 x / D
-        (inv,) = ctx.saved_tensors
+        (slope,) = ctx.saved_tensors  # -inv^3 / D, (B, T)
         value = ctx.buffer[ctx.slot]
-        coefficient = (grad * inv.pow(3) / -value.shape[-1]).unsqueeze(-1)
+        coefficient = grad * slope
         grads = ctx.grads.open() if ctx.grads is not None else None
         if grads is not None:
-            grads.add_mix_product(ctx.slot + 1, _as(coefficient, value.dtype).unsqueeze(0), value, ctx.slot)
+            grads.add_mix_product(ctx.slot + 1, _as(coefficient, value.dtype).view(1, *grad.shape, 1), value, ctx.slot)
             return None, None, None, None, None
-        return None, None, None, None, (coefficient * value.float()).to(ctx.buffer.dtype)
+        return None, None, None, None, (coefficient.unsqueeze(-1) * value.float()).to(ctx.buffer.dtype)
 
 
 def _per_source(grad_values, ctx, n, first: int = 4):

@@ -124,7 +124,7 @@ def attnres(
             query.requires_grad or any(h.requires_grad for h in read.handles)):  # the whole read in one Function
         inv = (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute)) if key_norm else None
         hidden, weights = _SourceRead.apply(read.buffer, read.grads, n, query, inv, sigmoid, output_scale,
-                                            *read.handles)
+                                            return_weights, *read.handles)
         return hidden, weights.T.view(*hidden.shape[:-1], n) if return_weights else None
     logits = _read_scores(read, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
     if key_norm:
