@@ -177,7 +177,9 @@ class _SourceScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer, grads, n, queries, *inputs):
         ctx.buffer, ctx.grads, ctx.n = buffer, grads, n
-        ctx.column = grads.register(queries.shape[0]) if grads is not None else None
+        # (one query in fp32: its term is added to the sums in place in backward; else recorded, `add_scores`)
+        direct = grads is None or (queries.shape[0] == 1 and buffer.dtype == queries.dtype)
+        ctx.column = None if direct else grads.register(queries.shape[0])
         ctx.save_for_backward(queries)
         return _scores(buffer[:n], queries)
 
@@ -198,7 +200,10 @@ class _SourceScores(torch.autograd.Function):
         if not any(needs):
             return None, None, None, grad_queries, *_nones(needs)
         if grads is not None:
-            grads.add_scores(grad, queries, ctx.column)
+            if ctx.column is None:  # slot i += (d L / d score_i) query, in place
+                grads.sums()[:n].addcmul_(grad.permute(3, 0, 1, 2), queries[0])
+            else:
+                grads.add_scores(grad, queries, ctx.column)
             return None, None, None, grad_queries, *_nones(needs)
         grad_values = (flat_grad @ queries).view(values.shape)
         return None, None, None, grad_queries, *_per_source(grad_values, ctx, n)
@@ -306,23 +311,22 @@ class _SourceRead(torch.autograd.Function):
         needs = ctx.needs_input_grad[8:]
         if not any(needs):
             return None, None, None, grad_query, grad_inv, None, None, None, *_nones(needs)
-        mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype).unsqueeze(-1)  # (n, B T, 1)
+        mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype).view(n, batch, seq, 1)
+        coefficients = coefficients.reshape(n, batch, seq, 1)
         grads = ctx.grads.open() if ctx.grads is not None else None
-        if grads is not None:  # slot i += mix_i grad + coefficient_i query, in place, from the first slot needed
-            lo = needs.index(True)
-            slots = grads.sums()[lo:n].view(n - lo, -1, dim)
-            if grad is not None:
-                slots.addcmul_(mix[lo:], grad.view(-1, dim))
+        if grads is not None:  # slot i += mix_i grad + coefficient_i query, in place (all n: slots none needs
+            slots = grads.sums()[:n]  # are never handed theirs)
+            if grad_hidden is not None:
+                slots.addcmul_(mix, _as(grad_hidden, buffer.dtype))
             if ctx.column is None:
-                slots.addcmul_(coefficients[lo:].unsqueeze(-1), query)
+                slots.addcmul_(coefficients, query)
             else:
-                grads.add_scores(coefficients.T.view(batch, seq, 1, n), query.unsqueeze(0), ctx.column)
+                grads.add_scores(coefficients.permute(1, 2, 3, 0), query.unsqueeze(0), ctx.column)
             return None, None, None, grad_query, grad_inv, None, None, None, *_nones(needs)
-        grad_values = coefficients.unsqueeze(-1) * query
-        if grad is not None:
-            grad_values = torch.addcmul(grad_values, mix, grad.view(-1, dim))
-        return (None, None, None, grad_query, grad_inv, None, None, None,
-                *_per_source(grad_values.view(n, batch, seq, dim), ctx, n, first=8))
+        grad_values = coefficients * query
+        if grad_hidden is not None:
+            grad_values = torch.addcmul(grad_values, mix, _as(grad_hidden, buffer.dtype))
+        return None, None, None, grad_query, grad_inv, None, None, None, *_per_source(grad_values, ctx, n, first=8)
 
 
 def _nones(needs) -> tuple:
