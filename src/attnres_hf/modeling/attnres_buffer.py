@@ -42,6 +42,14 @@ def _mix(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights.reshape(batch * seq, -1, n), per_token).view(batch, seq, -1, dim)
 
 
+def _mix_one(buffer: torch.Tensor, n: int, weights: torch.Tensor) -> torch.Tensor:
+    """One router's `_mix` of the first `n` slots of `buffer (n_slots, B, T, D)`: `weights (B, T, n)` (the buffer's
+    dtype; a view is fine where `B, T` flatten) -> `(B, T, D)`, one `(B T, 1, n) @ (B T, n, D)` product."""
+    _, batch, seq, dim = buffer.shape
+    per_token = buffer[:n].view(n, batch * seq, dim).transpose(0, 1)
+    return torch.bmm(weights.reshape(batch * seq, 1, n), per_token).view(batch, seq, dim)
+
+
 class _SourceGrads:
     """The gradients of one forward's source buffer, summed in place (eager training).
 

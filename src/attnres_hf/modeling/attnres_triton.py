@@ -18,7 +18,7 @@ import sys
 import torch
 from torch.autograd.function import once_differentiable
 
-from .attnres_buffer import _as, _mix, _nones
+from .attnres_buffer import _as, _mix_one, _nones
 from .mixing_base import check_implementation
 
 _KERNELS = []  # the kernels module once imported (every read asks for it: no import statement per read)
@@ -145,7 +145,7 @@ class _Merge(torch.autograd.Function):
         weights, partial, query, lse, logit = ctx.saved_tensors
         mixed = partial  # (not read without grad_hidden)
         if grad_hidden is not None:  # the forward's value, recomputed: (B, T, D)
-            mixed = _mix(ctx.buffer[: ctx.n], _as(weights, ctx.buffer.dtype).unsqueeze(-2)).squeeze(-2)
+            mixed = _mix_one(ctx.buffer, ctx.n, _as(weights, ctx.buffer.dtype))
         grad_partial, grad_mixed, grad_lse, grad_query = _kernels().merge_backward(
             partial, mixed, query, lse, logit, grad_hidden, grad_logit, ctx.eps, ctx.key_norm)
         if grad_mixed is not None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .attnres_buffer import _as, _mix
+from .attnres_buffer import _as, _mix_one
 from .attnres_inference import InferenceLayout, SdpaLayout, sdpa_serves
 from .mixing_base import AttnResRMSNorm, inverse_rms
 from .torch_internals import forward_pre_hooks, global_pre_hooks
@@ -227,7 +227,7 @@ class _PartialMerge(torch.autograd.Function):
         """The merged output `(B, T, D)` again (`DepthRead.recompute`, for the sub-layer's norm's backward, which runs
         before this Function's): `mixed` recomputed from the buffer and `weights` (and kept on `ctx` for the softmax
         backward, which needs it next), merged with the partial sum by its `share` `(B, T, 1)` fp32."""
-        ctx.mixed = mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)
+        ctx.mixed = mixed = _mix_one(ctx.buffer, ctx.n, weights)
         if ctx.softmax:
             return torch.lerp(partial, mixed, _as(share, partial.dtype))
         return torch.addcmul(mixed, _as(share, partial.dtype), partial)
@@ -244,7 +244,7 @@ class _PartialMerge(torch.autograd.Function):
             grad = _as(grad_hidden, query.dtype)
             if ctx.softmax:
                 if mixed is None:  # the forward's value, recomputed
-                    mixed = _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)
+                    mixed = _mix_one(ctx.buffer, ctx.n, weights)
                 grad_lse = (grad * (_as(mixed, query.dtype) - values)).sum(-1, keepdim=True) * (share * complement)
                 grad_p = -grad_lse if grad_p is None else grad_p - grad_lse
                 grad_mixed, kept = grad * share, complement  # `kept`: the partial sum's own share of the output
@@ -282,7 +282,7 @@ class _BlockRead(torch.autograd.Function):
     @staticmethod
     def rebuild(ctx, weights) -> torch.Tensor:
         """The output `(B, T, D)` again (`DepthRead.recompute`)."""
-        return _mix(ctx.buffer[: ctx.n], weights.unsqueeze(-2)).squeeze(-2)
+        return _mix_one(ctx.buffer, ctx.n, weights)
 
     @staticmethod
     @once_differentiable
