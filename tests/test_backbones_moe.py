@@ -23,6 +23,7 @@ from attnres_hf import AttnResForCausalLM
 from attnres_hf.conversion import retrofit
 from attnres_hf.conversion.retrofit import retrofit_config
 from attnres_hf.modeling.backbones_k3 import KimiK3Config, KimiK3ForCausalLM
+from attnres_hf.modeling.backbones_moe import dispatch_kda_by_device
 from attnres_hf.modeling.depth_mixing import DEPTH_MIXING, is_depth_mixing_parameter
 from utils import BLOCK_METHODS, OTHER_PROCESS_ATOL, perturb_mixing
 
@@ -79,9 +80,11 @@ def source_config(family: str, **overrides):
 
 
 def source_model(family: str, seed: int = 0, **overrides):
+    """The family's transformers model (K3's: ours), its KDA made to take fla's kernels on CUDA tensors only
+    (`dispatch_kda_by_device`: transformers' own takes them on every device where fla is installed)."""
     _, model_class, _ = SOURCES[family]
     torch.manual_seed(seed)
-    return model_class(source_config(family, **overrides)).eval()
+    return dispatch_kda_by_device(model_class(source_config(family, **overrides))).eval()
 
 
 def ids(batch=2, length=9, seed=1):
@@ -137,7 +140,7 @@ def test_kimi_linear_keeps_its_hybrid_layout_and_moe(sources):
     model = retrofitted(sources["kimi_linear"])
     attn = [type(layer.self_attn).__name__ for layer in model.model.layers]
     mlp = [type(layer.mlp).__name__ for layer in model.model.layers]
-    assert attn == ["KimiLinearDeltaAttention", "KimiLinearAttention"]  # transformers' own KDA and MLA
+    assert attn == ["KimiLinearDeltaAttentionByDevice", "KimiLinearAttention"]  # transformers' KDA (ours) and MLA
     assert mlp == ["KimiLinearMLP", "KimiLinearMoE"]
     assert model.config.num_sublayers == 4
 
@@ -146,8 +149,8 @@ def test_kimi_linear_with_fewer_kv_heads_is_refused_as_the_source_fails():
     """transformers' KimiLinearAttention cannot run grouped kv heads (it fails inside its forward); the AttnRes model
     does not hide that: it refuses the config early, naming the limit."""
     config = source_config("kimi_linear", num_key_value_heads=2)
-    with pytest.raises(RuntimeError):
-        KimiLinearForCausalLM(config)(ids())
+    with pytest.raises(RuntimeError, match="size of tensor"):  # not fla's failure on CPU: KDA runs torch's here
+        dispatch_kda_by_device(KimiLinearForCausalLM(config))(ids())
     with pytest.raises(ValueError, match="num_key_value_heads"):
         retrofit_config(config)
 
@@ -336,6 +339,10 @@ def test_attnres_convert_on_a_kimi_linear_folder_writes_a_verified_folder(source
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids()).logits, source(ids()).logits, atol=ATOL, rtol=0)
+    # streamed: the source is checked offloaded (`conversion.offloaded`), transformers' model with our KDA on the CPU
+    assert main(["convert", str(tmp_path / "kimi"), str(tmp_path / "streamed"), "--block-size", "2", "--stream"]) == 0
+    streamed = json.loads((tmp_path / "streamed" / "conversion_report.json").read_text())["verification"]
+    assert streamed["max_abs_logit_delta"] < ATOL and streamed["greedy_match"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -58,11 +58,14 @@ def unrecognized_arguments(parser: argparse.ArgumentParser, rest: list[str]) -> 
 
 
 def load_model_and_tokenizer(path: str, trust_remote_code: bool = False):
-    """`(model in eval mode, tokenizer)` from a model folder (`check_tokenizer_folder` first)."""
+    """`(model in eval mode, tokenizer)` from a model folder (`check_tokenizer_folder` first); a transformers Kimi
+    Linear model's KDA takes fla's kernels on CUDA tensors only (`backbones_moe.dispatch_kda_by_device`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..modeling.backbones_moe import dispatch_kda_by_device
+
     check_tokenizer_folder(path, trust_remote_code)
-    return (AutoModelForCausalLM.from_pretrained(path).eval(),
+    return (dispatch_kda_by_device(AutoModelForCausalLM.from_pretrained(path)).eval(),
             AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
 
 

@@ -75,6 +75,7 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
     its weights in another dtype, as the in-memory check compares before the output is cast. `preload`: class names
     of modules whose forward reads their submodules' weights directly (fla's decoder layer reads its routers'):
     each loads all its weights at its own forward (accelerate's `preload_module_classes`), not each submodule at its.
+    A Kimi Linear model's KDA takes fla's kernels on CUDA tensors only (`backbones_moe.dispatch_kda_by_device`).
 
     transformers' `from_pretrained(device_map=...)` makes the same hooks but reads every tensor once while loading
     (a Llama-3-8B's 16 GB through memory-mapped files, all counted as resident until it returns), and its index-based
@@ -89,6 +90,7 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
     from transformers import AutoConfig
 
     from ..modeling import backbones
+    from ..modeling.backbones_moe import dispatch_kda_by_device
     from .retrofit import _family_config
 
     if isinstance(folder, Source):
@@ -108,6 +110,7 @@ def offloaded(folder: "str | os.PathLike | Source", model_class=None, rounded_to
         config.attnres_implementation = "torch"
     with torch.device("meta"):
         model = model_class._from_config(copy.deepcopy(config), dtype=torch.float32)
+    dispatch_kda_by_device(model)  # a Kimi Linear source checked on the CPU: transformers' KDA would take fla's kernels
     model.generation_config = generation_config
     with torch.no_grad():
         for module in model.modules():  # rotary frequencies and the like: computed, as the family initialises them

@@ -34,6 +34,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from ..modeling import AttnResConfig, AttnResForCausalLM
 from ..modeling.backbones import BACKBONES
+from ..modeling.backbones_moe import dispatch_kda_by_device
 from ..modeling.depth_mixing import MIXING_MODULES
 from .families import attnres_config_fields, check_supported, map_keys
 from .gguf_source import check_against_gguf, check_gguf_coverage, gguf_config_fields, gguf_stop_token_ids
@@ -310,7 +311,8 @@ def load_source(
     model's generation config stops on every end token of the file (`gguf_stop_token_ids`), as llama.cpp does.
 
     `config`: what `load_source_config(source, gguf_file)` returned, where the caller has it (reading a GGUF file's
-    config parses the whole file: ~10 s for SmolLM2's on 2 cores); read here when `None`.
+    config parses the whole file: ~10 s for SmolLM2's on 2 cores); read here when `None`. A Kimi Linear model's KDA
+    takes fla's kernels on CUDA tensors only (`backbones_moe.dispatch_kda_by_device`): it runs on the CPU too.
     """
     dtype = check_dtype(dtype, auto=True)
     if not isinstance(verify_all, bool):
@@ -321,7 +323,7 @@ def load_source(
         if gguf_file is None:
             family = _family_config(path)  # a family transformers does not have (kimi_k3)
             causal_lm = BACKBONES[family.model_type].causal_lm if family is not None else AutoModelForCausalLM
-            return causal_lm.from_pretrained(path, dtype=dtype).eval()
+            return dispatch_kda_by_device(causal_lm.from_pretrained(path, dtype=dtype)).eval()
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config,
                                                      dtype="auto" if dtype == "auto" else torch.float32)
     except (SafetensorError, EOFError, pickle.UnpicklingError) as error:  # truncated or corrupt weight files

@@ -40,8 +40,9 @@ Parameter names are transformers' Kimi Linear names (`mlp.experts.gate_up_proj`,
 released names (`block_sparse_moe.experts.{e}.w1`, `q_conv1d`, ...) are mapped by `conversion/k3_layout.py`.
 
 Travels with checkpoints as remote code (a sibling of `backbones.py`, whose record of the family imports it when the
-family is first used): imports only torch, transformers and its siblings `backbones_moe.py` and
-`configuration_kimi_k3.py` (`KimiK3Config`, which a configuration reads without this module).
+family is first used): imports only torch, transformers and its siblings `backbones_moe.py`, `backbones_kda.py`
+(Kimi Linear's KDA by device, which K3's subclasses) and `configuration_kimi_k3.py` (`KimiK3Config`, which a
+configuration reads without this module).
 """
 
 import functools
@@ -64,11 +65,12 @@ with warnings.catch_warnings():  # as `backbones_moe` imports Kimi Linear: fla's
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextForgetGate
 
+from .backbones_kda import KimiLinearDeltaAttentionByDevice
 from .backbones_moe import kimi as _kimi_linear
 from .backbones_moe import kimi_decoder_layer
 from .configuration_kimi_k3 import SITU, KimiK3Config, check_kimi_k3, token_id_problem
 
-kimi = _kimi_linear.load()  # transformers' module, KDA dispatched by device (this module is imported on first use)
+kimi = _kimi_linear.load()  # transformers' module (this module is imported on first use)
 
 
 MLA_LATENT_NORM_EPS = 1e-6
@@ -188,11 +190,12 @@ class KimiK3MoE(nn.Module):
         return routed if self.shared_experts is None else routed + self.shared_experts(hidden_states)
 
 
-class KimiK3DeltaAttention(kimi.KimiLinearDeltaAttention):
-    """Kimi Linear's KDA with K3's two options: the safe forget gate (`linear_lower_bound`: transformers'
-    GLM-5-Next gate, whose `A_log` is `(heads,)`) and the full-rank output gate `g_proj` (`linear_use_full_rank_gate`).
-    The short convolutions use SiLU whatever `hidden_act` is (SiTU is the MLPs'). The convolutions, the forget gate's
-    `A_log` / `dt_bias` and the output norm are fp32 under any `dtype`, as K3 stores them."""
+class KimiK3DeltaAttention(KimiLinearDeltaAttentionByDevice):
+    """Kimi Linear's KDA (ours: fla's kernels on CUDA tensors only, `backbones_kda`) with K3's two options: the safe
+    forget gate (`linear_lower_bound`: transformers' GLM-5-Next gate, whose `A_log` is `(heads,)`) and the full-rank
+    output gate `g_proj` (`linear_use_full_rank_gate`). The short convolutions use SiLU whatever `hidden_act` is (SiTU
+    is the MLPs'). The convolutions, the forget gate's `A_log` / `dt_bias` and the output norm are fp32 under any
+    `dtype`, as K3 stores them."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)

@@ -1,9 +1,9 @@
 """Backbone adapters for mixture-of-experts families and for Kimi Linear, the AttnRes paper's own backbone.
 
 Records of `BackboneAdapter` (`backbones_base.py`; see `backbones.py` for what each field means), joined into
-`backbones.BACKBONES`. Every sub-layer is transformers' own module of the source family, under the family's own
-parameter names (experts as `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, the experts' router as
-`mlp.gate`), so a checkpoint maps by identity:
+`backbones.BACKBONES`. Every sub-layer is transformers' own module of the source family (Kimi Linear's KDA: our
+subclass of it, below), under the family's own parameter names (experts as `mlp.experts.gate_up_proj` /
+`mlp.experts.down_proj`, the experts' router as `mlp.gate`), so a checkpoint maps by identity:
 
 | model_type    | attention sub-layer (`self_attn`)                      | MLP sub-layer (`mlp`)                             |
 |---------------|--------------------------------------------------------|---------------------------------------------------|
@@ -26,19 +26,21 @@ without an auxiliary loss); its router logits are still returned.
 
 Kimi Linear's cache is transformers' hybrid `DynamicCache`: a `LinearAttentionLayer` (convolution and recurrent KDA
 states) per `linear_attention` layer and a `DynamicLayer` (the compressed MLA latents) per `full_attention` layer;
-depth mixing needs nothing more. KDA takes fla's Triton kernels on CUDA tensors only (`kda_by_device`: transformers
-picks them at import for every device once fla is importable). Two limits are the source model's, stated rather than
-hidden: transformers' `KimiLinearAttention` fails with fewer key/value heads than attention heads (released
-checkpoints use equal counts), and MLA derives keys and values from one compressed latent of one input, so
-MUDDFormer's and DCA's separate key and value inputs do not exist for it (both are refused on Kimi Linear).
+depth mixing needs nothing more. The KDA layers are our subclass of transformers' module,
+`backbones_kda.KimiLinearDeltaAttentionByDevice`, which takes fla's Triton kernels on CUDA tensors only (transformers
+picks them at import for every device once fla is importable, and its own class then fails on CPU);
+`dispatch_kda_by_device` gives a transformers Kimi Linear model's KDA modules the subclass (what conversion and
+training do to the source models they run), and transformers' module is never modified. Two limits are the source
+model's, stated rather than hidden: transformers' `KimiLinearAttention` fails with fewer key/value heads than
+attention heads (released checkpoints use equal counts), and MLA derives keys and values from one compressed latent
+of one input, so MUDDFormer's and DCA's separate key and value inputs do not exist for it (both are refused on Kimi
+Linear).
 
 Travels with checkpoints as remote code (a sibling of `backbones.py`, which imports it): imports only torch,
-transformers and its siblings (`backbones_base.py`, never `backbones.py`).
+transformers and its siblings (`backbones_base.py`, `backbones_kda.py` on first use; never `backbones.py`).
 """
 
-import functools
-import inspect
-import warnings
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,15 +67,22 @@ qwen2_moe = LazyModule("transformers.models.qwen2_moe.modeling_qwen2_moe")
 qwen3_moe = LazyModule("transformers.models.qwen3_moe.modeling_qwen3_moe")
 
 
+def _import_kda():
+    """`backbones_kda` (a relative import statement: the form transformers' remote-code loader follows to copy the
+    file along), which imports transformers' Kimi Linear module (and fla where it is installed)."""
+    from .backbones_kda import KimiLinearDeltaAttentionByDevice
+
+    return sys.modules[KimiLinearDeltaAttentionByDevice.__module__]
+
+
+kda = LazyModule(f"{__package__}.backbones_kda", _import_kda)
+"""Our KDA subclass's module (`backbones_kda.py`: `KimiLinearDeltaAttentionByDevice`), imported when Kimi Linear or K3
+is first used."""
+
+
 def _import_kimi_linear():
-    """transformers' `modeling_kimi_linear`, its KDA functions dispatched by device (`kda_by_device`)."""
-    with warnings.catch_warnings():
-        # transformers' kimi_linear module imports flash-linear-attention where it is installed (to pick its KDA
-        # kernels), and fla warns at import on every machine without a GPU; every other warning of it is kept.
-        warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
-        from transformers.models.kimi_linear import modeling_kimi_linear
-    kda_by_device("chunk_kimi_delta_attention", modeling_kimi_linear)
-    kda_by_device("recurrent_kimi_delta_attention", modeling_kimi_linear)
+    """transformers' `modeling_kimi_linear`, as `backbones_kda` imports it (fla's warning at import filtered)."""
+    modeling_kimi_linear = kda.load().kimi
     _NOT_PASSED_BY_KIMI.update({
         modeling_kimi_linear.KimiLinearDeltaAttention: ("position_ids", "use_cache", "position_embeddings"),
         modeling_kimi_linear.KimiLinearAttention: ("position_embeddings",),
@@ -82,8 +91,8 @@ def _import_kimi_linear():
 
 
 kimi = LazyModule("transformers.models.kimi_linear.modeling_kimi_linear", _import_kimi_linear)
-"""transformers' Kimi Linear module, imported (and its KDA dispatched by device) when Kimi Linear or K3 is first
-used: it imports fla where fla is installed. `kimi.load()` is the module."""
+"""transformers' Kimi Linear module, imported when Kimi Linear or K3 is first used (with `kda`): it imports fla where
+fla is installed. `kimi.load()` is the module, never modified here."""
 
 
 @dataclass(frozen=True)
@@ -153,46 +162,26 @@ def expert_gate_modules(config) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-KDA_KERNELS: dict[str, tuple[Callable, Callable]] = {}
-"""`name -> (on CUDA, elsewhere)` for each KDA function of transformers' kimi_linear module that `kda_by_device`
-dispatches: the function as transformers decorated it (fla's kernel where fla is installed) and its own torch one."""
+def dispatch_kda_by_device(model: nn.Module) -> nn.Module:
+    """`model`, with each of its modules of transformers' own `KimiLinearDeltaAttention` class made a
+    `backbones_kda.KimiLinearDeltaAttentionByDevice` in place (fla's KDA kernels on CUDA tensors, transformers' torch
+    functions on any other device), and returned: what runs a transformers `KimiLinearForCausalLM` on the CPU with fla
+    installed, where transformers' class fails (`backbones_kda` says why).
 
-
-def kda_by_device(name: str, module=None) -> None:
-    """Replace `kimi.<name>` (`chunk_kimi_delta_attention`, `recurrent_kimi_delta_attention`) by a dispatcher on the
-    device of its first argument, the queries `(batch, seq_len, heads, head_dim)`; idempotent.
-
-    Why: `use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")` (`transformers/integrations/hub_kernels.py`,
-    transformers 5.24) picks flash-linear-attention's kernel once, at import, whenever fla is importable, whatever the
-    device; fla's kernels are Triton programs for GPUs, so on CPU every Kimi Linear forward failed (`RuntimeError: 0
-    active drivers ([]). There should only be one.`), transformers' own model as well as ours.
-    What changes in transformers: nothing for CUDA tensors (the decorated function, fla's kernel where installed, with
-    the decorator's own keyword filtering); other devices (where fla's path cannot run; XPU/NPU untested) take the
-    torch function the decorator wraps (`inspect.unwrap`), called as the decorator calls it without fla: the keywords
-    its signature names, and packed sequences (`cu_seqlens`, `seq_idx`) refused rather than silently mixed. The
-    module's global is replaced, so `KimiLinearForCausalLM` and the AttnRes model in one process dispatch alike. A
-    plain branch on `tensor.is_cuda`, which torch.compile traces (a guard on the device).
+    An instance-level `__class__` assignment on each such module: the subclass adds no state (same parameters,
+    buffers, hooks, state-dict names and outputs), and transformers' class and module stay as they are (other
+    instances, and models built later, still take fla's kernels on every device). Modules of a subclass are left as
+    they are: ours and Kimi K3's already dispatch by device (a checkpoint's remote-code copy of `backbones_kda` too),
+    another's forward is its own. A model without Kimi Linear modules is returned unchanged, and nothing is imported
+    when transformers' Kimi Linear module is not (no instance of it can exist then).
     """
-    module = kimi.load() if module is None else module  # `module`: while `kimi` loads
-    decorated = getattr(module, name)
-    if getattr(decorated, "attnres_by_device", False):  # already replaced (by this module or a remote-code copy)
-        return
-    torch_function = inspect.unwrap(decorated)
-    accepted = tuple(inspect.signature(torch_function).parameters)
-    KDA_KERNELS[name] = (decorated, torch_function)
-
-    @functools.wraps(decorated)
-    def by_device(query, *args, **kwargs):
-        on_cuda, elsewhere = KDA_KERNELS[name]
-        if query.is_cuda:
-            return on_cuda(query, *args, **kwargs)
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(f"{name} keeps packed sequences (cu_seqlens) apart only with fla's kernels, on CUDA; "
-                             f"got {query.device} tensors")
-        return elsewhere(query, *args, **{key: value for key, value in kwargs.items() if key in accepted})
-
-    by_device.attnres_by_device = True
-    setattr(module, name, by_device)
+    if kimi.name not in sys.modules:
+        return model
+    transformers_class, by_device = kimi.load().KimiLinearDeltaAttention, kda.load().KimiLinearDeltaAttentionByDevice
+    for module in model.modules():
+        if type(module) is transformers_class:
+            module.__class__ = by_device
+    return model
 
 
 def kimi_attention_masks(config, layer_types, **mask_kwargs) -> dict:
@@ -224,8 +213,8 @@ def _called_as_kimi_linear_calls_it(module, args, kwargs):
 def kimi_decoder_layer(config, layer_idx: int, layer_class: type = kimi.KimiLinearDecoderLayer) -> nn.Module:
     """`KimiLinearDecoderLayer` (KDA or MLA by `layer_types`, MoE or dense MLP by `mlp_layer_types`), or a subclass's
     (Kimi K3's), whose attention module is called with the arguments Kimi Linear's own layer gives it (a forward
-    pre-hook drops the others)."""
-    layer = layer_class(config, layer_idx)
+    pre-hook drops the others); its KDA dispatches by device (`dispatch_kda_by_device`; K3's KDA already does)."""
+    layer = dispatch_kda_by_device(layer_class(config, layer_idx))
     layer.self_attn.register_forward_pre_hook(_called_as_kimi_linear_calls_it, with_kwargs=True)
     return layer
 
@@ -291,6 +280,6 @@ MOE_BACKBONES = (
 """The adapters of this module, joined into `backbones.BACKBONES`."""
 
 
-__all__ = ["EXPERT_ROUTING", "ExpertRouting", "KDA_KERNELS", "MOE_BACKBONES", "backbone_model_type",
-           "check_kimi_k3_backbone", "check_kimi_linear", "expert_gate_modules", "kda_by_device",
-           "kimi_attention_masks", "kimi_cache", "kimi_decoder_layer"]
+__all__ = ["EXPERT_ROUTING", "ExpertRouting", "MOE_BACKBONES", "backbone_model_type", "check_kimi_k3_backbone",
+           "check_kimi_linear", "dispatch_kda_by_device", "expert_gate_modules", "kimi_attention_masks", "kimi_cache",
+           "kimi_decoder_layer"]

@@ -117,8 +117,9 @@ def check_post_training(kind: str, model, args=None, train_dataset=None, eval_da
       `recipes.check_peft_config`;
     - padding-free packing (`packing=True` with `packing_strategy="bfd"`, or `padding_free=True`) of a Kimi Linear
       or Kimi K3 backbone off CUDA: their KDA layers keep packed sequences apart only with fla's and `causal_conv1d`'s
-      CUDA kernels (`backbones_moe.kda_by_device`), so every CPU step would fail; `packing_strategy="wrapped"`
-      packs without it (sequences then attend across their boundaries, as in pre-training);
+      CUDA kernels (elsewhere `backbones_kda.KimiLinearDeltaAttentionByDevice` refuses them), so every CPU step
+      would fail; `packing_strategy="wrapped"` packs without it (sequences then attend across their boundaries, as in
+      pre-training);
     - a reference model TRL would load from `model.config._name_or_path` (DPO without `ref_model`, PEFT or
       `precompute_ref_log_probs`; GRPO with `beta > 0` without PEFT) for a model that has none (made or retrofitted
       in memory): TRL fails with a hub error about an empty repository id.

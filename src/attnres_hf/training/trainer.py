@@ -23,6 +23,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 from .._checks import check_fraction, check_int, check_learning_rate, check_model_source, check_paths
+from ..modeling.backbones_moe import dispatch_kda_by_device
 from ..modeling.depth_mixing import DEPTH_MIXING, has_routers, is_depth_mixing_parameter
 from .adapters import save_base_quantization
 from .data import packed_lm_dataset
@@ -362,6 +363,7 @@ def train(args: AttnResArguments, training_args: TrainingArguments, callbacks: l
     model = AutoModelForCausalLM.from_pretrained(
         args.model, trust_remote_code=args.trust_remote_code, dtype=torch.float32, **load_kwargs(args.method)
     )
+    dispatch_kda_by_device(model)  # a transformers Kimi Linear model: fla's KDA kernels on CUDA tensors only
     if args.output_router_logits is not None:  # the MoE load-balancing loss enters the training loss (or not)
         model.config.output_router_logits = args.output_router_logits
     model = prepare_model(model, args.method, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
