@@ -102,7 +102,7 @@ def test_from_pretrained_kwarg_sets_the_implementation(tmp_path, stand_in, input
 
 
 def test_unknown_implementation_is_refused():
-    with pytest.raises(ValueError, match=r"^attnres_implementation must be one of \('torch', 'fla', 'triton'\), got "
+    with pytest.raises(ValueError, match=r"^attnres_implementation must be one of \('torch', 'fla', 'triton', 'naive'\), got "
                                          r"flash$"):
         tiny_config(attnres_implementation="flash")
 

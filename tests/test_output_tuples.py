@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 
 from attnres_hf.conversion import retrofit
 from attnres_hf.modeling.backbones import BACKBONES
+from attnres_hf.modeling.backbones_moe import dispatch_kda_by_device
 from attnres_hf.modeling.modeling_attnres import DEPTH_WEIGHTS_OUTPUTS
 from test_backbones import BASE, TINY_BACKBONES
 from test_backbones_moe import source_config
@@ -32,7 +33,9 @@ def _one_thread():
 
 
 def source_model(family: str):
-    """The family's own causal LM at tester size, with eager attention (which returns attention weights)."""
+    """The family's own causal LM at tester size, with eager attention (which returns attention weights); Kimi
+    Linear's KDA on transformers' torch functions (`dispatch_kda_by_device`: with fla installed, transformers' class
+    takes fla's GPU kernels on the CPU too)."""
     adapter = BACKBONES[family]
     if family in TINY_BACKBONES:
         config = adapter.config_class(**BASE, **TINY_BACKBONES[family])
@@ -40,7 +43,7 @@ def source_model(family: str):
         config = source_config(family)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return adapter.causal_lm(config).eval()
+    return dispatch_kda_by_device(adapter.causal_lm(config)).eval()
 
 
 def assert_same_element(got, expected, where: str) -> None:

@@ -134,11 +134,14 @@ def run_lm_eval(model, benchmarks: list[Benchmark] | str, *, tokenizer=None, num
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from ..modeling.backbones_moe import dispatch_kda_by_device
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     batching = {"batch_size": settings["batch_size"], "max_batch_size": max_batch_size}
     if isinstance(model, (str, os.PathLike)):
         lm = HFLM(pretrained=str(model), backend="causal", dtype=settings["dtype"], device=device,
                   trust_remote_code=trust_remote_code, **batching)
+        dispatch_kda_by_device(lm.model)  # a transformers Kimi Linear baseline: fla's KDA kernels on CUDA tensors only
     else:  # HFLM evaluates a loaded model where it is, as it is (check_run_settings refused anything else)
         lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, **batching)
     previous = os.environ.get(OPT_IN_VARIABLE)

@@ -167,6 +167,8 @@ def load_adapter(base_model, adapter_dir: str | os.PathLike, allow_other_quantiz
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
+    from ..modeling.backbones_moe import dispatch_kda_by_device
+
     if not isinstance(base_model, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(f"base_model must be a model folder or a PreTrainedModel, got {type(base_model).__name__}")
     check_adapter_dir(adapter_dir)
@@ -178,6 +180,7 @@ def load_adapter(base_model, adapter_dir: str | os.PathLike, allow_other_quantiz
         asked = from_pretrained_kwargs["quantization_config"]
         asked = None if asked is None else json.loads(json.dumps(asked.to_dict()))
         check_base_quantization(asked, adapter_dir, allow_other_quantization)
-        base_model = AutoModelForCausalLM.from_pretrained(base_model, **from_pretrained_kwargs)
+        # (a transformers Kimi Linear base: fla's KDA kernels on CUDA tensors only, as `attnres train` trained it)
+        base_model = dispatch_kda_by_device(AutoModelForCausalLM.from_pretrained(base_model, **from_pretrained_kwargs))
     check_base_quantization(quantization_of(base_model), adapter_dir, allow_other_quantization)
     return PeftModel.from_pretrained(base_model, adapter_dir).eval()
