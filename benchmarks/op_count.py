@@ -19,7 +19,8 @@ Kernel launches (`--launches`, also in `--results`): a decoded token's launches 
 counted on the CPU: each aten call that computes (views and allocations launch nothing, `CountLaunches`) and one per
 Triton kernel launch, for Llama, Block and Full AttnRes with the torch reads and with `attnres_implementation=
 "triton"` (the two-phase kernels, run by Triton's interpreter, `TRITON_INTERPRET=1`, their inner operations not
-counted). Target (`LAUNCH_TARGETS`): Block with the Triton kernels, decode, at most 1.05x Llama's launches.
+counted), and a training step's launches with the torch reads (`count_training_launches`). Target
+(`LAUNCH_TARGETS`): Block with the Triton kernels, decode, at most 1.05x Llama's launches.
 
 The counts do not depend on the hidden size, the vocabulary or the batch (`--smoke` counts at a tiny width to show
 it; tests/test_op_count.py holds the counts at that width), only on the layer count, the block size and the code
@@ -28,7 +29,7 @@ paths. Targets (`TARGETS`): the ratio to Llama's count, PASS when at or below it
     python benchmarks/op_count.py                                   # the table, a few seconds
     python benchmarks/op_count.py --results docs/results/op_count.md   # the table in docs/speed.md
     python benchmarks/op_count.py --ops                              # plus the operators AttnRes adds, per workload
-    python benchmarks/op_count.py --launches                         # plus the kernel launches of a decoded token
+    python benchmarks/op_count.py --launches                         # plus the kernel launches (decode, train)
 """
 
 import argparse
@@ -156,6 +157,26 @@ def count_launches(shape: dict) -> dict:
     return {name: count(model, "decode", shape["vocab_size"], CountLaunches()) for name, model in built.items()}
 
 
+def count_training_launches(shape: dict) -> dict:
+    """`{model: Counter}` of a training step's kernel launches (`CountLaunches`; forward and backward of 1 x
+    `TRAIN_LEN` tokens) for Llama, Block and Full AttnRes with the torch reads: the share of a step's aten calls that
+    launches kernels on a GPU (its views and allocations launch none)."""
+    built = build_models(torch.device("cpu"), "sdpa", [], dict(shape, **SMOKE))
+    return {name: count(built[name], "train", shape["vocab_size"], CountLaunches()) for name in ("llama", "block", "full")}
+
+
+def training_launch_report(launches: dict) -> str:
+    """The Markdown table of `count_training_launches`: launches per training step and the ratio to Llama's."""
+    base = sum(launches["llama"].values())
+    lines = [f"Kernel launches of a training step (forward + backward, 1 x {TRAIN_LEN}, the torch reads; counted as "
+             "above):", "", "| model | launches | added to Llama's | ratio to Llama |", "|---|---|---|---|"]
+    for name, calls in launches.items():
+        total = sum(calls.values())
+        added = f"{total - base:+,}" if name != "llama" else ""
+        lines.append(f"| {name} | {total:,} | {added} | {total / base:.3f}x |")
+    return "\n".join(lines)
+
+
 def launch_report(launches: dict) -> str:
     """The Markdown table of `count_launches`: launches per decoded token, the ratio to Llama's and the verdict."""
     base = sum(launches["llama"].values())
@@ -213,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="count at a tiny width (the same counts, in seconds)")
     parser.add_argument("--ops", action="store_true", help="also print the operators AttnRes adds, per workload")
     parser.add_argument("--launches", action="store_true",
-                        help="also count a decoded token's kernel launches, the Triton kernels' included (needs triton; "
-                             "always with --results)")
+                        help="also count the kernel launches of a decoded token, the Triton kernels' included (needs "
+                             "triton), and of a training step (always with --results)")
     parser.add_argument("--results", metavar="PATH", type=results_path,
                         help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
     args = parser.parse_args(argv)
@@ -224,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(counts, shape)
     if args.launches or args.results:
         launches = count_launches(shape)
-        text += "\n\n" + launch_report(launches)
+        text += "\n\n" + launch_report(launches) + "\n\n" + training_launch_report(count_training_launches(shape))
     print(text)
     if args.ops:
         for name in ("block", "full"):

@@ -3,10 +3,18 @@ regression breaks. The counts depend on the layer count, the block size and the 
 (the benchmark's `--smoke` shape, 30 layers at hidden 32, gives the SmolLM2-135M shape's counts)."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # (the launch counter's Triton test is skipped)
+    triton = None
 
 OP_COUNT = Path(__file__).parents[1] / "benchmarks" / "op_count.py"
 
@@ -23,6 +31,11 @@ ADDED_AT_MOST = {  # (model, workload) -> the most aten calls it may add to Llam
     ("block", "decode"): 281, ("block", "prefill"): 281, ("block", "train"): 3055 + TRAINING_MEMORY_CALLS,
     ("full", "decode"): 385, ("full", "prefill"): 385, ("full", "train"): 3882,
 }
+
+
+TRAINING_LAUNCHES_ADDED_AT_MOST = {"block": 1882, "full": 1608}
+"""The most kernel launches a training step may add to Llama's (`count_training_launches`, measured:
+docs/results/op_count.md)."""
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +68,36 @@ def test_the_table_judges_each_target(op_count, counts):
     targets = sum(len(workloads) for workloads in op_count.TARGETS.values())
     assert text.count("PASS (") + text.count("FAIL (") == targets
     assert f"Targets met: {text.count('PASS (')} of {targets}." in text
+
+
+def test_a_training_step_adds_no_more_kernel_launches_than_measured(op_count):
+    launches = op_count.count_training_launches(dict(op_count.SMOLLM2_135M, **op_count.SMOKE))
+    base = sum(launches["llama"].values())
+    for model, most in TRAINING_LAUNCHES_ADDED_AT_MOST.items():
+        added = sum(launches[model].values()) - base
+        assert added <= most, f"{model}'s training step adds {added} kernel launches to Llama's (at most {most})"
+
+
+if triton is not None:
+    @triton.jit
+    def add_one(pointer, count, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < count
+        tl.store(pointer + offsets, tl.load(pointer + offsets, mask=mask) + 1, mask=mask)
+
+
+def test_kernel_launches_count_what_computes_and_each_triton_launch_once(op_count):
+    """`CountLaunches`: a view and an allocation launch nothing, each other aten call one kernel, each Triton launch
+    one (its own operations, torch calls under Triton's interpreter, not counted)."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton with its interpreter on (TRITON_INTERPRET=1 before Triton is imported)")
+    values = torch.zeros(2, 3)
+    counter = op_count.CountLaunches()
+    with counter:
+        flat = values.view(-1)
+        torch.empty(6)
+        flat + 1
+        for _ in range(2):
+            add_one[(1,)](flat, 6, BLOCK=8)
+    assert dict(counter.calls) == {"add": 1, "triton:add_one": 2}
+    assert torch.equal(values, torch.full((2, 3), 2.0))
