@@ -97,7 +97,8 @@ MODES = ("eager", "compiled", "regional")
 TARGETS = {  # (device type, model, mode) -> {workload: largest ratio to Llama}; `compile`: compile time, all workloads
     # CPU: Block at a residual's cost; decode compiled is the whole model with a static cache (what
     # `generate(..., cache_implementation="static")` compiles), training and prefill compiled are regional.
-    ("cpu", "block", "eager"): dict(train=1.02, prefill=1.02, decode=1.08, memory=1.01),
+    # (eager: the stricter of two issues' targets, 1.02 train and prefill, 1.05 decode)
+    ("cpu", "block", "eager"): dict(train=1.02, prefill=1.02, decode=1.05, memory=1.01),
     ("cpu", "block", "regional"): dict(train=1.02, prefill=1.02, compile=1.5),
     ("cpu", "block", "compiled"): dict(decode=1.02, compile=1.5),
     ("cpu", "full", "eager"): dict(train=1.25),

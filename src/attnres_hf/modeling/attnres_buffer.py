@@ -284,7 +284,9 @@ class _SourceRead(torch.autograd.Function):
         logits = raw if inv_t is None else raw * inv_t
         weights = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=0)
         mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype)
-        hidden = torch.bmm(mix.T.unsqueeze(1), rows.view(n, -1, dim).transpose(0, 1)).view(batch, seq, dim)
+        # (token-major weights: with a batch stride of 1, CPU `bmm` copied each token's row, a loop over B T)
+        per_token = mix.T.contiguous().view(-1, 1, n)  # (B T, 1, n)
+        hidden = torch.bmm(per_token, rows.view(n, -1, dim).transpose(0, 1)).view(batch, seq, dim)
         fp32_sums = grads is not None and buffer.dtype == query.dtype  # (else the score terms go to `add_scores`)
         ctx.column = None if grads is None or fp32_sums else grads.register(1)
         ctx.buffer, ctx.grads, ctx.n, ctx.sigmoid, ctx.scale = buffer, grads, n, sigmoid, scale
