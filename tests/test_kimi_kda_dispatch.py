@@ -50,9 +50,16 @@ def kda_inputs(seq_len=5, heads=2, head_dim=4):
 
 
 def kda_module(seed=0) -> KimiLinearDeltaAttentionByDevice:
-    """Our KDA module of the tiny Kimi Linear config (4 heads of 8, hidden 32), in eval mode."""
+    """Our KDA module of the tiny Kimi Linear config (4 heads of 8, hidden 32), in eval mode. The forget gate's
+    `A_log` and `dt_bias` are `torch.empty` in the module's constructor (a model's `_init_weights` sets them): set
+    here as Mamba-style gates are, `A = U(1, 16)` and a zero bias, so that no test reads uninitialised memory (it
+    made the outputs NaN on some runs)."""
     torch.manual_seed(seed)
-    return KimiLinearDeltaAttentionByDevice(source_config("kimi_linear"), 0).eval()
+    module = KimiLinearDeltaAttentionByDevice(source_config("kimi_linear"), 0).eval()
+    with torch.no_grad():
+        module.forget_gate.A_log.uniform_(1, 16).log_()
+        module.forget_gate.dt_bias.zero_()
+    return module
 
 
 def hidden_states(seed=2):

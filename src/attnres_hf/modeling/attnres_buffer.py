@@ -280,7 +280,7 @@ class _SourceRead(torch.autograd.Function):
         _, batch, seq, dim = buffer.shape
         rows = buffer[:n].view(-1, dim)  # (n B T, D)
         raw = torch.mv(_as(rows, query.dtype), query).view(n, -1)  # (n, B T)
-        inv_t = None if inv is None else inv.view(-1, n).T  # (n, B T), a view
+        inv_t = None if inv is None else inv.reshape(-1, n).T  # (n, B T), a view where inv is contiguous
         logits = raw if inv_t is None else raw * inv_t
         weights = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=0)
         mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype)
