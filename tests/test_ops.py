@@ -334,3 +334,15 @@ def test_a_model_with_the_reference_reads_saves_loads_and_generates_as_the_torch
     ours, reference = model.generate(prompt, **kwargs), naive.generate(prompt, **kwargs)
     assert torch.equal(ours.sequences, reference.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), atol=1e-5, rtol=1e-5)
+
+
+def test_the_config_accepts_exactly_the_registered_implementations():
+    """`attnres_implementation`'s values are written in the config (which imports no modeling code) and in the ops'
+    registry: the two lists are one set, and every implementation with limits (`IMPLEMENTATION_NEEDS`) is in it."""
+    import typing
+
+    from attnres_hf.modeling.configuration_attnres import _AttnResConfigFields
+    from attnres_hf.modeling.mixing_base import IMPLEMENTATION_NEEDS
+
+    accepted = typing.get_args(_AttnResConfigFields.__dataclass_fields__["attnres_implementation"].type)
+    assert set(accepted) == set(ops.IMPLEMENTATIONS) and set(IMPLEMENTATION_NEEDS) <= set(ops.IMPLEMENTATIONS)
