@@ -145,8 +145,8 @@ def test_regional_full_attnres_training_keeps_the_in_place_source_gradient_sums(
 
     torch._dynamo.reset()
     sums = []
-    original = attnres_buffer._SourceGrads.add_mix_product
-    monkeypatch.setattr(attnres_buffer._SourceGrads, "add_mix_product",
+    original = attnres_buffer._SourceGrads.sum_rows
+    monkeypatch.setattr(attnres_buffer._SourceGrads, "sum_rows",
                         lambda self, *args, **kwargs: (sums.append(1), original(self, *args, **kwargs))[1])
     model = tiny_model(attnres_block_size=1, num_hidden_layers=2).train()
     model.compile_repeated_blocks(backend="aot_eager")

@@ -17,7 +17,7 @@ weights, fp32 whatever the sources, within 1.9e-7 (bound 1e-6). A model takes th
 import pytest
 import torch
 
-from attnres_hf.modeling import attnres_buffer, ops, ops_naive, ops_torch
+from attnres_hf.modeling import attnres_buffer, ops, ops_naive, ops_torch, torch_internals
 from attnres_hf.modeling.attnres_buffer import SourceBuffer
 from attnres_hf.modeling.modeling_attnres import AttnResForCausalLM
 from utils import TINY, tiny_config, tiny_model
@@ -243,29 +243,41 @@ def test_the_model_buffer_reads_as_the_tensor():
         torch.testing.assert_close(grad, plain[name], atol=1e-6, rtol=1e-5)
 
 
-def through_buffer(in_place: bool):
+BUFFER_READS = {  # (the accumulator, the key norm's statistics in it, a pass that sums in place)
+    "summed-in-place": (True, False, True), "per-source": (False, False, False),
+    "statistics-summed-in-place": (True, True, True), "statistics-per-source": (True, True, False),
+}
+
+
+def through_buffer(accumulator: bool, statistics: bool):
     """`ops_torch.attnres` over the model's source buffer: each source written into its slot by `_store`, whose
-    handle hands it the slot's gradient, summed in place by `_SourceGrads` (`in_place`, as eager training does) or
-    one per reader (as where a backward pass has no id), with the read's signature."""
-    def op(sources, query, key_norm_weight, **knobs):
+    handle hands it the slot's gradient, summed by `_SourceGrads` (`accumulator`, as eager training does) or one per
+    reader, with the read's signature. With `statistics` (Full AttnRes's torch training) the accumulator also holds
+    the key norm's statistics, which the read takes from it (`inv_rms` not given)."""
+    def op(sources, query, key_norm_weight, eps, **knobs):
         slots = sources.unbind(0)
         buffer = torch.empty(len(slots) + 1, *sources.shape[1:], dtype=sources.dtype)  # (one slot not written)
-        grads = attnres_buffer._SourceGrads(buffer) if in_place else None
+        grads = attnres_buffer._SourceGrads(buffer, eps if statistics else None) if accumulator else None
         handles = tuple(attnres_buffer._store(buffer, grads, slot, source) for slot, source in enumerate(slots))
-        return ops_torch.attnres(SourceBuffer(buffer, slots, handles, grads), query, key_norm_weight, **knobs)
+        return ops_torch.attnres(SourceBuffer(buffer, slots, handles, grads), query, key_norm_weight, eps=eps,
+                                 **knobs)
     return op
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["summed-in-place", "per-source"])
+@pytest.mark.parametrize("mode", list(BUFFER_READS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("router", list(ROUTERS))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_reads_of_the_model_buffer_equal_the_reference(shape, router, dtype, in_place):
+def test_reads_of_the_model_buffer_equal_the_reference(shape, router, dtype, mode, monkeypatch):
     """The torch read over the model's source buffer (without a partial sum one autograd Function for the whole read,
     `attnres_buffer._SourceRead`; with one, the scores and sums Functions) against `ops_naive` in float64: output,
-    depth weights and every gradient, the sources' summed in place or handed per source."""
+    depth weights and every gradient, the sources' summed in place or handed per source (a pass without an id: a
+    torch without the private names, as compiled autograd's), the key norm's statistics computed or the buffer's."""
+    accumulator, statistics, in_place = BUFFER_READS[mode]
+    if not in_place:
+        monkeypatch.setattr(torch_internals, "current_graph_task_id", None)
     reference = reference_read(SHAPES[shape], dtype, router)
-    ours = read(through_buffer(in_place), *inputs(SHAPES[shape], dtype, router), **ROUTERS[router])
+    ours = read(through_buffer(accumulator, statistics), *inputs(SHAPES[shape], dtype, router), **ROUTERS[router])
     assert_matches_reference(ours, reference, dtype)
 
 

@@ -314,14 +314,16 @@ def test_source_gradient_sums_are_dropped_when_the_backward_pass_ends(block_size
     model, projection, reference = with_naive_reference(block_size, input_ids, seed=8)
     made = []
     init = attnres_buffer._SourceGrads.__init__
-    monkeypatch.setattr(attnres_buffer._SourceGrads, "__init__", lambda self, b: made.append(self) or init(self, b))
+    monkeypatch.setattr(attnres_buffer._SourceGrads, "__init__",
+                        lambda self, *args: made.append(self) or init(self, *args))
     model.zero_grad()
     out = model(input_ids)
     loss = (out.logits @ projection).square().mean()
     (accumulator,) = made
 
     def released():
-        return accumulator.grad is None and accumulator.coefficients is None
+        return all(getattr(accumulator, name) is None for name in
+                   ("grad", "coefficients", "queries", "grad_rows", "inv_grad", "inv_grad_rows"))
 
     embed = model.get_input_embeddings().weight
     (partial,) = torch.autograd.grad(loss, [embed], retain_graph=True)

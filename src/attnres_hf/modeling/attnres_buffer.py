@@ -1,12 +1,15 @@
 """The source buffer of Attention Residuals (arXiv:2603.15031, Eq. 1-4 and 6): the completed sources of one forward
 written once, in place, into a slot-major buffer, and the custom autograd Functions through which the routers read it
-(the scores `w . v_i` of Eq. 2-3, the weighted sum of Eq. 1, the key norm's `1/RMS`). Their backward reads the buffer
-instead of saved copies of the sources, and in eager training sums the sources' gradients in place (`_SourceGrads`).
+(the scores `w . v_i` of Eq. 2-3, the weighted sum of Eq. 1, the key norm's `1/RMS`; a whole read as one Function:
+`attnres_read.py`). Their backward reads the buffer instead of saved copies of the sources, and in eager training sums
+the sources' gradients in place (`_SourceGrads`), the key norm's statistics' too where it holds them (Full AttnRes).
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
 siblings `mixing_base.py` and `torch_internals.py`.
 """
 
+import math
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -19,6 +22,11 @@ from .torch_internals import at_graph_task_end, graph_task, graph_tasks_known
 # ---------------------------------------------------------------------------------------------------------------
 # The source buffer: completed sources written once, in place, read by every router through views
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _statistics_dtype(buffer: torch.Tensor) -> torch.dtype:
+    """The dtype the key norm's statistics and scores are computed in: float64 for a float64 buffer, else fp32."""
+    return torch.float64 if buffer.dtype == torch.float64 else torch.float32
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,6 +71,13 @@ class _SourceGrads:
     hands a slot's sum to its source once: every reader of the slot is an autograd consumer of the slot's handle, so
     the engine runs them all before it.
 
+    With `eps` (Full AttnRes's torch reads, `AttnResState.start`), it also holds the key norm's statistics: each
+    slot's `1/RMS`, `inv` `(n_slots, B, T, 1)` (fp32, float64 for a float64 buffer), written with the slot (`_store`,
+    outside autograd) and read by `_SourceRead` as it is. Their gradient is summed in place too (`add_inv`, into
+    `inv_grad`), and `take` applies the norm's chain rule `d inv / d v = -inv^3 v / D` once per slot. Autograd's way
+    (a Function per source and a concatenation per closed block, both with a backward) cost Full AttnRes about 18
+    operator calls per sub-layer.
+
     The sums belong to one backward pass (graph task, `torch_internals.graph_task`): `retain_graph` replays and
     partial `torch.autograd.grad` calls each start from zero, and the pass drops them when it ends (they would otherwise
     live as long as the forward's outputs, e.g. through the next forward of a training loop). Where a pass has no id
@@ -71,10 +86,34 @@ class _SourceGrads:
     (`torch.compile`, which fuses those sums) that makes no `_SourceGrads` at all (`applies`).
     """
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer, self.task, self.grad = buffer, None, None
+    def __init__(self, buffer: torch.Tensor, eps: float | None = None):
+        self.buffer, self.task, self.grad, self.eps = buffer, None, None, eps
         self.columns = 0  # the score columns the readers of this forward registered (`register`)
         self.coefficients = self.queries = None  # this pass's score terms (`add_scores`), made on the first one
+        slots = buffer.shape[0]
+        self.inv = None if eps is None else buffer.new_empty(*buffer.shape[:-1], 1, dtype=_statistics_dtype(buffer))
+        self.inv_grad = None  # this pass's gradient of `inv` (`add_inv`)
+        # (views made once per forward or pass, not once per read: the statistics', their gradient's and the sums'
+        # slots `(n_slots, B T, .)`; `rows` and `by_token`)
+        self.tokens = math.prod(buffer.shape[1:-1])
+        self.inv_rows = None if eps is None else self.inv.view(slots, -1, 1)
+        self.grad_rows = self.inv_grad_rows = None
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """The buffer's slots as rows, `(n_slots B T, D)` (a view, made on the first read that asks)."""
+        return self.buffer.view(-1, self.buffer.shape[-1])
+
+    @cached_property
+    def by_token(self) -> torch.Tensor:
+        """The buffer's slots token-major, `(B T, n_slots, D)` (a strided view, made on the first read that asks)."""
+        return self.rows.view(self.buffer.shape[0], self.tokens, -1).transpose(0, 1)
+
+    def write_statistics(self, slot: int, source: torch.Tensor) -> None:
+        """`inv[slot] = 1/RMS(source)`, in `inv`'s dtype: `source (B, T, D)`, the slot's value (`_store`)."""
+        with torch.no_grad():
+            value = _as(source, self.inv.dtype)
+            torch.rsqrt(value.pow(2).mean(-1, keepdim=True).add_(self.eps), out=self.inv[slot])
 
     def register(self, count: int) -> int:
         """A scores reader's first column of `coefficients` (it reads with `count` queries), given in its forward."""
@@ -95,11 +134,25 @@ class _SourceGrads:
             return None
         if task != self.task:
             self.task, self.grad, self.coefficients, self.queries = task, torch.zeros_like(self.buffer), None, None
+            self.grad_rows = None
+            if self.inv is not None:
+                self.inv_grad = torch.zeros_like(self.inv)
+                self.inv_grad_rows = self.inv_grad.view(self.inv_rows.shape)
             at_graph_task_end(self._release)
         return self
 
     def _release(self) -> None:
-        self.grad = self.coefficients = self.queries = None
+        self.grad = self.coefficients = self.queries = self.inv_grad = self.grad_rows = self.inv_grad_rows = None
+
+    def sum_rows(self, n: int) -> torch.Tensor:
+        """The sums of slots `0 .. n - 1` as `(n, B T, D)`, a view (after `open`, as the adders below)."""
+        if self.grad_rows is None:
+            self.grad_rows = self.grad.view(self.buffer.shape[0], self.tokens, -1)
+        return self.grad_rows[:n]
+
+    def add_inv(self, n: int, grad_inv: torch.Tensor) -> None:
+        """Add `grad_inv (n, B T, 1)` (`inv`'s dtype), the gradient of slots `0 .. n - 1`'s statistics."""
+        self.inv_grad_rows[:n].add_(grad_inv)
 
     def sums(self) -> torch.Tensor:
         """`(n_slots, B, T, D)`: the slots' gradient sums of this backward pass (buffer dtype), for a reader that adds
@@ -147,6 +200,8 @@ class _SourceGrads:
                 flat.addmm_(self.coefficients[slot], self.queries)
             else:  # the product in fp32, added in the buffer's dtype
                 flat.add_((self.coefficients[slot] @ self.queries).to(grad.dtype))
+        if self.inv_grad is not None:  # the key norm's statistics: d inv / d v = -inv^3 v / D
+            grad.addcmul_(self.inv_grad[slot] * self.inv[slot].pow(3), self.buffer[slot], value=-1 / grad.shape[-1])
         return grad
 
 
@@ -261,84 +316,6 @@ class _SourceMix(torch.autograd.Function):
         return None, None, None, grad_weights, *_per_source(grad_values.view(n, batch, seq, dim), ctx, n)
 
 
-class _SourceRead(torch.autograd.Function):
-    """One router's whole read of the buffer's first `n` slots without a partial sum (Full AttnRes; a Block model's
-    direct reads of completed sources): the scores `w . v_i` (times the sources' `1/RMS` `inv` with the key norm),
-    their softmax (or sigmoid) over the sources and the weighted sum, in one Function whose backward reads the buffer
-    (see `_SourceScores`) in few operator calls: the weights' gradient in one batched product, the softmax's backward
-    in three calls, the query's in one product, and the sources' terms added to their sums in place (`_SourceGrads`;
-    in fp32 models directly, else through `add_scores`, which sums the score terms in fp32), or returned per source
-    where the pass cannot sum in place.
-
-    Inputs: `query (D,)` fp32 (float64 for a float64 buffer; the key-norm weight folded in), `inv (B, T, n)` in the
-    query's dtype or `None` (no key norm), `sigmoid`, `scale` (`output_scale`), `return_weights`, then the slots'
-    handles. Returns `h (B, T, D)` in the buffer's dtype and, with `return_weights`, the depth weights slot-major,
-    `(n, B T)` in the query's dtype (differentiable: their gradient joins the output's), else `None`."""
-
-    @staticmethod
-    def forward(ctx, buffer, grads, n, query, inv, sigmoid, scale, return_weights, *handles):
-        _, batch, seq, dim = buffer.shape
-        rows = buffer[:n].view(-1, dim)  # (n B T, D)
-        raw = torch.mv(_as(rows, query.dtype), query).view(n, -1)  # (n, B T)
-        inv_t = None if inv is None else inv.reshape(-1, n).T  # (n, B T), a view where inv is contiguous
-        logits = raw if inv_t is None else raw * inv_t
-        weights = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=0)
-        mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype)
-        # (token-major weights: with a batch stride of 1, CPU `bmm` copied each token's row, a loop over B T)
-        per_token = mix.T.contiguous().view(-1, 1, n)  # (B T, 1, n)
-        hidden = torch.bmm(per_token, rows.view(n, -1, dim).transpose(0, 1)).view(batch, seq, dim)
-        fp32_sums = grads is not None and buffer.dtype == query.dtype  # (else the score terms go to `add_scores`)
-        ctx.column = None if grads is None or fp32_sums else grads.register(1)
-        ctx.buffer, ctx.grads, ctx.n, ctx.sigmoid, ctx.scale = buffer, grads, n, sigmoid, scale
-        ctx.save_for_backward(query, weights, None if inv is None else raw, inv_t)
-        ctx.set_materialize_grads(False)
-        return hidden, weights if return_weights else None  # (saving an output costs two aliases: only if asked)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_hidden, grad_weights):
-        query, weights, raw, inv_t = ctx.saved_tensors  # weights (n, B T)
-        n, buffer, scale = ctx.n, ctx.buffer, ctx.scale
-        _, batch, seq, dim = buffer.shape
-        rows = buffer[:n].view(-1, dim)
-        grad = None if grad_hidden is None else _as(grad_hidden, buffer.dtype).reshape(-1, 1, dim)  # (B T, 1, D)
-        grad_w = None if grad_weights is None else _as(grad_weights, weights.dtype)
-        if grad is not None:  # d h / d weight_i = scale v_i: one (B T, 1, D) @ (B T, D, n) product
-            from_hidden = torch.bmm(grad, rows.view(n, -1, dim).permute(1, 2, 0)).view(-1, n).T
-            from_hidden = _as(from_hidden, weights.dtype) if scale == 1.0 else _as(from_hidden, weights.dtype) * scale
-            grad_w = from_hidden if grad_w is None else grad_w + from_hidden
-        if ctx.sigmoid:  # d sigmoid(x) = s (1 - s)
-            grad_logits = grad_w * weights * (1 - weights)
-        else:  # softmax: w * (g - sum_i w_i g_i)
-            product = weights * grad_w
-            grad_logits = torch.addcmul(product, weights, product.sum(0, keepdim=True), value=-1)
-        coefficients = grad_logits if inv_t is None else grad_logits * inv_t  # d L / d (w . v_i), (n, B T)
-        grad_query = grad_inv = None
-        if ctx.needs_input_grad[3]:
-            grad_query = torch.mv(_as(rows, query.dtype).T, coefficients.reshape(-1))
-        if inv_t is not None and ctx.needs_input_grad[4]:
-            grad_inv = (grad_logits * raw).T.view(batch, seq, n)
-        needs = ctx.needs_input_grad[8:]
-        if not any(needs):
-            return None, None, None, grad_query, grad_inv, None, None, None, *_nones(needs)
-        mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype).view(n, batch, seq, 1)
-        coefficients = coefficients.reshape(n, batch, seq, 1)
-        grads = ctx.grads.open() if ctx.grads is not None else None
-        if grads is not None:  # slot i += mix_i grad + coefficient_i query, in place (all n: slots none needs
-            slots = grads.sums()[:n]  # are never handed theirs)
-            if grad_hidden is not None:
-                slots.addcmul_(mix, _as(grad_hidden, buffer.dtype))
-            if ctx.column is None:
-                slots.addcmul_(coefficients, query)
-            else:
-                grads.add_scores(coefficients.permute(1, 2, 3, 0), query.unsqueeze(0), ctx.column)
-            return None, None, None, grad_query, grad_inv, None, None, None, *_nones(needs)
-        grad_values = coefficients * query
-        if grad_hidden is not None:
-            grad_values = torch.addcmul(grad_values, mix, _as(grad_hidden, buffer.dtype))
-        return None, None, None, grad_query, grad_inv, None, None, None, *_per_source(grad_values, ctx, n, first=8)
-
-
 def _nones(needs) -> tuple:
     """`None` gradients for the handles."""
     return (None,) * len(needs)
@@ -400,13 +377,17 @@ def _store(buffer: torch.Tensor, grads: _SourceGrads | None, slot: int, source: 
     `_SourceSlot` handle when `grads` sums the gradients (eager training), else `source` itself (the copy is made
     outside autograd; the readers route one gradient each to `source`)."""
     if grads is not None and source.requires_grad:
-        return _SourceSlot.apply(grads, slot, source)
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            buffer[slot].copy_(source)
+        handle = _SourceSlot.apply(grads, slot, source)
     else:
-        buffer[slot].copy_(source)
-    return source
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                buffer[slot].copy_(source)
+        else:
+            buffer[slot].copy_(source)
+        handle = source
+    if grads is not None and grads.inv is not None:
+        grads.write_statistics(slot, source)
+    return handle
 
 
 def _source_inverse_rms(buffer, grads, slot, eps, handle):

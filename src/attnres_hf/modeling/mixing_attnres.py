@@ -74,7 +74,7 @@ class AttnResState(NamedTuple):
     """
 
     sources: tuple[torch.Tensor, ...]  # completed sources b_0 (embedding), b_1 .. b_{n-1} (block sums), (B, T, D)
-    inv_rms: torch.Tensor | None  # (B, T, n) fp32: 1/RMS of each completed source (None: `constants.layout`'s)
+    inv_rms: torch.Tensor | None  # (B, T, n) fp32: 1/RMS of each source (None: `constants.layout`'s, `grads.inv`)
     partial: torch.Tensor | None  # (B, T, D): b_n^{i-1}, the sum of the current block so far; None at its start
     eps: float
     block_size: int
@@ -103,7 +103,8 @@ class AttnResState(NamedTuple):
                        keep_weights, implementation=implementation)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
-        grads = _SourceGrads(buffer) if _SourceGrads.applies() else None
+        statistics = size == 1 and implementation == "torch" and config.attnres_key_norm  # (Full's: `_SourceGrads`)
+        grads = _SourceGrads(buffer, eps if statistics else None) if _SourceGrads.applies() else None
         constants = None
         if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
             layers = tuple(islice(model.layers, config.num_hidden_layers))
@@ -117,7 +118,8 @@ class AttnResState(NamedTuple):
             handle, statistics, buffer = embeddings, None, constants.layout.buffer
         else:
             handle = _store(buffer, grads, 0, embeddings)
-            statistics = _source_inverse_rms(buffer, grads, 0, eps, handle).unsqueeze(-1)
+            statistics = None if grads is not None and grads.inv is not None else _source_inverse_rms(
+                buffer, grads, 0, eps, handle).unsqueeze(-1)
         state = cls((embeddings,), statistics, None, eps, size, 0, buffer, None, None, keep_weights,
                     (handle,), grads, constants, config.attnres_implementation)
         return state._start_block()
@@ -181,15 +183,18 @@ class AttnResState(NamedTuple):
             close_source(self.constants.layout, slot, partial, self.constants.norm_eps)
             state = self._replace(sources=(*self.sources, partial), partial=None, handles=(*handles, partial))
             return state._start_block()
+        inv_rms, stacked = self.inv_rms, None
         if self.buffer is not None:
             handles = (*handles, _store(self.buffer, self.grads, slot, partial))
             eps = self.constants.eps if self.constants is not None else self.eps
-            inv, stacked = _source_inverse_rms(self.buffer, self.grads, slot, eps, handles[-1]), None
+            if inv_rms is not None:  # (else the buffer's accumulator holds them, `_SourceGrads.inv`)
+                inv = _source_inverse_rms(self.buffer, self.grads, slot, eps, handles[-1])
+                inv_rms = torch.cat([inv_rms, inv[..., None]], -1)
         else:
-            inv = inverse_rms(partial, self.eps)
+            inv_rms = torch.cat([inv_rms, inverse_rms(partial, self.eps)[..., None]], -1)
             stacked = torch.cat([self.stacked, partial.unsqueeze(-2)], dim=-2)  # (B, T, n+1, D)
-        state = self._replace(sources=(*self.sources, partial), inv_rms=torch.cat([self.inv_rms, inv[..., None]], -1),
-                              partial=None, stacked=stacked, handles=handles)
+        state = self._replace(sources=(*self.sources, partial), inv_rms=inv_rms, partial=None, stacked=stacked,
+                              handles=handles)
         return state._start_block() if self.buffer is not None else state
 
     def _add(self, output: torch.Tensor) -> DepthWrite:

@@ -10,14 +10,15 @@ Functions (no saved copy of the sources, eager training's in-place gradient sums
 Arithmetic is fp32 (float64 for float64 sources); outputs are in the sources' dtype, depth weights in fp32.
 
 Travels with checkpoints as remote code (a relative import of `ops.py`): imports only torch and its siblings
-`attnres_buffer.py`, `attnres_two_phase.py` and `mixing_base.py`.
+`attnres_buffer.py`, `attnres_read.py`, `attnres_two_phase.py` and `mixing_base.py`.
 """
 
 from collections.abc import Sequence
 
 import torch
 
-from .attnres_buffer import SourceBuffer, _as, _mix, _read_sources, _scores, _SourceMix, _SourceRead, _SourceScores
+from .attnres_buffer import SourceBuffer, _as, _mix, _read_sources, _scores, _SourceMix, _SourceScores
+from .attnres_read import _SourceRead, _SourceStatistics
 from .attnres_two_phase import _merge_partial, _merged_weights, _PartialMerge
 from .mixing_base import inverse_rms
 
@@ -64,11 +65,33 @@ def _inverse_rms(x: torch.Tensor, eps, compute: torch.dtype) -> torch.Tensor:
     return torch.rsqrt(x.to(compute).pow(2).mean(-1) + eps)
 
 
+def _holds_statistics(read) -> bool:
+    """Whether `read` is the model's buffer holding its sources' key-norm statistics (`_SourceGrads.inv`)."""
+    return isinstance(read, SourceBuffer) and read.grads is not None and read.grads.inv is not None
+
+
 def _source_inverse_rms(read, n: int, eps, compute: torch.dtype) -> torch.Tensor:
-    """The completed sources' `1/RMS`, `(B, T, n)`, when no saved statistics were given."""
+    """The completed sources' `1/RMS`, `(B, T, n)`, when no saved statistics were given: the buffer's own
+    (`_SourceGrads.inv`, through `_SourceStatistics` with gradients), else computed."""
+    if _holds_statistics(read):
+        if torch.is_grad_enabled() and any(h.requires_grad for h in read.handles):
+            return _SourceStatistics.apply(read.grads, n, *read.handles)
+        return read.grads.inv[:n, ..., 0].permute(1, 2, 0)
     if isinstance(read, SourceBuffer):
         return torch.stack([_inverse_rms(source, eps, compute) for source in read.sources], dim=-1)
     return _inverse_rms(read, eps, compute).permute(1, 2, 0)
+
+
+def key_norm_statistics(sources: Sources, eps: float = 1e-6) -> torch.Tensor:
+    """The key norm's statistics of the completed sources, `1/RMS(v_i)` (paper Eq. 3's RMSNorm without its weight):
+    `(batch, seq_len, n)` fp32 (float64 for float64 sources), differentiable. The model's buffer gives its own where
+    it holds them (Full AttnRes's torch training, `attnres_buffer._SourceGrads.inv`), else they are computed.
+
+    Raises:
+        ValueError: as `attnres`.
+    """
+    read, n, dtype = _prepared(sources)
+    return _source_inverse_rms(read, n, eps, _compute_dtype(dtype))
 
 
 def _read_scores(read, queries: torch.Tensor) -> torch.Tensor:
@@ -122,10 +145,12 @@ def attnres(
     query = _folded(query, key_norm_weight, compute)
     if partial is None and isinstance(read, SourceBuffer) and torch.is_grad_enabled() and (
             query.requires_grad or any(h.requires_grad for h in read.handles)):  # the whole read in one Function
-        inv = (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute)) if key_norm else None
-        hidden, weights = _SourceRead.apply(read.buffer, read.grads, n, query, inv, sigmoid, output_scale,
+        statistics = key_norm and inv_rms is None and _holds_statistics(read)  # (`_SourceGrads.inv`)
+        inv = (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute)) if key_norm and not \
+            statistics else None
+        hidden, weights = _SourceRead.apply(read.buffer, read.grads, n, query, inv, statistics, sigmoid, output_scale,
                                             return_weights, *read.handles)
-        return hidden, weights.T.view(*hidden.shape[:-1], n) if return_weights else None
+        return hidden, weights.view(n, -1).T.view(*hidden.shape[:-1], n) if return_weights else None
     logits = _read_scores(read, query.unsqueeze(0)).squeeze(-2)  # (B, T, n)
     if key_norm:
         logits = logits * (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute))

@@ -12,6 +12,7 @@ import torch
 
 from .._checks import check_int
 from ..modeling.depth_mixing import DEPTH_MIXING
+from ..modeling.ops_torch import key_norm_statistics
 
 # ---------------------------------------------------------------------------------------------------------------
 # The depth state as tensors: the one place that knows the fields of `AttnResState` (mixing_attnres.py)
@@ -60,7 +61,9 @@ class StateCodec:
         if state.partial is None:
             raise RuntimeError("the depth state's 'partial' is None at a stage boundary (a stage ran no sub-layer)")
         stacked = state.stacked if state.stacked is not None else torch.stack(state.sources, dim=-2)
-        return {"sources": stacked, "inv_rms": state.inv_rms}, {"partial": state.partial}
+        # (Full AttnRes's torch training keeps the statistics in its buffer's accumulator, not in `inv_rms`)
+        inv_rms = state.inv_rms if state.inv_rms is not None else key_norm_statistics(state.source_buffer(), state.eps)
+        return {"sources": stacked, "inv_rms": inv_rms}, {"partial": state.partial}
 
     def join(self, sources: dict[str, torch.Tensor], running: dict[str, torch.Tensor], sublayer: int):
         stacked = sources["sources"]
