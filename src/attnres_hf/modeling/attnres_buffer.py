@@ -66,8 +66,10 @@ class _SourceGrads:
     sums (they were about 70% of its extra training time). Here a reader's backward adds its mixing term for all the
     slots it read into `grad` `(n_slots, B, T, D)`, one in-place product, and records its scores term (rank `S` per
     slot: `dL/dlogit` times the queries) in its own columns of `coefficients` `(n_slots, B T, K)` and rows of
-    `queries` `(K, D)` (fp32; the columns are the reader's from its forward, `register`), which `take` adds in one
-    `(B T, K) @ (K, D)` product per slot (a slot's column of a reader that did not read it is zero). `_SourceSlot`
+    `queries` `(K, D)` (fp32, float64 for a float64 buffer; the columns are the reader's from its forward, `register`,
+    where a one-query reader also gives its query), which `take` adds in one `(B T, K) @ (K, D)` product per slot (a
+    slot's column of a reader that did not read it is zero): one pass over each slot's sum for all its readers' score
+    terms, where adding each reader's in place would pass over all the slots it read once per reader. `_SourceSlot`
     hands a slot's sum to its source once: every reader of the slot is an autograd consumer of the slot's handle, so
     the engine runs them all before it.
 
@@ -89,15 +91,19 @@ class _SourceGrads:
     def __init__(self, buffer: torch.Tensor, eps: float | None = None):
         self.buffer, self.task, self.grad, self.eps = buffer, None, None, eps
         self.columns = 0  # the score columns the readers of this forward registered (`register`)
+        self.vectors = {}  # {column: query (D,)} of the one-query readers (`register`)
         self.coefficients = self.queries = None  # this pass's score terms (`add_scores`), made on the first one
         slots = buffer.shape[0]
         self.inv = None if eps is None else buffer.new_empty(*buffer.shape[:-1], 1, dtype=_statistics_dtype(buffer))
         self.inv_grad = None  # this pass's gradient of `inv` (`add_inv`)
-        # (views made once per forward or pass, not once per read: the statistics', their gradient's and the sums'
-        # slots `(n_slots, B T, .)`; `rows` and `by_token`)
+        # (views made once per forward or pass, not once per read or slot: each slot of the buffer, of the statistics
+        # and of their gradient and the sums (`unbind`); the statistics', their gradient's and the sums' slots as
+        # `(n_slots, B T, .)`; `rows` and `by_token`)
         self.tokens = math.prod(buffer.shape[1:-1])
+        self.slots = buffer.unbind(0)
         self.inv_rows = None if eps is None else self.inv.view(slots, -1, 1)
-        self.grad_rows = self.inv_grad_rows = None
+        self.inv_slots = None if eps is None else self.inv.unbind(0)
+        self._release()
 
     @cached_property
     def rows(self) -> torch.Tensor:
@@ -113,11 +119,14 @@ class _SourceGrads:
         """`inv[slot] = 1/RMS(source)`, in `inv`'s dtype: `source (B, T, D)`, the slot's value (`_store`)."""
         with torch.no_grad():
             value = _as(source, self.inv.dtype)
-            torch.rsqrt(value.pow(2).mean(-1, keepdim=True).add_(self.eps), out=self.inv[slot])
+            torch.rsqrt(value.pow(2).mean(-1, keepdim=True).add_(self.eps), out=self.inv_slots[slot])
 
-    def register(self, count: int) -> int:
-        """A scores reader's first column of `coefficients` (it reads with `count` queries), given in its forward."""
+    def register(self, count: int, query: torch.Tensor | None = None) -> int:
+        """A scores reader's first column of `coefficients` (it reads with `count` queries), given in its forward;
+        `query (D,)`: a one-query reader's query, the column's row of `queries` (else `add_scores` copies them)."""
         column, self.columns = self.columns, self.columns + count
+        if query is not None:
+            self.vectors[column] = query
         return column
 
     @staticmethod
@@ -134,20 +143,21 @@ class _SourceGrads:
             return None
         if task != self.task:
             self.task, self.grad, self.coefficients, self.queries = task, torch.zeros_like(self.buffer), None, None
-            self.grad_rows = None
+            self.grad_rows = self.grad.view(len(self.slots), self.tokens, -1)
+            self.grad_slots, self.grad_row_slots = self.grad.unbind(0), self.grad_rows.unbind(0)
             if self.inv is not None:
                 self.inv_grad = torch.zeros_like(self.inv)
                 self.inv_grad_rows = self.inv_grad.view(self.inv_rows.shape)
+                self.inv_grad_slots = self.inv_grad.unbind(0)
             at_graph_task_end(self._release)
         return self
 
     def _release(self) -> None:
         self.grad = self.coefficients = self.queries = self.inv_grad = self.grad_rows = self.inv_grad_rows = None
+        self.grad_slots = self.grad_row_slots = self.inv_grad_slots = self.coefficient_slots = None
 
     def sum_rows(self, n: int) -> torch.Tensor:
         """The sums of slots `0 .. n - 1` as `(n, B T, D)`, a view (after `open`, as the adders below)."""
-        if self.grad_rows is None:
-            self.grad_rows = self.grad.view(self.buffer.shape[0], self.tokens, -1)
         return self.grad_rows[:n]
 
     def add_inv(self, n: int, grad_inv: torch.Tensor) -> None:
@@ -163,21 +173,31 @@ class _SourceGrads:
         """Record a scores reader's term: `grad_logits (B, T, S, n)` and `queries (S, D)` (fp32), in its columns from
         `column` (`register`)."""
         count, n = queries.shape[0], grad_logits.shape[-1]
-        if self.coefficients is None or self.coefficients.shape[-1] < column + count:
-            self._widen(max(self.columns, column + count))  # (a reentrant checkpoint's replay registers anew)
         terms = grad_logits.permute(3, 0, 1, 2).reshape(n, -1, count)  # (n, B T, S), a view
-        self.coefficients[:n, :, column:column + count].copy_(terms)
+        self.score_columns(n, column, count).copy_(terms)
         self.queries[column:column + count].copy_(queries)
 
+    def score_columns(self, n: int, column: int, count: int = 1) -> torch.Tensor:
+        """Slots `0 .. n - 1`'s rows of a reader's `count` columns from `column` of `coefficients`, `(n, B T, count)`
+        (a strided view), for the reader to write its terms into (`add_scores`, or as its product's `out`)."""
+        if self.coefficients is None or self.coefficients.shape[-1] < column + count:
+            self._widen(max(self.columns, column + count))  # (a reentrant checkpoint's replay registers anew)
+        return self.coefficients[:n, :, column:column + count]
+
     def _widen(self, width: int) -> None:
-        """Zero `coefficients` and `queries` of `width` columns, keeping the terms recorded so far."""
+        """Zero `coefficients` and `queries` of `width` columns, keeping the terms recorded so far, the one-query
+        readers' queries in their rows."""
         slots, batch, seq, dim = self.buffer.shape
-        coefficients = self.buffer.new_zeros(slots, batch * seq, width, dtype=torch.float32)
-        queries = self.buffer.new_zeros(width, dim, dtype=torch.float32)
+        dtype = _statistics_dtype(self.buffer)
+        coefficients = self.buffer.new_zeros(slots, batch * seq, width, dtype=dtype)
+        queries = self.buffer.new_zeros(width, dim, dtype=dtype)
         if self.coefficients is not None:
             coefficients[..., :self.coefficients.shape[-1]].copy_(self.coefficients)
             queries[:self.queries.shape[0]].copy_(self.queries)
-        self.coefficients, self.queries = coefficients, queries
+        if self.vectors:
+            rows = torch.tensor(list(self.vectors), device=queries.device)
+            queries.index_copy_(0, rows, torch.stack([_as(v, dtype) for v in self.vectors.values()]))
+        self.coefficients, self.queries, self.coefficient_slots = coefficients, queries, coefficients.unbind(0)
 
     def add_mix(self, n: int, grad_values: torch.Tensor, lo: int = 0) -> None:
         """Add `grad_values (n - lo, B, T, D)` (a view is fine) to slots `lo .. n - 1`."""
@@ -193,15 +213,16 @@ class _SourceGrads:
         task = graph_task()
         if task is None or task != self.task or self.grad is None:
             return None
-        grad = self.grad[slot]
+        grad = self.grad_slots[slot]
         if self.coefficients is not None:
-            flat = grad.view(-1, grad.shape[-1])
-            if grad.dtype == torch.float32:
-                flat.addmm_(self.coefficients[slot], self.queries)
+            flat, coefficients = self.grad_row_slots[slot], self.coefficient_slots[slot]  # (B T, D), (B T, K)
+            if grad.dtype == coefficients.dtype:
+                flat.addmm_(coefficients, self.queries)
             else:  # the product in fp32, added in the buffer's dtype
-                flat.add_((self.coefficients[slot] @ self.queries).to(grad.dtype))
+                flat.add_((coefficients @ self.queries).to(grad.dtype))
         if self.inv_grad is not None:  # the key norm's statistics: d inv / d v = -inv^3 v / D
-            grad.addcmul_(self.inv_grad[slot] * self.inv[slot].pow(3), self.buffer[slot], value=-1 / grad.shape[-1])
+            coefficient = self.inv_grad_slots[slot] * self.inv_slots[slot].pow(3)
+            grad.addcmul_(coefficient, self.slots[slot], value=-1 / grad.shape[-1])
         return grad
 
 
@@ -214,7 +235,7 @@ class _SourceSlot(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, grads, slot, source):
-        grads.buffer[slot].copy_(source)
+        grads.slots[slot].copy_(source)
         ctx.grads, ctx.slot, ctx.leaf = grads, slot, source.is_leaf
         ctx.set_materialize_grads(False)
         return source.new_zeros(()).expand(source.shape)

@@ -19,9 +19,9 @@ class _SourceRead(torch.autograd.Function):
     direct reads of completed sources): the scores `w . v_i` (times the sources' `1/RMS` `inv` with the key norm),
     their softmax (or sigmoid) over the sources and the weighted sum, in one Function whose backward reads the buffer
     (see `_SourceScores`) in few operator calls: the weights' gradient in one batched product, the softmax's backward
-    in three calls, the query's in one product, and the sources' terms added to their sums in place (`_SourceGrads`;
-    in fp32 models directly, else through `add_scores`, which sums the score terms in fp32), or returned per source
-    where the pass cannot sum in place.
+    in three calls, the query's in one product, and the sources' terms added to their sums in place (`_SourceGrads`:
+    the mixing term directly, the score term written into the read's column of the score terms, which each slot adds
+    once for all its readers), or returned per source where the pass cannot sum in place.
 
     Inputs: `query (D,)` fp32 (float64 for a float64 buffer; the key-norm weight folded in), `inv (B, T, n)` in the
     query's dtype or `None`, `statistics` (with `inv` `None`: the key norm's statistics are `grads.inv`, their gradient
@@ -41,8 +41,7 @@ class _SourceRead(torch.autograd.Function):
         mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype)
         # (token-major weights: with a batch stride of 1, CPU `bmm` copied each token's row, a loop over B T)
         hidden = torch.bmm(mix.permute(1, 2, 0).contiguous(), by_token).view(batch, seq, dim)
-        fp32_sums = grads is not None and buffer.dtype == query.dtype  # (else the score terms go to `add_scores`)
-        ctx.column = None if grads is None or fp32_sums else grads.register(1)
+        ctx.column = None if grads is None else grads.register(1, query)  # (its score terms' column, `_SourceGrads`)
         ctx.buffer, ctx.grads, ctx.n, ctx.sigmoid, ctx.scale = buffer, grads, n, sigmoid, scale
         ctx.rows, ctx.by_token, ctx.statistics = rows, by_token, inv_t if statistics else None
         ctx.save_for_backward(query, weights, None if inv_t is None else raw, None if statistics else inv_t)
@@ -68,28 +67,28 @@ class _SourceRead(torch.autograd.Function):
         else:  # softmax: w * (g - sum_i w_i g_i)
             product = weights * grad_w
             grad_logits = torch.addcmul(product, weights, product.sum(0, keepdim=True), value=-1)
-        coefficients = grad_logits if inv_t is None else grad_logits * inv_t  # d L / d (w . v_i), (n, B T, 1)
+        needs = ctx.needs_input_grad[9:]
+        sums = ctx.grads.open() if ctx.grads is not None and any(needs) else None
+        # d L / d (w . v_i), (n, B T, 1): with in-place sums, written into this read's column of the score terms
+        # (`_SourceGrads.score_columns`, a strided view), which `take` adds to each slot's sum
+        if sums is not None:
+            columns = sums.score_columns(n, ctx.column)
+            coefficients = columns.copy_(grad_logits) if inv_t is None else torch.mul(grad_logits, inv_t, out=columns)
+        else:
+            coefficients = grad_logits if inv_t is None else grad_logits * inv_t
         grad_query = grad_inv = None
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[3]:  # (a view of the strided column too: its slots' stride is B T times its tokens')
             grad_query = torch.mv(_as(rows, query.dtype).T, coefficients.reshape(-1))
         if inv_t is not None and not statistics and ctx.needs_input_grad[4]:
             grad_inv = (grad_logits * raw).permute(1, 2, 0).view(batch, seq, n)
-        needs = ctx.needs_input_grad[9:]
         nones = (None, None, None, grad_query, grad_inv, None, None, None, None)
         if not any(needs):
             return *nones, *_nones(needs)
         mix = _as(weights if scale == 1.0 else weights * scale, buffer.dtype)  # (n, B T, 1)
         grad = None if grad is None else grad.transpose(0, 1)  # (1, B T, D)
-        sums = ctx.grads.open() if ctx.grads is not None else None
-        if sums is not None:  # slot i += mix_i grad + coefficient_i query, in place (all n: slots none needs
-            slots = sums.sum_rows(n)  # are never handed theirs), (n, B T, D)
+        if sums is not None:  # slot i += mix_i grad, in place (all n: slots none needs are never handed theirs)
             if grad is not None:
-                slots.addcmul_(mix, grad)
-            if ctx.column is None:
-                slots.addcmul_(coefficients, query)
-            else:
-                sums.add_scores(coefficients.view(n, batch, seq, 1).permute(1, 2, 3, 0), query.unsqueeze(0),
-                                ctx.column)
+                sums.sum_rows(n).addcmul_(mix, grad)
             if statistics:  # d L / d inv_i (`take` applies the norm's chain rule)
                 sums.add_inv(n, grad_logits * raw)
             return *nones, *_nones(needs)

@@ -103,7 +103,7 @@ class AttnResState(NamedTuple):
                        keep_weights, implementation=implementation)
         slots = 1 + max(config.num_sublayers - 1, 0) // size  # the embedding and every block closed before the end
         buffer = embeddings.new_empty(slots, *embeddings.shape)
-        statistics = size == 1 and implementation == "torch" and config.attnres_key_norm  # (Full's: `_SourceGrads`)
+        statistics = size == 1 and implementation != "triton" and config.attnres_key_norm  # (Full's: `_SourceGrads`)
         grads = _SourceGrads(buffer, eps if statistics else None) if _SourceGrads.applies() else None
         constants = None
         if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
