@@ -275,14 +275,14 @@ def test_inference_and_generation_match_the_torch_path(kernels, input_ids, name)
 
 @pytest.mark.parametrize("name", ["full", "block2"])
 def test_gradient_checkpointing_replays_the_kernels(kernels, input_ids, name):
-    """A checkpointed layer rewrites its block's buffer slot and runs the kernels again in backward: the same
-    gradients as without checkpointing."""
-    _, plain = pair(kernels, **MODELS[name])
-    _, checkpointed = pair(kernels, **MODELS[name])
+    """A checkpointed layer rewrites its block's buffer slot and runs the kernels again in backward: the torch path's
+    gradients without checkpointing, as a step without it gives them (the test above)."""
+    plain, checkpointed = pair(kernels, **MODELS[name])
     checkpointed.gradient_checkpointing_enable()
     ours, theirs = training_step(checkpointed, input_ids), training_step(plain, input_ids)
-    for key in theirs[2]:
-        torch.testing.assert_close(ours[2][key], theirs[2][key], atol=1e-6, rtol=1e-5, msg=key)
+    assert ours[2].keys() == theirs[2].keys()
+    worst = max(relative(ours[2][key], theirs[2][key]) for key in theirs[2])
+    assert worst < 1e-4, worst
 
 
 @pytest.mark.parametrize("name", ["full", "block2"])
