@@ -146,8 +146,9 @@ def attnres(
     if partial is None and isinstance(read, SourceBuffer) and torch.is_grad_enabled() and (
             query.requires_grad or any(h.requires_grad for h in read.handles)):  # the whole read in one Function
         statistics = key_norm and inv_rms is None and _holds_statistics(read)  # (`_SourceGrads.inv`)
-        inv = (inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute)) if key_norm and not \
-            statistics else None
+        inv = None
+        if key_norm and not statistics:
+            inv = inv_rms if inv_rms is not None else _source_inverse_rms(read, n, eps, compute)
         hidden, weights = _SourceRead.apply(read.buffer, read.grads, n, query, inv, statistics, sigmoid, output_scale,
                                             return_weights, *read.handles)
         return hidden, weights.view(n, -1).T.view(*hidden.shape[:-1], n) if return_weights else None
