@@ -148,13 +148,14 @@ def count_all(shape: dict, models: tuple[str, ...] = ("llama", "block", "full"))
             for name in models}
 
 
-def count_launches(shape: dict) -> dict:
+def count_launches(shape: dict, models: tuple[str, ...] | None = None) -> dict:
     """`{model: Counter}` of a decoded token's kernel launches (`CountLaunches`) at `shape`: Llama, Block and Full
-    AttnRes with the torch reads and with the Triton kernels, on the CPU: Triton's interpreter runs the kernels
-    (`TRITON_INTERPRET=1`, set when this module is imported)."""
+    AttnRes with the torch reads and with the Triton kernels (`models`: these of them only), on the CPU: Triton's
+    interpreter runs the kernels (`TRITON_INTERPRET=1`, set when this module is imported)."""
     shape = dict(shape, **SMOKE)  # (the same counts at any width; the interpreter's time grows with it)
     built = build_models(torch.device("cpu"), "sdpa", [], shape, triton=True)
-    return {name: count(model, "decode", shape["vocab_size"], CountLaunches()) for name, model in built.items()}
+    return {name: count(model, "decode", shape["vocab_size"], CountLaunches()) for name, model in built.items()
+            if models is None or name in models}
 
 
 def count_training_launches(shape: dict) -> dict:

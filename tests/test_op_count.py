@@ -37,6 +37,10 @@ TRAINING_LAUNCHES_ADDED_AT_MOST = {"block": 1882, "full": 1554}
 """The most kernel launches a training step may add to Llama's (`count_training_launches`, measured:
 docs/results/op_count.md)."""
 
+DECODE_LAUNCHES_ADDED_AT_MOST = {"block+triton": 63}
+"""The most kernel launches a decoded token on the Triton kernels may add to Llama's (`count_launches`, measured:
+docs/results/op_count.md)."""
+
 
 @pytest.fixture(scope="module")
 def op_count():
@@ -76,6 +80,19 @@ def test_a_training_step_adds_no_more_kernel_launches_than_measured(op_count):
     for model, most in TRAINING_LAUNCHES_ADDED_AT_MOST.items():
         added = sum(launches[model].values()) - base
         assert added <= most, f"{model}'s training step adds {added} kernel launches to Llama's (at most {most})"
+
+
+def test_a_decoded_token_on_the_kernels_adds_no_more_launches_than_measured(op_count):
+    """Block AttnRes's decode step on the Triton kernels (run by the interpreter, about 5 s): its launches over
+    Llama's, which the merges' fused adds (`attnres_triton.add`) and phase 1 without the softmax keep down."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton with its interpreter on (TRITON_INTERPRET=1 before Triton is imported)")
+    shape = dict(op_count.SMOLLM2_135M, **op_count.SMOKE)
+    launches = op_count.count_launches(shape, ("llama", *DECODE_LAUNCHES_ADDED_AT_MOST))
+    base = sum(launches["llama"].values())
+    for model, most in DECODE_LAUNCHES_ADDED_AT_MOST.items():
+        added = sum(launches[model].values()) - base
+        assert added <= most, f"{model}'s decoded token adds {added} kernel launches to Llama's (at most {most})"
 
 
 if triton is not None:

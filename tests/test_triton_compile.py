@@ -79,9 +79,10 @@ CASES = _cases()
 
 
 def launches(kernels, case: dict) -> list[tuple]:
-    """The kernel launches of phase 1 and a merge, forward and backward (each of `case["backward"]`'s gradients), at
-    `case`'s shape (3 completed sources, 2 x 8 tokens; the merge of the block's last query, whose views of phase 1's
-    outputs are the least aligned), run on meta tensors: `(JITFunction, args, kwargs)` each."""
+    """The kernel launches of phase 1 and a merge, forward (the merge also with inference's add of a sub-layer's
+    output) and backward (each of `case["backward"]`'s gradients), at `case`'s shape (3 completed sources, 2 x 8
+    tokens; the merge of the block's last query, whose views of phase 1's outputs are the least aligned), run on meta
+    tensors: `(JITFunction, args, kwargs)` each."""
     recorded = []
 
     class Recorder:
@@ -108,6 +109,7 @@ def launches(kernels, case: dict) -> list[tuple]:
         partial, last = empty(batch, seq, dim, dtype=dtype), S - 1
         merge = (partial, mixed[:, :, last], queries[last], lse[:, :, last])
         _, logit = kernels.merge_forward(*merge, 1e-6, case["key_norm"])
+        kernels.merge_forward(*merge, 1e-6, case["key_norm"], empty(batch, seq, dim, dtype=dtype))  # (inference's add)
         for grads in case["backward"]:
             kernels.phase1_backward(values, inv_rms, queries, probs,
                                     torch.empty_like(mixed) if grads["grad_mixed"] else None,

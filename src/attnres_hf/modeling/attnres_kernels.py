@@ -7,6 +7,7 @@ sources of Eq. 6), forward and backward, one program per token (or per tile of a
   gradients), and a second kernel makes the sources' gradients from the scores'.
 - **the merge** (phase 2, every sub-layer of the block): the partial sum's logit and key norm, its softmax share
   against the completed sources' log-sum-exp, and `share mixed + (1 - share) partial`; backward in one pass.
+  Without gradients it can first add the last sub-layer's output to the partial sum (the residual add, fused).
 
 The launchers take and return torch tensors; the autograd Functions that call them, and the dispatch, are in
 `attnres_triton.py`. Arithmetic is fp32 whatever the stream dtype (values are read in their dtype and cast). Triton
@@ -134,12 +135,18 @@ def _phase1_values_backward_kernel(queries, probs, grad_mixed, grad_scores, grad
 
 
 @triton.jit
-def _merge_forward_kernel(partial, mixed, mixed_stride, query, lse, lse_stride, hidden, logit, eps, dim,
-                          HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_forward_kernel(partial, output, summed, mixed, mixed_stride, query, lse, lse_stride, hidden, logit, eps,
+                          dim, HAS_NORM: tl.constexpr, HAS_OUTPUT: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
     v = tl.load(partial + row * dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    if HAS_OUTPUT:  # the partial sum `partial + output`, rounded to its dtype (to nearest, as torch's add; Triton's
+        # interpreter truncates bf16), then read
+        v = (v + tl.load(output + row * dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)).to(
+            summed.dtype.element_ty)
+        tl.store(summed + row * dim + offs_d, v, mask=mask_d)
+        v = v.to(tl.float32)
     m = tl.load(mixed + row * mixed_stride + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     q = tl.load(query + offs_d, mask=mask_d, other=0.0)
     p = tl.sum(v * q, axis=0)
@@ -248,13 +255,15 @@ def _merge_blocks(dim: int) -> tuple[int, int]:
     return block_d, _warps(block_d, 16)
 
 
-def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: torch.Tensor):
+def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: torch.Tensor, probs: bool = True):
     """Phase 1 over the completed sources.
 
     Args:
         values: `(n, B, T, D)` contiguous (the source buffer's first `n` slots), any float dtype.
         inv_rms: `(B, T, n)` fp32 contiguous, each source's `1/RMS` (the key norm), or `None` (no key norm).
         queries: `(S, D)` fp32 contiguous, the block's pseudo-queries with the key-norm weights folded in.
+        probs: whether to return the softmax (`False`: `None` in its place, one launch fewer: inference without
+            depth weights reads `lse` and `mixed` only).
 
     Returns:
         `probs (B, T, S, n)` fp32 (the softmax over the sources), `lse (B, T, S)` fp32 and `mixed (B, T, S, D)` in
@@ -272,7 +281,8 @@ def phase1_forward(values: torch.Tensor, inv_rms: torch.Tensor | None, queries: 
         _phase1_forward_kernel[(rows * tiles,)](values, inv_rms if inv_rms is not None else lse, queries, logits, lse,
                                                 mixed, n, rows, dim, S, tiles, HAS_NORM=inv_rms is not None,
                                                 BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps)
-    return torch.softmax(logits, dim=-1), lse, mixed  # (not exp(logits - lse): fewer digits lost when sharp)
+    # (not exp(logits - lse): fewer digits lost when sharp)
+    return torch.softmax(logits, dim=-1) if probs else None, lse, mixed
 
 
 def phase1_backward(values, inv_rms, queries, probs, grad_mixed, grad_lse, grad_probs, grad_values,
@@ -324,21 +334,30 @@ def _row_view(tensor: torch.Tensor, dim: int) -> int:
 
 
 def merge_forward(partial: torch.Tensor, mixed: torch.Tensor, query: torch.Tensor, lse: torch.Tensor,
-                  eps: float, key_norm: bool):
+                  eps: float, key_norm: bool, output: torch.Tensor | None = None):
     """Phase 2's merge: `partial (B, T, D)` contiguous, `mixed (B, T, D)` (a router's view of phase 1's sums, unit
     stride along `D`), `query (D,)` fp32, `lse (B, T)` fp32 (a view). Returns `hidden (B, T, D)` in the partial
     sum's dtype, `lerp(partial, mixed, sigmoid(lse - p))` in fp32 (the complement its own sigmoid), and the partial
-    sum's logit `p (B, T)` fp32."""
+    sum's logit `p (B, T)` fp32.
+
+    With `output (B, T, D)` (a sub-layer's output, contiguous, the partial sum's dtype), the merge reads the partial
+    sum `partial + output` instead, computed in the same launch (the add a residual stream makes, fused), and
+    returns it third, `(B, T, D)` in the partial sum's dtype (the same numbers as torch's `partial + output`)."""
+    if output is not None and (output.shape != partial.shape or output.dtype != partial.dtype):
+        raise ValueError(f"output must match the partial sum, {tuple(partial.shape)} {partial.dtype}; got "
+                         f"{tuple(output.shape)} {output.dtype}")
     partial, query = partial.contiguous(), query.contiguous()
     batch, seq, dim = partial.shape
     hidden = torch.empty_like(partial)
     logit = partial.new_empty(batch, seq, dtype=torch.float32)
+    summed = None if output is None else torch.empty_like(partial)
     block_d, warps = _merge_blocks(dim)
     with _device_of(partial):
-        _merge_forward_kernel[(batch * seq,)](partial, mixed, _row_view(mixed, dim), query, lse, _row_view(lse, dim),
-                                              hidden, logit, float(eps), dim, HAS_NORM=key_norm, BLOCK_D=block_d,
-                                              num_warps=warps)
-    return hidden, logit
+        _merge_forward_kernel[(batch * seq,)](
+            partial, partial if output is None else output.contiguous(), hidden if summed is None else summed, mixed,
+            _row_view(mixed, dim), query, lse, _row_view(lse, dim), hidden, logit, float(eps), dim,
+            HAS_NORM=key_norm, HAS_OUTPUT=output is not None, BLOCK_D=block_d, num_warps=warps)
+    return (hidden, logit) if output is None else (hidden, logit, summed)
 
 
 def merge_backward(partial, mixed, query, lse, logit, grad_hidden, grad_logit, eps: float, key_norm: bool):

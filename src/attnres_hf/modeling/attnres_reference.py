@@ -1,7 +1,7 @@
 """Attention Residuals in their reference form (Kimi Team, "Attention Residuals", arXiv:2603.15031): the plain
 router of Eq. 1-4 that the fast paths are tested against, and the sources each router reads (Eq. 6: the embedding,
 the completed blocks, and inside a block its partial sum), with the common source axis and the routing maps that the
-routing tools lay the depth weights out on.
+routing tools lay the depth weights out on, and the sources' norms.
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py` and `depth_mixing.py`): imports only
 torch and its siblings `mixing_base.py` and `ops_naive.py` (whose `attnres` is the reference read).
@@ -9,7 +9,7 @@ torch and its siblings `mixing_base.py` and `ops_naive.py` (whose `attnres` is t
 
 import torch
 
-from .mixing_base import RoutingMap, sublayer_name
+from .mixing_base import RoutingMap, stacked_norms, sublayer_name
 from .ops_naive import attnres
 
 
@@ -86,3 +86,12 @@ def attnres_routing_maps(config) -> list[RoutingMap]:
         maps.append(RoutingMap(module, rows, attnres_source_columns(config, sublayer),
                                partial=sublayer % config.attnres_block_size != 0))
     return maps
+
+
+def attnres_source_norms(state) -> torch.Tensor:
+    """`||v_i||` of every source a router's input state holds (an `AttnResState`, `mixing_attnres.py`): `(batch,
+    seq_len, n)` fp32, the completed sources, then the partial block sum."""
+    norms = stacked_norms(state.sources)
+    if state.partial is not None:
+        norms = torch.cat([norms, stacked_norms((state.partial,))], dim=-1)
+    return norms

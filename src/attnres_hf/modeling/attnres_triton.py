@@ -69,15 +69,35 @@ def _grad_needed(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def phase1(state, queries: torch.Tensor, inv_rms: torch.Tensor | None):
+def phase1(state, queries: torch.Tensor, inv_rms: torch.Tensor | None, probs: bool = True):
     """Phase 1 over the state's completed sources (`state.buffer[:n]`): `queries (S, D)` fp32 (key-norm weights
     folded in), `inv_rms (B, T, n)` fp32 or `None` without the key norm. Returns `probs (B, T, S, n)` fp32,
-    `lse (B, T, S)` fp32 and `mixed (B, T, S, D)` in the buffer's dtype, differentiable in every input."""
+    `lse (B, T, S)` fp32 and `mixed (B, T, S, D)` in the buffer's dtype, differentiable in every input. `probs`:
+    whether a forward without gradients needs the softmax (`False`: `None` in its place, a launch fewer)."""
     n, handles = len(state.sources), state.handles
     if _grad_needed(queries, inv_rms, *handles):
         return _Phase1.apply(state.buffer, state.grads, n, queries, inv_rms, *handles)
     return _kernels().phase1_forward(state.buffer[:n], None if inv_rms is None else inv_rms.contiguous(),
-                                     queries.contiguous())
+                                     queries.contiguous(), probs)
+
+
+def add(state, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The partial block sum `state.partial + output (B, T, D)` and, when the next router merges it into its phase-1
+    result on the kernels (`merge`: softmax scores, no gradients, no depth weights), that router's merged output
+    `(B, T, D)` (before `attnres_rescale_output`), computed in the same launch as the sum (the add a residual stream
+    makes, fused into the merge: a launch fewer per sub-layer in decode); `None` in its place otherwise.
+
+    The next router reads only its phase-1 row (`state.phase1`), made when the block started from the same query
+    bank, so the result is the one its own merge computes."""
+    partial, phase1, row = state.partial, state.phase1, state.sublayer + 1
+    if (phase1 is None or phase1.lse is None or not phase1.start <= row < phase1.stop or state.keep_weights
+            or _grad_needed(partial, output, phase1.mixed[0]) or not serves(state)):
+        return partial + output, None
+    row -= phase1.start
+    hidden, _, summed = _kernels().merge_forward(partial.contiguous(), phase1.mixed[row], phase1.queries[row],
+                                                 phase1.lse[row], float(state.eps), state.constants.key_norm,
+                                                 output=output)
+    return summed, hidden
 
 
 def merge(state, weights, partial, mixed, query, lse, eps: float, key_norm: bool):

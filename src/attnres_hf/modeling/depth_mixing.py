@@ -93,7 +93,7 @@ _METHODS = (
         "`final_res`); `(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`",
         routing_maps=reference.attnres_routing_maps,
         source_names=reference.attnres_source_names,
-        source_norms=attnres.attnres_source_norms,
+        source_norms=reference.attnres_source_norms,
         to_rows=_per_head_rows,
         distribution=lambda config: config.attnres_score_fn == "softmax",
     ),

@@ -24,22 +24,15 @@ from .attnres_fla import require_fla
 from .attnres_inference import (SdpaLayout, close as close_source, direct as lean_direct, phase1 as lean_phase1,
                                 read as sdpa_read, write as sdpa_write)
 from .attnres_reference import attnres_num_sources
-from .attnres_triton import merge as triton_merge, phase1 as triton_phase1, require_triton, serves as triton_serves
+from .attnres_triton import (add as triton_add, merge as triton_merge, phase1 as triton_phase1, require_triton,
+                             serves as triton_serves)
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merged_weights, _BlockRead, _two_phase_applies, rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
-                          routed_sublayers, stacked_norms)
+                          routed_sublayers)
 from .ops import get as ops_get
 from .ops_torch import merge as torch_merge, phase1 as torch_phase1
 from .torch_internals import functorch_active
-
-
-def attnres_source_norms(state: "AttnResState") -> torch.Tensor:
-    """`||v_i||` of every source a router's input state holds: `(batch, seq_len, n)`, completed then partial."""
-    norms = stacked_norms(state.sources)
-    if state.partial is not None:
-        norms = torch.cat([norms, stacked_norms((state.partial,))], dim=-1)
-    return norms
 
 
 @routed_sublayers
@@ -87,6 +80,7 @@ class AttnResState(NamedTuple):
     grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
     constants: _Constants | None = None  # made once per forward when every router is a plain `AttnResRouter`
     implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`ops.get`)
+    merged: torch.Tensor | None = None  # (B, T, D): the next router's merge, made with the last add (`triton_add`)
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -94,8 +88,7 @@ class AttnResState(NamedTuple):
         per-block query bank (`_query_bank`; without it, or when hooks manage the routers' weights, every router takes
         the direct path: same numbers). The state keeps no reference to them."""
         eps, size = config.rms_norm_eps, config.attnres_block_size
-        # (a `torch.func` transform takes neither the buffer's in-place writes nor its autograd Functions, and the
-        # reference reads its sources as they are: stacked)
+        # (`torch.func` transforms take neither the buffer's in-place writes nor its Functions; the reference: stacked)
         implementation = config.attnres_implementation
         if not _two_phase_applies(config) or implementation == "naive" or functorch_active(embeddings):
             statistics = inverse_rms(embeddings, eps).unsqueeze(-1)
@@ -146,8 +139,10 @@ class AttnResState(NamedTuple):
             return self._replace(phase1=Phase1(start, stop, rows, (None,) * len(rows), lse, mixed, bank, eps))
         queries = bank[start:stop]  # (S, D): the block's query bank
         if self.implementation == "triton" and triton_serves(self):  # the fused kernel (`attnres_triton.py`)
-            probs, lse, mixed = triton_phase1(self, queries, self.inv_rms if constants.key_norm else None)
-            return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs.unbind(-2), lse.unbind(-1),
+            probs, lse, mixed = triton_phase1(self, queries, self.inv_rms if constants.key_norm else None,
+                                              probs=self.keep_weights)  # (`None` in inference: not read)
+            probs = (None,) * len(queries) if probs is None else probs.unbind(-2)
+            return self._replace(phase1=Phase1(start, stop, queries.unbind(0), probs, lse.unbind(-1),
                                                mixed.unbind(-2), bank, eps))
         probs, lse, mixed = torch_phase1(self.source_buffer(), queries, key_norm=constants.key_norm, eps=self.eps,
                                          sigmoid=constants.sigmoid, inv_rms=self.inv_rms)
@@ -201,10 +196,12 @@ class AttnResState(NamedTuple):
         output = _as(output, self.sources[0].dtype)  # (under autocast the stream keeps its dtype, as Llama's residual)
         layout = self.constants.layout if self.constants is not None else None
         if type(layout) is SdpaLayout:  # (the sum in its slot of the buffer: `attnres_inference.write`)
-            partial = sdpa_write(layout, len(self.sources), self.partial, output)
+            partial, merged = sdpa_write(layout, len(self.sources), self.partial, output), None
+        elif self.partial is not None and self.implementation == "triton":  # (with the next merge, if it can)
+            partial, merged = triton_add(self, output)
         else:
-            partial = output if self.partial is None else self.partial + output
-        return DepthWrite(self._replace(partial=partial, sublayer=self.sublayer + 1))
+            partial, merged = output if self.partial is None else self.partial + output, None
+        return DepthWrite(self._replace(partial=partial, sublayer=self.sublayer + 1, merged=merged))
 
     def _route(self, router) -> DepthRead:
         state = self.begin_sublayer()
@@ -309,7 +306,7 @@ class AttnResRouter(nn.Module):
         Returns `h` of shape `(batch, seq_len, hidden_size)` in the sources' dtype and the depth weights in fp32:
         `(batch, seq_len, n_sources)` (`(batch, seq_len, heads, n_sources)` with `attnres_num_heads > 1`), completed
         sources in depth order, then the partial block sum. With the two-phase path and `output_depth_weights`
-        off, a router after the first of its block returns `None` for the weights (they are not computed).
+        off, a router may return `None` for the weights (they are not computed).
 
         Three paths, the same numbers (tests/test_two_phase.py): the two-phase merge (Block AttnRes inside a block
         whose phase 1 the state computed), the direct read of the source buffer (Full AttnRes, the final router, a
@@ -425,7 +422,9 @@ class AttnResRouter(nn.Module):
             count += 1
             lse, query = phase1.lse[j] if phase1.lse is not None else None, phase1.queries[j]
             key_norm, scale = self.key_norm is not None, self._rescale(count) if self.rescale_output else 1.0
-            if state.implementation == "triton" and lse is not None and triton_serves(state):
+            if state.merged is not None:  # (computed with the partial sum's add: `attnres_triton.add`)
+                hidden, weights = state.merged, None
+            elif state.implementation == "triton" and lse is not None and triton_serves(state):
                 hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, key_norm)
                 weights = _merged_weights(probs, lse, logit) if state.keep_weights else None
             elif state.keep_weights or (torch.is_grad_enabled() and any(

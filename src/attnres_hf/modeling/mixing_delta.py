@@ -28,8 +28,8 @@ from torch import nn
 from transformers import initialization as init
 
 from .attnres_buffer import _as
-from .attnres_reference import attnres_routing_maps
-from .mixing_attnres import PLAIN_ROUTERS, AttnResRouter, AttnResState, attnres_source_norms
+from .attnres_reference import attnres_routing_maps, attnres_source_norms
+from .mixing_attnres import PLAIN_ROUTERS, AttnResRouter, AttnResState
 from .mixing_base import DepthRead, DepthWrite, autocast_off, routed_sublayers
 
 

@@ -55,8 +55,8 @@ def attnres(
         query = query * key_norm_weight.float()
     if key_norm and inv_rms is None:
         inv_rms = torch.stack([inverse_rms(source, eps) for source in read.sources], dim=-1)  # (B, T, n)
-    probs, lse, mixed = (t.squeeze(2) for t in phase1_kernel(read, query.unsqueeze(0),
-                                                             inv_rms if key_norm else None))
+    probs, lse, mixed = (None if t is None else t.squeeze(2) for t in phase1_kernel(
+        read, query.unsqueeze(0), inv_rms if key_norm else None, probs=return_weights))
     if partial is None:
         hidden, weights = mixed, probs if return_weights else None
     else:

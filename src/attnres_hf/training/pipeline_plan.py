@@ -26,7 +26,7 @@ RUNNING_FIELDS = ("partial",)
 POSITION_FIELD = "sublayer"
 """The field holding the index of the next sub-layer: set from the stage's first decoder layer."""
 STATE_FIELDS = ("sources", "inv_rms", "partial", "eps", "block_size", "sublayer", "buffer", "stacked", "phase1",
-                "keep_weights", "handles", "grads", "constants", "implementation")
+                "keep_weights", "handles", "grads", "constants", "implementation", "merged")
 """The fields of `AttnResState` this module knows how to send and rebuild (see `StateCodec`)."""
 
 
