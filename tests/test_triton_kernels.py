@@ -296,6 +296,51 @@ def test_inference_and_generation_match_the_torch_path(kernels, input_ids, name)
                                    atol=0, rtol=0)
 
 
+def test_a_frozen_start_trains_on_the_kernels_as_on_the_torch_path(kernels, input_ids):
+    """Only the first MLP trainable (as with LoRA: frozen embeddings and routers), no depth weights asked: phase 1
+    reads sources that need no gradient, while the later merges read a partial sum that does (their backward needs
+    phase 1's softmax). The torch path's gradients."""
+    torch_model, triton_model = pair(kernels, **MODELS["block4_rescaled"])
+    grads = []
+    for model in (torch_model, triton_model):
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.startswith("model.layers.0.mlp."))
+        model(input_ids.to(DEVICE)).logits.square().mean().backward()
+        grads.append({name: p.grad.cpu() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert max(relative(grads[1][key], grads[0][key]) for key in grads[0]) < 1e-4
+
+
+def test_a_hook_that_steers_the_partial_sum_is_read_on_the_kernels(kernels, input_ids):
+    """No gradients, a block of 4 (whose merges the partial sum's add computes ahead: `attnres_triton.add`): a
+    forward hook on a decoder layer that adds to the partial sum of the state it returns, in place, is read by the
+    next router, as on the torch path (under `torch.inference_mode` too, whose tensors count no writes); a sub-layer
+    output that only broadcasts against the partial sum (a hook on an MLP keeping one row of the batch) is added as
+    torch adds it."""
+    torch_model, triton_model = (m.eval() for m in pair(kernels, **MODELS["block4_rescaled"]))
+    steer = torch.randn(torch_model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+
+    def steering(module, args, output):
+        if output[0].partial is not None:
+            output[0].partial.add_(steer)
+
+    for mode in (torch.no_grad, torch.inference_mode):
+        logits = []
+        for model in (torch_model, triton_model):
+            handle = model.model.layers[0].register_forward_hook(steering)
+            with mode():
+                logits.append(model(input_ids.to(DEVICE)).logits)
+            handle.remove()
+        assert relative(logits[1], logits[0]) < 1e-5, mode
+    logits = []
+    for model in (torch_model, triton_model):
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output[:1])
+        with torch.no_grad():
+            logits.append(model(input_ids.to(DEVICE)).logits)
+        handle.remove()
+    assert relative(logits[1], logits[0]) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["full", "block2"])
 def test_gradient_checkpointing_replays_the_kernels(kernels, input_ids, name):
     """A checkpointed layer rewrites its block's buffer slot and runs the kernels again in backward: the torch path's

@@ -10,7 +10,8 @@ is saved, the sources' gradients are added in place into the forward's gradient 
 sources' share in backward instead of keeping it.
 
 Travels with checkpoints as remote code (a relative import of `mixing_attnres.py`): imports only torch and its
-siblings `attnres_buffer.py`, `mixing_base.py` and, on first use, `attnres_kernels.py` (Triton; it travels too).
+siblings `attnres_buffer.py`, `mixing_base.py`, `torch_internals.py` and, on first use, `attnres_kernels.py` (Triton;
+it travels too).
 """
 
 import sys
@@ -20,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from .attnres_buffer import _as, _mix_one, _nones
 from .mixing_base import check_implementation
+from .torch_internals import tensor_version
 
 _KERNELS = []  # the kernels module once imported (every read asks for it: no import statement per read)
 
@@ -77,27 +79,42 @@ def phase1(state, queries: torch.Tensor, inv_rms: torch.Tensor | None, probs: bo
     n, handles = len(state.sources), state.handles
     if _grad_needed(queries, inv_rms, *handles):
         return _Phase1.apply(state.buffer, state.grads, n, queries, inv_rms, *handles)
+    # (with gradients on, a later merge's backward reads the softmax even where phase 1's inputs need none: frozen
+    # sources and routers, a trainable layer after them)
     return _kernels().phase1_forward(state.buffer[:n], None if inv_rms is None else inv_rms.contiguous(),
-                                     queries.contiguous(), probs)
+                                     queries.contiguous(), probs or torch.is_grad_enabled())
 
 
-def add(state, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def add(state, output: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     """The partial block sum `state.partial + output (B, T, D)` and, when the next router merges it into its phase-1
     result on the kernels (`merge`: softmax scores, no gradients, no depth weights), that router's merged output
-    `(B, T, D)` (before `attnres_rescale_output`), computed in the same launch as the sum (the add a residual stream
-    makes, fused into the merge: a launch fewer per sub-layer in decode); `None` in its place otherwise.
+    `(B, T, D)` (before `attnres_rescale_output`), computed in the same launch as the sum (the add that replaces a
+    residual stream's, fused into the merge: a launch fewer per sub-layer in decode), with the sum it read and that
+    sum's count of in-place writes (`AttnResState.merged`; `merged` takes it); `None` in its place otherwise (an
+    output that only broadcasts against the sum, a partial sum whose writes are not counted: `tensor_version`).
 
     The next router reads only its phase-1 row (`state.phase1`), made when the block started from the same query
     bank, so the result is the one its own merge computes."""
     partial, phase1, row = state.partial, state.phase1, state.sublayer + 1
     if (phase1 is None or phase1.lse is None or not phase1.start <= row < phase1.stop or state.keep_weights
+            or output.shape != partial.shape or output.dtype != partial.dtype or tensor_version(partial) is None
             or _grad_needed(partial, output, phase1.mixed[0]) or not serves(state)):
         return partial + output, None
     row -= phase1.start
     hidden, _, summed = _kernels().merge_forward(partial.contiguous(), phase1.mixed[row], phase1.queries[row],
                                                  phase1.lse[row], float(state.eps), state.constants.key_norm,
                                                  output=output)
-    return summed, hidden
+    return summed, (hidden, summed, tensor_version(summed))
+
+
+def merged(state) -> torch.Tensor | None:
+    """The merged output `add` computed for this router, while the state's partial sum is still the one it read
+    (the same tensor, written no more since: a hook that steers the partial sum, in place or by replacing it, gets
+    the merge computed again from what it left); `None` otherwise."""
+    if state.merged is None:
+        return None
+    hidden, partial, version = state.merged
+    return hidden if partial is state.partial and tensor_version(partial) == version else None
 
 
 def merge(state, weights, partial, mixed, query, lse, eps: float, key_norm: bool):

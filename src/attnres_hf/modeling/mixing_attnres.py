@@ -24,8 +24,8 @@ from .attnres_fla import require_fla
 from .attnres_inference import (SdpaLayout, close as close_source, direct as lean_direct, phase1 as lean_phase1,
                                 read as sdpa_read, write as sdpa_write)
 from .attnres_reference import attnres_num_sources
-from .attnres_triton import (add as triton_add, merge as triton_merge, phase1 as triton_phase1, require_triton,
-                             serves as triton_serves)
+from .attnres_triton import (add as triton_add, merge as triton_merge, merged as triton_merged,
+                             phase1 as triton_phase1, require_triton, serves as triton_serves)
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merged_weights, _BlockRead, _two_phase_applies, rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
@@ -80,7 +80,7 @@ class AttnResState(NamedTuple):
     grads: _SourceGrads | None = None  # where the buffer's readers sum the sources' gradients (eager training)
     constants: _Constants | None = None  # made once per forward when every router is a plain `AttnResRouter`
     implementation: str = "torch"  # `attnres_implementation`: who computes the direct reads (`ops.get`)
-    merged: torch.Tensor | None = None  # (B, T, D): the next router's merge, made with the last add (`triton_add`)
+    merged: tuple | None = None  # the next router's merge, made with the last add, and what it read (`triton_add`)
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, config, keep_weights: bool = False, model=None) -> "AttnResState":
@@ -422,8 +422,8 @@ class AttnResRouter(nn.Module):
             count += 1
             lse, query = phase1.lse[j] if phase1.lse is not None else None, phase1.queries[j]
             key_norm, scale = self.key_norm is not None, self._rescale(count) if self.rescale_output else 1.0
-            if state.merged is not None:  # (computed with the partial sum's add: `attnres_triton.add`)
-                hidden, weights = state.merged, None
+            if state.merged is not None and (hidden := triton_merged(state)) is not None:  # (`attnres_triton.add`)
+                weights = None
             elif state.implementation == "triton" and lse is not None and triton_serves(state):
                 hidden, logit = triton_merge(state, probs, partial, mixed, query, lse, state.eps, key_norm)
                 weights = _merged_weights(probs, lse, logit) if state.keep_weights else None

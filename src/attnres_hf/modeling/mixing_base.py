@@ -68,11 +68,12 @@ class DepthRead(NamedTuple):
         mechanism of torch's non-reentrant checkpoint); what else `norm` saves is kept as usual. A norm that saves
         `hidden` several times (an RMSNorm: for `x^2` and for `x / rms`) gets one rebuild per backward pass, kept
         until the last of them is unpacked."""
+        hidden, recompute = self.hidden, self.recompute
+        if recompute is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return norm(hidden)  # (inference: before the import below, which costs a microsecond a read)
         from .torch_internals import saved_tensors_hooks_active  # (here: a configuration imports this module)
 
-        hidden, recompute = self.hidden, self.recompute
-        if (recompute is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or saved_tensors_hooks_active()):
+        if saved_tensors_hooks_active():
             return norm(hidden)
         # (the key is plain numbers: the hooks live as long as the saved tensors, and must not keep `hidden` alive)
         key = (hidden.data_ptr(), hidden.shape, hidden.stride(), hidden.dtype)

@@ -17,13 +17,17 @@ missing (another torch version) or cannot serve (tracing, `torch.func` transform
 - `_top_saved_tensors_default_hooks`: the innermost saved-tensor hooks active (torch's non-reentrant checkpoint,
   activation offloading, a user's), which the reads' own hooks must not shadow (`mixing_base.DepthRead.normed`).
   Fallback: assume some are active, so the reads' outputs are kept for backward, not rebuilt (the same numbers).
+- `Tensor._version`, the count of a tensor's in-place writes (autograd's check that a saved tensor is unchanged):
+  whether a partial block sum is still the one the Triton kernels' fused add and merge read
+  (`attnres_triton.add`). Fallback (the name missing, or an inference tensor, which counts nothing): unknown, and the
+  next router computes its merge itself (the same numbers).
 - `torch._dynamo.config`, whose recompile limit `compile_repeated_blocks` raises while a decoder layer runs (looked
   up when asked: importing dynamo takes a second). Fallback: the limit left as it is.
 
 Set any of the module-level names to `None` to take its fallback (the tests do).
 
-Travels with checkpoints as remote code (relative imports of `attnres_buffer.py`, `attnres_two_phase.py`,
-`mixing_attnres.py`, `mixing_base.py` and `modeling_attnres.py`): imports only torch.
+Travels with checkpoints as remote code (relative imports of `attnres_buffer.py`, `attnres_triton.py`,
+`attnres_two_phase.py`, `mixing_attnres.py`, `mixing_base.py` and `modeling_attnres.py`): imports only torch.
 """
 
 import contextlib
@@ -81,6 +85,15 @@ def saved_tensors_hooks_active() -> bool:
 def forward_pre_hooks(module: torch.nn.Module) -> bool:
     """Whether `module` has forward pre-hooks of its own (`register_forward_pre_hook`; `True` where unknown)."""
     return bool(getattr(module, "_forward_pre_hooks", True))
+
+
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """How many in-place writes `tensor` has had (`Tensor._version`), or `None` where that is unknown: the name
+    missing, or an inference tensor (made under `torch.inference_mode`, which keeps no count)."""
+    try:
+        return getattr(tensor, "_version", None)
+    except RuntimeError:  # ("Inference tensors do not track version counter")
+        return None
 
 
 def recompile_limit_at_least(limit: int) -> contextlib.AbstractContextManager:
