@@ -98,7 +98,7 @@ class _SourceGrads:
         self.inv_grad = None  # this pass's gradient of `inv` (`add_inv`)
         # (views made once per forward or pass, not once per read or slot: each slot of the buffer, of the statistics
         # and of their gradient and the sums (`unbind`); the statistics', their gradient's and the sums' slots as
-        # `(n_slots, B T, .)`; `rows` and `by_token`)
+        # `(n_slots, B T, .)`; `by_slot`, `by_slot_t` and `by_token`)
         self.tokens = math.prod(buffer.shape[1:-1])
         self.slots = buffer.unbind(0)
         self.inv_rows = None if eps is None else self.inv.view(slots, -1, 1)
@@ -106,14 +106,19 @@ class _SourceGrads:
         self._release()
 
     @cached_property
-    def rows(self) -> torch.Tensor:
-        """The buffer's slots as rows, `(n_slots B T, D)` (a view, made on the first read that asks)."""
-        return self.buffer.view(-1, self.buffer.shape[-1])
+    def by_slot(self) -> torch.Tensor:
+        """The buffer's slots as `(n_slots, B T, D)` (a view, made on the first read that asks)."""
+        return self.buffer.view(self.buffer.shape[0], self.tokens, -1)
+
+    @cached_property
+    def by_slot_t(self) -> torch.Tensor:
+        """The buffer's slots feature-major, `(n_slots, D, B T)` (a strided view, made on the first read that asks)."""
+        return self.by_slot.transpose(1, 2)
 
     @cached_property
     def by_token(self) -> torch.Tensor:
         """The buffer's slots token-major, `(B T, n_slots, D)` (a strided view, made on the first read that asks)."""
-        return self.rows.view(self.buffer.shape[0], self.tokens, -1).transpose(0, 1)
+        return self.by_slot.transpose(0, 1)
 
     def write_statistics(self, slot: int, source: torch.Tensor) -> None:
         """`inv[slot] = 1/RMS(source)`, in `inv`'s dtype: `source (B, T, D)`, the slot's value (`_store`)."""
