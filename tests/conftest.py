@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     # importing attnres_hf does: so here, before anything else. Where CUDA is, the kernels run compiled.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from utils import TINY, counting_text, tiny_model, word_tokenizer
+from utils import TINY, write_tiny_model_dir
 
 
 def pytest_configure(config):
@@ -47,12 +47,8 @@ def input_ids():
 
 @pytest.fixture
 def tiny_model_dir(tmp_path):
-    """A saved tiny AttnRes model with its tokenizer, and a counting corpus beside it."""
-    model = tiny_model(routers=False, attnres_block_size=2)
-    model.save_pretrained(tmp_path / "model")
-    word_tokenizer().save_pretrained(tmp_path / "model")
-    (tmp_path / "train.txt").write_text(counting_text())
-    return tmp_path
+    """A saved tiny AttnRes model with its tokenizer, and a counting corpus beside it (`write_tiny_model_dir`)."""
+    return write_tiny_model_dir(tmp_path)
 
 
 # `ATTNRES_TEST_MEMORY=1 make test`: which tests raise the run's peak resident memory, of the pytest process and of

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArgument
 from attnres_hf.cli import main
 from attnres_hf.training import AttnResArguments, AttnResTrainer, packed_lm_dataset, prepare_model, train
 from attnres_hf.training.recipes import is_router_parameter, merge_lora
-from utils import TINY, counting_text, tiny_model, word_tokenizer
+from utils import TINY, counting_text, tiny_model, word_tokenizer, write_tiny_model_dir
 
 COMMON = ["--seq-len", "64", "--per_device_train_batch_size", "8", "--disable_tqdm", "true", "--seed", "0",
           "--train_sampling_strategy", "sequential", "--logging_steps", "1"]
@@ -127,15 +127,26 @@ LAUNCH = {
 }
 
 
+TWO_PROCESS_STEPS = ["--method", "full", "--max-steps", "3", "--eval_steps", "3", "--save_steps", "3", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The tiny model's folder (`write_tiny_model_dir`) with the one-process run every two-process strategy is
+    compared with, in `single` (the same for all: run once)."""
+    folder = write_tiny_model_dir(tmp_path_factory.mktemp("two-process"))
+    assert run_train(folder, folder / "single", *TWO_PROCESS_STEPS) == 0
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(LAUNCH))
-def test_two_process_training_matches_one_process_on_the_same_global_batch(strategy, tiny_model_dir):
+def test_two_process_training_matches_one_process_on_the_same_global_batch(strategy, one_process_run):
     """DDP, FSDP2 and DeepSpeed ZeRO-2/3 (`attnres train` under `accelerate launch`, 2 gloo processes): the same
     tokens, training loss and saved weights as one process on the same global batch; the saved folder loads."""
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-    steps = ["--method", "full", "--max-steps", "3", "--eval_steps", "3", "--save_steps", "3", "--lr", "1e-3"]
-    assert run_train(tiny_model_dir, tiny_model_dir / "single", *steps) == 0
+    tiny_model_dir, steps = one_process_run, TWO_PROCESS_STEPS
     command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[strategy], "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "attnres_hf.cli",
                "train", str(tiny_model_dir / "model"), "--data", str(tiny_model_dir / "train.txt"),

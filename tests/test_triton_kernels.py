@@ -254,8 +254,9 @@ def pair(kernels, dtype=torch.float32, **overrides):
     return torch_model, triton_model
 
 
-@pytest.mark.parametrize("per_source", [False, True], ids=["in_place_sums", "per_source_sums"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name,per_source", [*((name, False) for name in MODELS), ("full", True),
+                                              ("block4_rescaled", True)],
+                         ids=lambda value: {False: "in_place_sums", True: "per_source_sums"}.get(value, value))
 def test_a_model_with_the_kernels_trains_like_the_torch_path(kernels, monkeypatch, input_ids, name, per_source):
     """fp32: logits, depth weights and every gradient, with the sources' gradients summed in place (eager training)
     and one per source (what tracing uses, and a torch without graph-task ids: `torch_internals`)."""

@@ -54,6 +54,15 @@ def tiny_model(seed: int = 0, routers: bool = True, **overrides) -> AttnResForCa
     return model
 
 
+def write_tiny_model_dir(folder):
+    """A saved tiny AttnRes model with its tokenizer in `folder / "model"`, and a counting corpus beside it."""
+    model = tiny_model(routers=False, attnres_block_size=2)
+    model.save_pretrained(folder / "model")
+    word_tokenizer().save_pretrained(folder / "model")
+    (folder / "train.txt").write_text(counting_text())
+    return folder
+
+
 def word_tokenizer():
     """A word-level tokenizer over `w3 .. w98` (+ pad/bos/eos), built offline for the tiny models."""
     from tokenizers import Tokenizer, models, pre_tokenizers
