@@ -272,7 +272,7 @@ def test_a_model_with_the_kernels_trains_like_the_torch_path(kernels, monkeypatc
     assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("name", ["full", "block2", "block4_rescaled"])
+@pytest.mark.parametrize("name", ["full", "block4_rescaled"])
 def test_bf16_kernels_are_as_close_to_float64_as_the_torch_path(kernels, input_ids, name):
     """bf16 rounds differently on the two paths: each against a float64 run of the torch path."""
     reference_model = tiny_model(**MODELS[name]).to(DEVICE, torch.float64).train()
