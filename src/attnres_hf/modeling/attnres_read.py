@@ -19,9 +19,9 @@ class _SourceRead(torch.autograd.Function):
     direct reads of completed sources): the scores `w . v_i` (times the sources' `1/RMS` `inv` with the key norm),
     their softmax (or sigmoid) over the sources and the weighted sum, in one Function whose backward reads the buffer
     (see `_SourceScores`) in few operator calls: the weights' gradient in one batched product, the softmax's backward
-    in three calls, the query's in one batched product, and the sources' terms added to their sums in place (`_SourceGrads`:
-    the mixing term directly, the score term written into the read's column of the score terms, which each slot adds
-    once for all its readers), or returned per source where the pass cannot sum in place.
+    in three calls, the query's in one batched product, and the sources' terms added to their sums in place
+    (`_SourceGrads`: the mixing term directly, the score term written into the read's column of the score terms,
+    which each slot adds once for all its readers), or returned per source where the pass cannot sum in place.
 
     Inputs: `query (D,)` fp32 (float64 for a float64 buffer; the key-norm weight folded in), `inv (B, T, n)` in the
     query's dtype or `None`, `statistics` (with `inv` `None`: the key norm's statistics are `grads.inv`, their gradient
@@ -32,8 +32,8 @@ class _SourceRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer, grads, n, query, inv, statistics, sigmoid, scale, return_weights, *handles):
         _, batch, seq, dim = buffer.shape
-        # (n, D, B T), (B T, n, D): views. The scores as n `(1, D) @ (D, B T)` products: on a CPU twice as fast as
-        # one `(n B T, D) @ (D,)` product (`mv`), which reads the same rows
+        # (n, D, B T), (B T, n, D): views. The scores as n `(1, D) @ (D, B T)` products: on a CPU faster than one
+        # `(n B T, D) @ (D,)` product (`mv`), which reads the same rows (docs/speed.md)
         by_slot_t, by_token = _by_slot_t(buffer, grads, n), _by_token(buffer, grads, n)
         raw = torch.bmm(query.expand(n, 1, dim), _as(by_slot_t, query.dtype)).view(n, -1, 1)  # (n, B T, 1)
         # (the statistics' slots, never written again once read: kept on ctx, not saved, as the buffer)
