@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from .attnres_buffer import _as, _mix_one
 from .attnres_inference import InferenceLayout, SdpaLayout, sdpa_serves
 from .mixing_base import AttnResRMSNorm, inverse_rms
-from .torch_internals import forward_pre_hooks, global_pre_hooks
+from .torch_internals import forward_pre_hooks, forwards_plain, global_pre_hooks
 
 
 def _two_phase_applies(config) -> bool:
@@ -77,13 +77,6 @@ def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
     return type(key_norm) is AttnResRMSNorm and _forward_is_plain(key_norm)
 
 
-def _reads_directly(router: nn.Module) -> bool:
-    """Whether `router`'s (an `AttnResRouter`) and its key norm's parameters can be read outside their forwards
-    (global hooks aside)."""
-    key_norm = router._modules.get("key_norm")
-    return _forward_is_plain(router) and (key_norm is None or _key_norm_reads_directly(key_norm))
-
-
 def _query_bank(layers, routers) -> torch.Tensor | None:
     """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
     `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts the
@@ -95,14 +88,16 @@ def _query_bank(layers, routers) -> torch.Tensor | None:
     holds its routers there, and FSDP2's `fully_shard` of the decoder layers gathers a layer's sharded parameters in
     its pre-forward hook. Then there is no bank and every router takes the direct path, reading its own weights in its
     own forward (the same numbers)."""
-    if (_global_pre_hooks() or not all(_forward_is_plain(layer) for layer in layers)
-            or not all(_reads_directly(router) for router in routers)):
+    # (`_forward_is_plain` and `_key_norm_reads_directly` in one pass over the modules, about 150, without a call per
+    # module; the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond)
+    key_norms = [r._modules.get("key_norm") for r in routers]
+    with_norm = [k for k in key_norms if k is not None]
+    if (_global_pre_hooks() or not forwards_plain(layers) or not forwards_plain(routers)
+            or not forwards_plain(with_norm) or not all(type(k) is AttnResRMSNorm for k in with_norm)):
         return None
-    # (the modules' dictionaries, not attribute access: `nn.Module.__getattr__` costs a microsecond, 120 per forward)
     bank = _as(torch.stack([r._parameters["query"] for r in routers]), torch.float32)
-    if routers[0]._modules.get("key_norm") is not None:
-        weights = [r._modules["key_norm"]._parameters["weight"] for r in routers]
-        bank = bank * _as(torch.stack(weights), torch.float32)
+    if with_norm:
+        bank = bank * _as(torch.stack([k._parameters["weight"] for k in with_norm]), torch.float32)
     return bank
 
 

@@ -286,7 +286,10 @@ def registered_modules(owner: nn.Module, modules_type: type):
     """The `modules_type` tuple of the modules registered on `owner` (after PEFT may have wrapped them). `owner` may
     be wrapped too: torch's `checkpoint_wrapper` (accelerate's FSDP activation checkpointing) hands attribute reads
     to the layer it wraps, which holds the modules."""
-    return modules_type(*(getattr(owner, name) for name in modules_type._fields))
+    try:  # (the modules' dictionary: no `nn.Module.__getattr__` call per field; every decoder layer, every forward)
+        return modules_type._make(map(owner._modules.__getitem__, modules_type._fields))
+    except KeyError:  # (a wrapper, which holds them on the module it wraps)
+        return modules_type(*(getattr(owner, name) for name in modules_type._fields))
 
 
 class AttnResRMSNorm(nn.Module):
