@@ -15,6 +15,11 @@ Full AttnRes (`S = 1`). Workloads:
 - prefill: the forward of 1 x 32 tokens, no grad;
 - train:   forward + backward of a causal-LM loss on 1 x 32 tokens (`model.train()`, no KV cache).
 
+Python calls (`--python`, also in `--results`): a decoded token's Python function calls (`CountPythonCalls`), for
+Llama, Block and Full AttnRes with the torch reads. A decoded token's eager overhead is its aten calls' dispatch and
+the Python around them (AttnRes's depth state, routers and checks), which the aten counts do not show: this one
+does, deterministically as they do.
+
 Kernel launches (`--launches`, also in `--results`): a decoded token's launches as a GPU's profiler would count them,
 counted on the CPU: each aten call that computes (views and allocations launch nothing, `CountLaunches`) and one per
 Triton kernel launch, for Llama, Block and Full AttnRes with the torch reads and with `attnres_implementation=
@@ -30,6 +35,7 @@ paths. Targets (`TARGETS`): the ratio to Llama's count, PASS when at or below it
     python benchmarks/op_count.py --results docs/results/op_count.md   # the table in docs/speed.md
     python benchmarks/op_count.py --ops                              # plus the operators AttnRes adds, per workload
     python benchmarks/op_count.py --launches                         # plus the kernel launches (decode, train)
+    python benchmarks/op_count.py --python                           # plus a decoded token's Python calls
 """
 
 import argparse
@@ -109,8 +115,34 @@ class CountLaunches(CountCalls):
         return super().__exit__(*exc)
 
 
-def count(model, workload: str, vocab_size: int, counter: CountCalls | None = None) -> collections.Counter:
-    """The aten calls of one `workload` of `model` (see the module docstring), by operator name."""
+class CountPythonCalls:
+    """Counts the Python function calls made while active (`sys.setprofile`'s `call` events: each Python frame run,
+    generator resumptions included; builtins and torch's C++ bindings not), by the file that holds the function
+    (`calls`) and in all (`total`). A context manager, as `CountCalls`; it puts back the profile function it found."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            self.calls[frame.f_code.co_filename] += 1
+
+    def __enter__(self):
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._previous)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def count(model, workload: str, vocab_size: int, counter=None) -> collections.Counter:
+    """The aten calls of one `workload` of `model` (see the module docstring), by operator name; or what another
+    `counter` counts (`CountLaunches`, `CountPythonCalls`)."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (1, max(PROMPT_LEN, PREFILL_LEN, TRAIN_LEN)), generator=generator)
     counter = counter if counter is not None else CountCalls()
@@ -156,6 +188,31 @@ def count_launches(shape: dict, models: tuple[str, ...] | None = None) -> dict:
     built = build_models(torch.device("cpu"), "sdpa", [], shape, triton=True)
     return {name: count(model, "decode", shape["vocab_size"], CountLaunches()) for name, model in built.items()
             if models is None or name in models}
+
+
+def count_python_calls(shape: dict) -> dict:
+    """`{model: Counter}` of a decoded token's Python function calls (`CountPythonCalls`, by file) for Llama, Block
+    and Full AttnRes with the torch reads, at `SMOKE`'s width (the counts do not depend on it)."""
+    shape = dict(shape, **SMOKE)
+    built = build_models(torch.device("cpu"), "sdpa", [], shape)
+    return {name: count(built[name], "decode", shape["vocab_size"], CountPythonCalls())
+            for name in ("llama", "block", "full")}
+
+
+def python_call_report(calls: dict) -> str:
+    """The Markdown table of `count_python_calls`: Python function calls per decoded token, those in this package's
+    files, and the ratio to Llama's."""
+    base = sum(calls["llama"].values())
+    lines = ["Python function calls of one decoded token (each Python frame run, `sys.setprofile`; builtins and "
+             "torch's bindings not counted), with the torch reads:", "",
+             "| model | Python calls | of them in attnres_hf | added to Llama's | ratio to Llama |",
+             "|---|---|---|---|---|"]
+    for name, counted in calls.items():
+        total = sum(counted.values())
+        own = sum(n for path, n in counted.items() if f"{os.sep}attnres_hf{os.sep}" in path)
+        added = f"{total - base:+,}" if name != "llama" else ""
+        lines.append(f"| {name} | {total:,} | {own:,} | {added} | {total / base:.3f}x |")
+    return "\n".join(lines)
 
 
 def count_training_launches(shape: dict) -> dict:
@@ -238,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", action="store_true",
                         help="also count the kernel launches of a decoded token, the Triton kernels' included (needs "
                              "triton), and of a training step (always with --results)")
+    parser.add_argument("--python", action="store_true",
+                        help="also count a decoded token's Python function calls (always with --results)")
     parser.add_argument("--results", metavar="PATH", type=results_path,
                         help="also write the table, with how it was measured, to PATH (a Markdown fragment)")
     args = parser.parse_args(argv)
@@ -248,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.launches or args.results:
         launches = count_launches(shape)
         text += "\n\n" + launch_report(launches) + "\n\n" + training_launch_report(count_training_launches(shape))
+    if args.python or args.results:
+        text += "\n\n" + python_call_report(count_python_calls(shape))
     print(text)
     if args.ops:
         for name in ("block", "full"):

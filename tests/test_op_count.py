@@ -41,6 +41,11 @@ DECODE_LAUNCHES_ADDED_AT_MOST = {"block+triton": 63}
 """The most kernel launches a decoded token on the Triton kernels may add to Llama's (`count_launches`, measured:
 docs/results/op_count.md)."""
 
+DECODE_PYTHON_CALLS_ADDED_AT_MOST = {"block": 2115 + 40, "full": 2534 + 40}
+"""The most Python function calls a decoded token may add to Llama's (`count_python_calls`, measured:
+docs/results/op_count.md), with 40 to spare for calls the interpreter makes outside the model (a garbage collection's
+weakref callbacks). A helper called once per read adds 61; Python 3.12 and later inline comprehensions (fewer)."""
+
 
 @pytest.fixture(scope="module")
 def op_count():
@@ -93,6 +98,37 @@ def test_a_decoded_token_on_the_kernels_adds_no_more_launches_than_measured(op_c
     for model, most in DECODE_LAUNCHES_ADDED_AT_MOST.items():
         added = sum(launches[model].values()) - base
         assert added <= most, f"{model}'s decoded token adds {added} kernel launches to Llama's (at most {most})"
+
+
+def test_a_decoded_token_adds_no_more_python_calls_than_measured(op_count):
+    calls = op_count.count_python_calls(dict(op_count.SMOLLM2_135M, **op_count.SMOKE))
+    base = sum(calls["llama"].values())
+    for model, most in DECODE_PYTHON_CALLS_ADDED_AT_MOST.items():
+        added = sum(calls[model].values()) - base
+        assert added <= most, (f"{model}'s decoded token adds {added} Python calls to Llama's (at most {most}): "
+                               f"{calls[model].most_common(5)}")
+    assert "| block |" in op_count.python_call_report(calls)
+
+
+def test_the_python_call_counter_counts_frames_and_puts_back_the_profiler(op_count):
+    def leaf():
+        return len([1])  # (a builtin: not counted)
+
+    def twice():
+        return leaf() + leaf()
+
+    outer = []
+    sys.setprofile(lambda frame, event, arg: outer.append(event))
+    try:
+        counter = op_count.CountPythonCalls()
+        with counter:
+            twice()
+        restored = sys.getprofile()
+    finally:
+        sys.setprofile(None)
+    assert counter.calls[__file__] == 3  # (and the counter's own `__exit__`)
+    assert counter.total - 3 == sum(n for path, n in counter.calls.items() if path == op_count.__file__) == 1
+    assert restored is not None and restored is not counter._profile
 
 
 if triton is not None:
