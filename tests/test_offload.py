@@ -288,3 +288,81 @@ def test_a_parametrized_key_norm_weight_is_read_as_its_parametrization_computes_
     with torch.no_grad():
         # (the direct path against the plain model's two-phase blocks: tests/test_two_phase.py's tolerance)
         torch.testing.assert_close(model(prompt).logits, plain(prompt).logits, atol=1e-5, rtol=1e-5)
+
+
+def materialise_in_forward(layer: nn.Module) -> None:
+    """FSDP2-like: `layer`'s routers hold zeros outside its forward, their values brought in by a forward pre-hook
+    (and put away by a forward hook), as `fully_shard` gathers a layer's sharded parameters."""
+    queries = [layer.get_submodule(name).query for name in ("attn_res", "mlp_res")]
+    values = [query.data for query in queries]
+
+    def put_away(*args):
+        for query in queries:
+            query.data = torch.zeros_like(query.data)
+
+    def bring_in(*args):
+        for query, value in zip(queries, values):
+            query.data = value
+
+    put_away()
+    layer.register_forward_pre_hook(bring_in)
+    layer.register_forward_hook(put_away)
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint_wrapper", "offload_wrapper"])
+@pytest.mark.parametrize("case", ["attnres-full", "attnres-block4"])
+def test_a_hook_on_the_layer_a_wrapper_wraps_turns_off_the_query_bank(case, wrapper):
+    """A decoder layer whose hook brings its routers' weights in, wrapped afterwards (torch's `checkpoint_wrapper` or
+    `offload_wrapper`: `model.layers` holds the wrapper, whose own hooks are none): the bank is not read ahead of time
+    from the weights outside the forward (zeros here), and the logits are the plain model's (the direct path's
+    tolerance against two-phase blocks)."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+
+    model, plain = variant_model(CASES[case]), variant_model(CASES[case])
+    for index, layer in enumerate(model.model.layers):
+        materialise_in_forward(layer)
+        model.model.layers[index] = getattr(wrappers, wrapper)(layer)
+    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, plain(prompt).logits, atol=1e-5, rtol=1e-5)
+
+
+KEY_NORM_EDITS = {
+    "one-removed": ({}, lambda model: setattr(model.model.layers[1].mlp_res, "key_norm", None)),
+    "one-added": ({"attnres_key_norm": False}, lambda model: add_key_norm(model.model.layers[0].attn_res)),
+}
+"""Routers whose key norm the config does not describe: one router's removed, or one added where the config has
+none."""
+
+
+def add_key_norm(router: AttnResRouter) -> None:
+    from attnres_hf.modeling.mixing_base import AttnResRMSNorm
+
+    router.key_norm = AttnResRMSNorm(router.query.shape[0])
+    with torch.no_grad():
+        router.key_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(9))
+
+
+@pytest.mark.parametrize("edit", list(KEY_NORM_EDITS))
+@pytest.mark.parametrize("case", ["attnres-full", "attnres-block4"])
+def test_routers_whose_key_norm_the_config_does_not_describe_read_as_the_reference(case, edit):
+    """Each router reads with its own key norm or without one, whatever the config says: logits with and without
+    gradients, the routers' gradients and greedy decoding (the fewest-calls reads) against the reference's stacked
+    reads (`attnres_implementation="naive"`: each router's own `_logits`), to the two-phase path's tolerances."""
+    extra, apply = KEY_NORM_EDITS[edit]
+    model = variant_model(CASES[case] | extra)
+    reference = variant_model(CASES[case] | extra, attnres_implementation="naive")
+    for each in (model, reference):
+        apply(each)
+    prompt = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, reference(prompt).logits, atol=1e-5, rtol=1e-5)
+    got, want = model(prompt).logits, reference(prompt).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    for name in router_names(model):
+        torch.testing.assert_close(model.get_submodule(name).query.grad, reference.get_submodule(name).query.grad,
+                                   atol=1e-5, rtol=1e-4)
+    assert torch.equal(model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False),
+                       reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))

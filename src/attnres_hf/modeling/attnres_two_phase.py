@@ -80,7 +80,8 @@ def _key_norm_reads_directly(key_norm: nn.Module) -> bool:
 def _query_bank(layers, routers) -> torch.Tensor | None:
     """`(len(routers), D)` fp32: each router's pseudo-query with its key-norm weight folded in (see
     `AttnResRouter._logits`), stacked once per forward for every block's phase 1; `None` when a hook intercepts the
-    forward of a decoder layer, a router or its key norm (`_forward_is_plain`).
+    forward of a decoder layer (or of a module a wrapped layer wraps, `mixing_base.wrapped_modules`: the caller
+    passes them with `layers`), a router or its key norm (`_forward_is_plain`).
 
     Phase 1 reads the routers of a block's later layers before they run, and the bank every router before any layer
     runs, which is only sound while nothing manages their weights: under accelerate's offload (`device_map` with disk

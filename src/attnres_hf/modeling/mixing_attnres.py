@@ -29,7 +29,7 @@ from .attnres_triton import (add as triton_add, merge as triton_merge, merged as
 from .attnres_two_phase import (Phase1, _Constants, _global_pre_hooks, _key_norm_reads_directly, _merge_inference,
                                 _merged_weights, _BlockRead, _two_phase_applies, rebuilder)
 from .mixing_base import (AttnResRMSNorm, DepthRead, DepthWrite, autocast_off, inverse_rms, registered_modules,
-                          routed_sublayers)
+                          routed_sublayers, wrapped_modules)
 from .ops import get as ops_get
 from .ops_torch import merge as torch_merge, phase1 as torch_phase1
 from .torch_internals import functorch_active
@@ -102,9 +102,11 @@ class AttnResState(NamedTuple):
         if model is not None:  # (iterating, not slicing `model.layers`: a slice builds a new ModuleList)
             layers = tuple(islice(model.layers, config.num_hidden_layers))
             routers = [router for layer in layers for router in registered_modules(layer, AttnResLayerModules)]
-            if all(type(r) in PLAIN_ROUTERS for r in routers):
+            key_norm = config.attnres_key_norm  # (a router's own key norm against the config's: see PLAIN_ROUTERS)
+            if all(type(r) in PLAIN_ROUTERS and (r._modules.get("key_norm") is not None) == key_norm for r in routers):
                 # the fewest-calls reads (`attnres_inference.py`): no autograd, no depth weights, the torch reads
                 lean = not (torch.is_grad_enabled() or keep_weights or config.attnres_implementation != "torch")
+                layers += wrapped_modules(layers, AttnResLayerModules)  # (whose hooks `_query_bank` checks too)
                 constants = _Constants.build(config, layers, routers, buffer, lean)
         if constants is not None and constants.layout is not None:
             close_source(constants.layout, 0, embeddings, constants.norm_eps)
@@ -473,8 +475,8 @@ class AttnResRouter(nn.Module):
 
 
 PLAIN_ROUTERS = {AttnResRouter}
-"""Router classes whose reads phase 1 may compute ahead of time from their queries (`_Constants`); not a subclass
-that changes the read, nor another library's wrapper (PEFT's `modules_to_save`): those take the direct path."""
+"""Router classes whose reads phase 1 may compute ahead of time (`_Constants`); any other (a subclass that changes the
+read, PEFT's `modules_to_save` wrapper), and a router whose key norm is not the config's, takes the direct path."""
 
 
 class AttnResLayerModules(NamedTuple):
@@ -489,8 +491,7 @@ class AttnResLayerModules(NamedTuple):
 
 
 class AttnResFinalModules(NamedTuple):
-    """AttnRes: a final router aggregates all sources before the last norm (paper text; its README pseudocode omits
-    it)."""
+    """AttnRes: a final router reads all sources before the last norm (paper text; its README pseudocode omits it)."""
 
     final_res: AttnResRouter
 

@@ -292,6 +292,23 @@ def registered_modules(owner: nn.Module, modules_type: type):
         return modules_type(*(getattr(owner, name) for name in modules_type._fields))
 
 
+def wrapped_modules(owners, modules_type: type) -> tuple[nn.Module, ...]:
+    """For each of `owners` that is a wrapper (torch's `checkpoint_wrapper`, `offload_wrapper`: the modules of
+    `modules_type` are registered on a module it wraps, see `registered_modules`), the modules it wraps, down to and
+    including the one that registers them: their hooks run in the owner's forward too (`_query_bank` checks them).
+    `()` when every owner registers its modules itself (one dictionary look-up each)."""
+    field, found = modules_type._fields[0], []
+    for owner in owners:
+        if field in owner._modules:
+            continue
+        name = next((name for name, module in owner.named_modules() if field in module._modules), "")
+        module = owner
+        for part in name.split(".") if name else ():
+            module = module._modules[part]
+            found.append(module)
+    return tuple(found)
+
+
 class AttnResRMSNorm(nn.Module):
     """RMSNorm over the last axis, computed in fp32 (Llama's `LlamaRMSNorm`)."""
 
