@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from .attnres_buffer import _as, _mix_one
 from .attnres_inference import InferenceLayout, SdpaLayout, sdpa_serves
 from .mixing_base import AttnResRMSNorm, inverse_rms
-from .torch_internals import forward_pre_hooks, forwards_plain, global_pre_hooks
+from .torch_internals import forwards_plain, global_pre_hooks
 
 
 def _two_phase_applies(config) -> bool:
@@ -62,7 +62,7 @@ def _forward_is_plain(module: nn.Module) -> bool:
     in for its forward only, or move them to its device). Then its parameters, read outside its forward, are what
     its forward would read. (Forward hooks run after the forward, so they do not count; hooks registered for every
     module: `_global_pre_hooks`.)"""
-    return not (forward_pre_hooks(module) or "forward" in module.__dict__)
+    return forwards_plain((module,))
 
 
 def _global_pre_hooks() -> bool:

@@ -82,14 +82,10 @@ def saved_tensors_hooks_active() -> bool:
     return top_saved_tensors_hooks is None or top_saved_tensors_hooks(False) is not None
 
 
-def forward_pre_hooks(module: torch.nn.Module) -> bool:
-    """Whether `module` has forward pre-hooks of its own (`register_forward_pre_hook`; `True` where unknown)."""
-    return bool(getattr(module, "_forward_pre_hooks", True))
-
-
 def forwards_plain(modules) -> bool:
-    """Whether none of `modules` has forward pre-hooks of its own (`forward_pre_hooks`) or a replaced `forward` (an
-    instance attribute: accelerate's hooks): one loop, no call per module (a forward checks about 150 of them)."""
+    """Whether none of `modules` has forward pre-hooks of its own (`register_forward_pre_hook`; assumed where this
+    torch does not say) or a replaced `forward` (an instance attribute: accelerate's hooks): one loop, no call per
+    module (a forward checks about 150 of them)."""
     for module in modules:
         if getattr(module, "_forward_pre_hooks", True) or "forward" in module.__dict__:
             return False
